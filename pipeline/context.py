@@ -1,0 +1,73 @@
+"""The objects that travel through the stages: what was asked, the work in progress, the answer."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from pipeline.kv_cache import KVCache
+from pipeline.metrics import Metrics
+
+
+@dataclass
+class Request:
+    """What the user asks for: a conversation (or one prompt) plus media and generation settings."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None  # chat-template messages; the last one may be the user's turn
+    system_prompt: str | None = None
+    images: list[Any] = field(default_factory=list)  # paths or PIL images, in prompt order
+    audios: list[Any] = field(default_factory=list)  # paths or (waveform, sample_rate)
+    max_new_tokens: int = 128
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    thinking: bool | None = None  # passed to the template as enable_thinking when set
+    id: str | None = None
+
+
+@dataclass
+class Context:
+    """Shared state of one inference; each stage reads what it needs and adds what it produces."""
+
+    request: Request
+    lm: Any  # pipeline.loading.LoadedModel
+    cache: KVCache
+    metrics: Metrics
+    on_text: Callable[[str], None] | None = None  # streaming callback for decoded text
+    input_ids: torch.Tensor | None = None  # [1, L] full prompt ids
+    token_keys: list | None = None  # hashable per-position keys (media positions carry content hashes)
+    model_inputs: dict = field(default_factory=dict)  # processor outputs (pixel_values, grid_thw, ...)
+    inputs_embeds: torch.Tensor | None = None  # [1, L, H] when media embeddings are merged in
+    media_embeds: dict = field(default_factory=dict)  # kind -> embeddings to scatter at placeholders
+    position_ids: torch.Tensor | None = None  # family-specific positions of the full prompt
+    logits: torch.Tensor | None = None  # [1, V] logits for the next token
+    generated: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    extras: dict = field(default_factory=dict)  # per-family or per-stage facts worth reporting
+
+
+@dataclass
+class Result:
+    """What a request produced, as written to result.json."""
+
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    metrics: dict
+    finish_reason: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_ids": self.prompt_ids,
+            "prompt_tokens": self.prompt_tokens,
+            "finish_reason": self.finish_reason,
+            "metrics": self.metrics,
+        }

@@ -1,0 +1,48 @@
+"""What every family shares: plain 1-D positions, no media. Multimodal families override hooks."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Hashable
+
+import torch
+
+if TYPE_CHECKING:
+    from pipeline.context import Context
+
+
+class Family:
+    """Hooks a family may override. The defaults describe a text-only causal LM."""
+
+    name = "text"
+    auto_class = "AutoModelForCausalLM"  # the transformers class that loads the model
+    media: tuple[str, ...] = ()  # "image", "audio": what its encoders take
+    uses_processor = False  # load AutoProcessor (media) rather than AutoTokenizer
+
+    def content(self, text: str, images: int, audios: int) -> Any:
+        """One user message's content: a plain string for text models (their templates expect it)."""
+        if not self.media:
+            return text
+        items: list[dict] = [{"type": "image"} for _ in range(images)]
+        items += [{"type": "audio"} for _ in range(audios)]
+        items.append({"type": "text", "text": text})
+        return items
+
+    def process(self, lm: Any, text: str, request: Any) -> dict:
+        """Run the model's processor on the rendered prompt (media families pass their media)."""
+        return lm.processor(text=[text], return_tensors="pt")
+
+    def token_keys(self, ctx: "Context") -> list[Hashable]:
+        """Per-position cache keys; media families add content hashes at placeholder positions."""
+        return ctx.input_ids[0].tolist()
+
+    def prompt_positions(self, ctx: "Context", start: int) -> torch.Tensor:
+        """position_ids for prompt tokens [start:] (explicit, so no state lives in the model)."""
+        end = ctx.input_ids.shape[1]
+        return torch.arange(start, end, device=ctx.input_ids.device).unsqueeze(0)
+
+    def decode_positions(self, ctx: "Context", position: int) -> torch.Tensor:
+        """position_ids for one decode token at cache position ``position``."""
+        return torch.tensor([[position]], device=ctx.input_ids.device)
+
+
+class TextFamily(Family):
+    pass

@@ -1,0 +1,150 @@
+"""Media inputs: decide a file's kind from its content, load images and audio, hash them.
+
+    media_kind(path) -> "image" | "audio"
+    load_media(paths, target_rate=16000) -> (images, audios)   # audios: [(wave, rate)]
+    load_image(path, max_pixels=64_000_000) -> RGB PIL.Image
+    load_audio(path, target_rate) -> (1-D float32 mono wave, duration_s)
+    split_audio(wave, rate, window_s) -> [chunks]
+    content_hash(image | (wave, rate)) -> sha256 hex   # KV-cache media identity
+
+All problems with an input file raise ``pipeline.errors.UserError`` with a one-line message
+that starts with the file's path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Iterable, Literal
+
+import numpy as np
+import torch
+from PIL import Image
+
+from pipeline.errors import UserError
+from pipeline.media.audio import load_audio, split_audio
+from pipeline.media.images import DEFAULT_MAX_PIXELS, check_file, load_image, to_rgb
+
+__all__ = [
+    "media_kind",
+    "load_media",
+    "load_image",
+    "load_audio",
+    "split_audio",
+    "content_hash",
+    "to_rgb",
+    "DEFAULT_MAX_PIXELS",
+]
+
+MediaKind = Literal["image", "audio"]
+
+
+def _sniff(head: bytes) -> MediaKind | None:
+    """Kind from well-known signatures, or None when the bytes are not conclusive."""
+    if head.startswith(b"\x89PNG\r\n\x1a\n") or head.startswith(b"\xff\xd8\xff"):
+        return "image"
+    if head[:6] in (b"GIF87a", b"GIF89a") or head[:2] == b"BM":
+        return "image"
+    if head[:4] in (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+"):  # TIFF / BigTIFF
+        return "image"
+    if head[:4] in (b"RIFF", b"RIFX", b"RF64"):
+        if head[8:12] == b"WEBP":
+            return "image"
+        if head[8:12] == b"WAVE":
+            return "audio"
+    if head[:4] in (b"fLaC", b"OggS", b".snd", b"caff") or head[:3] == b"ID3":
+        return "audio"
+    if head[:4] == b"FORM" and head[8:12] in (b"AIFF", b"AIFC"):
+        return "audio"
+    if len(head) >= 2 and head[0] == 0xFF and (head[1] & 0xE0) == 0xE0:  # MPEG audio frame sync
+        return "audio"
+    return None
+
+
+def media_kind(path: str | os.PathLike) -> MediaKind:
+    """``"image"`` or ``"audio"``, decided by the file's content (never its extension)."""
+    p = check_file(path)
+    try:
+        with open(p, "rb") as fh:
+            head = fh.read(16)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read file ({' '.join(str(e).split())})") from None
+    kind = _sniff(head)
+    if kind is not None:
+        return kind
+    # No signature we know: ask the decoders (headers only).
+    try:
+        with Image.open(p):
+            return "image"
+    except Image.DecompressionBombError:
+        return "image"  # an image all right; load_image reports it as too large
+    except Exception:  # UnidentifiedImageError, or a decoder choking on the header
+        pass
+    import soundfile as sf
+
+    try:
+        sf.info(str(p))
+        return "audio"
+    except Exception:
+        pass
+    raise UserError(f"{path}: neither an image nor an audio file this program can read")
+
+
+def load_media(
+    paths: str | os.PathLike | Iterable[str | os.PathLike],
+    target_rate: int = 16_000,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> tuple[list[Image.Image], list[tuple[torch.Tensor, int]]]:
+    """Load every path by its content kind; order is kept within each kind.
+
+    Returns ``(images, audios)``: RGB images, and ``(mono float32 wave, target_rate)`` pairs.
+    A single path (str / PathLike) is accepted as well as a list.
+    """
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    images: list[Image.Image] = []
+    audios: list[tuple[torch.Tensor, int]] = []
+    for path in paths:
+        if media_kind(path) == "image":
+            images.append(load_image(path, max_pixels=max_pixels))
+        else:
+            wave, _ = load_audio(path, target_rate)
+            audios.append((wave, int(target_rate)))
+    return images, audios
+
+
+def content_hash(obj) -> str:
+    """sha256 hex digest identifying a media item's content.
+
+    Accepts a ``PIL.Image`` (pixel bytes + mode + size), a ``(wave, rate)`` pair
+    (sample bytes + dtype + shape + rate), or a bare tensor / ndarray. Two images of the
+    same size but different pixels always differ; so do the same samples at another rate.
+    """
+    h = hashlib.sha256()
+    if isinstance(obj, Image.Image):
+        h.update(b"image\0")
+        h.update(f"{obj.mode}\0{obj.size[0]}x{obj.size[1]}\0".encode())
+        h.update(obj.tobytes())
+        return h.hexdigest()
+    if isinstance(obj, tuple) and len(obj) == 2 and not isinstance(obj[1], (torch.Tensor, np.ndarray)):
+        wave, rate = obj
+        h.update(b"audio\0")
+        h.update(f"{rate}\0".encode())
+        _update_array(h, wave)
+        return h.hexdigest()
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        h.update(b"array\0")
+        _update_array(h, obj)
+        return h.hexdigest()
+    raise TypeError(f"content_hash: unsupported object of type {type(obj).__name__}")
+
+
+def _update_array(h, a) -> None:
+    if isinstance(a, torch.Tensor):
+        t = a.detach().cpu().contiguous()
+        h.update(f"{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    else:
+        arr = np.ascontiguousarray(a)
+        h.update(f"{arr.dtype.str}\0{arr.shape}\0".encode())
+        h.update(arr.tobytes())

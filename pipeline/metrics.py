@@ -1,0 +1,152 @@
+"""Per-stage timing and counters, and the figures derived from them (the names are a contract)."""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for queued accelerator work so that wall time measures the work, not its launch."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device | str | None) -> int:
+    if device is not None and torch.device(device).type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
+
+
+class Metrics:
+    """Records one request. Spans nest: a parent's seconds exclude its children's (sample vs decode)."""
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = device
+        self.stages: dict[str, dict[str, float]] = {}
+        self.counters: dict[str, float] = {}
+        self.info: dict[str, object] = {}
+        self._child_seconds: list[float] = []
+        self.t_start: float | None = None
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+
+    # --- events -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.device is not None and torch.device(self.device).type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        synchronize(self.device)
+        self.t_start = time.perf_counter()
+
+    def first_token(self) -> None:
+        """Called once the first generated token is chosen (its value already on the host)."""
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+
+    def end(self) -> None:
+        synchronize(self.device)
+        self.t_end = time.perf_counter()
+
+    @contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        """Device-synchronised wall time of a block, added to stages[name]."""
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        self._child_seconds.append(0.0)
+        try:
+            yield
+        finally:
+            synchronize(self.device)
+            total = time.perf_counter() - t0
+            children = self._child_seconds.pop()
+            rec = self.stages.setdefault(name, {"seconds": 0.0, "calls": 0})
+            rec["seconds"] += total - children
+            rec["calls"] += 1
+            if self._child_seconds:
+                self._child_seconds[-1] += total
+
+    def count(self, name: str, value: float = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + value
+
+    def set(self, name: str, value: float) -> None:
+        self.counters[name] = value
+
+    # --- derived figures --------------------------------------------------------------------
+    def seconds(self, stage: str) -> float:
+        return self.stages.get(stage, {}).get("seconds", 0.0)
+
+    def to_dict(self) -> dict:
+        c = self.counters
+        out: dict = {"stages": {k: dict(v) for k, v in self.stages.items()}}
+        generated = int(c.get("generated_tokens", 0))
+        out["prompt_tokens"] = int(c.get("prompt_tokens", 0))
+        out["prefill_tokens"] = int(c.get("prefill_tokens", 0))
+        out["kv_reused_tokens"] = int(c.get("kv_reused_tokens", 0))
+        out["generated_tokens"] = generated
+        out["decode_tokens"] = int(c.get("decode_tokens", 0))
+        out["total_s"] = _sub(self.t_end, self.t_start)
+        out["ttft_s"] = _sub(self.t_first, self.t_start)
+        out["tpot_s"] = (
+            (self.t_end - self.t_first) / (generated - 1)
+            if generated > 1 and self.t_end is not None and self.t_first is not None
+            else None
+        )
+        out["prefill_tok_s"] = _rate(out["prefill_tokens"], self.seconds("prefill"))
+        out["decode_tok_s"] = _rate(out["decode_tokens"], self.seconds("decode"))
+        out["sample_s"] = self.seconds("sample")
+        if "megapixels" in c:
+            out["megapixels"] = c["megapixels"]
+            out["vision_mp_s"] = _rate(c["megapixels"], self.seconds("vision_encoder"))
+        if "audio_seconds" in c:
+            out["audio_seconds"] = c["audio_seconds"]
+            out["audio_rtf"] = _rate(self.seconds("audio_encoder"), c["audio_seconds"])
+        for key in ("image_tokens", "audio_tokens"):
+            if key in c:
+                out[key] = int(c[key])
+        out["kv_cache_bytes"] = int(c.get("kv_cache_bytes", 0))
+        out["peak_memory_bytes"] = peak_memory_bytes(self.device)
+        weights = c.get("weights_bytes")
+        if weights is not None:
+            out["weights_bytes"] = int(weights)
+            kv_mean = (c.get("kv_bytes_decode_start", 0) + out["kv_cache_bytes"]) / 2
+            tok_s = out["decode_tok_s"]
+            out["bandwidth_gb_s"] = (weights + kv_mean) * tok_s / 1e9 if tok_s else None
+        out.update(self.info)
+        return out
+
+
+def _sub(a: float | None, b: float | None) -> float | None:
+    return a - b if a is not None and b is not None else None
+
+
+def _rate(amount: float, seconds: float) -> float | None:
+    return amount / seconds if seconds > 0 else None
+
+
+def format_table(metrics: dict) -> str:
+    """A compact two-column table for stderr: stages first, then the derived figures."""
+    rows: list[tuple[str, str]] = []
+    for name, rec in metrics.get("stages", {}).items():
+        rows.append((f"{name} (s)", f"{rec['seconds']:.4f}  x{int(rec['calls'])}"))
+    for key, value in metrics.items():
+        if key == "stages" or value is None or isinstance(value, (dict, list)):
+            continue
+        rows.append((key, _fmt(key, value)))
+    width = max(len(k) for k, _ in rows) if rows else 0
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _fmt(key: str, value: object) -> str:
+    if isinstance(value, float):
+        if key.endswith("_bytes"):
+            value = int(value)
+        else:
+            return f"{value:.4g}"
+    if isinstance(value, int) and key.endswith("_bytes"):
+        return f"{value:,} ({value / 2**20:.1f} MiB)"
+    return str(value)

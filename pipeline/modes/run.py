@@ -1,0 +1,30 @@
+"""mode=run: one request, the answer streamed to stdout, result.json in the run folder."""
+from __future__ import annotations
+
+import sys
+
+from omegaconf import DictConfig
+
+from pipeline.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg
+from pipeline.metrics import format_table
+from pipeline.outputs import run_dir, write_json
+
+
+def stdout_writer(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def main(cfg: DictConfig) -> None:
+    request = request_from_cfg(cfg)  # validate settings and media before loading anything
+    lm = load_from_cfg(cfg)
+    pipe = pipeline_from_cfg(cfg, lm)
+    result = pipe.run(request, on_text=stdout_writer if cfg.stream else None)
+    if not cfg.stream:
+        sys.stdout.write(result.text)
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    path = write_json(run_dir() / "result.json", result.to_dict())
+    if cfg.metrics_table:
+        print(f"\n[{lm.path}] finish={result.finish_reason}  result: {path}", file=sys.stderr)
+        print(format_table(result.metrics), file=sys.stderr)

@@ -1,0 +1,38 @@
+"""Writing results so that a file on disk is either complete or absent, never half-written."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    """Write via a temp file + rename: a crash leaves the old file or none, never a partial one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, ensure_ascii=False, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def append_jsonl(path: str | Path, record: Any) -> None:
+    """Append one line and fsync, so each finished item survives a crash of the process."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def run_dir() -> Path:
+    """The Hydra run folder of this job (the current folder outside Hydra)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:
+        return Path.cwd()

@@ -1,0 +1,173 @@
+"""Sampler: picks the next token from logits, on the device, without a host sync.
+
+The filters reproduce transformers' own logits processors op for op, in the order
+`generate()` applies them (transformers 5.23, `GenerationMixin._get_logits_processor`):
+repetition penalty, then temperature, top-k, top-p, min-p. So the kept set of tokens is
+exactly the one transformers would keep, and a greedy run matches `generate(do_sample=False)`.
+
+Drawing uses gpt-fast's trick (`multinomial_sample_one_no_sync`): with q ~ Exp(1),
+argmax(p / q) is a sample from p, and nothing has to come back to the host.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["Sampler"]
+
+
+def _number(name: str, value: object, rule: str) -> float:
+    """Coerce a config value to float, or say which setting is wrong and what is allowed."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"sampler {name} must be a number {rule}, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"sampler {name} must be a finite number {rule}, got {value!r}")
+    return value
+
+
+class Sampler:
+    """Next-token choice: greedy when temperature is 0, otherwise filtered sampling.
+
+    Callable on plain logits, `[B, V]` -> `[B]` or `[V]` -> scalar tensor, so it can be
+    reused outside the pipeline. Every setting at its neutral value skips its kernel.
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        seed: int | None = None,
+    ) -> None:
+        self.temperature = _number("temperature", temperature, ">= 0 (0 means greedy)")
+        if self.temperature < 0:
+            raise ValueError(f"sampler temperature must be >= 0 (0 means greedy), got {temperature!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, (int, float)) or top_k != int(top_k) or top_k < 0:
+            raise ValueError(f"sampler top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
+        self.top_k = int(top_k)
+        self.top_p = _number("top_p", top_p, "in (0, 1] (1 disables it)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampler top_p must be in (0, 1] (1 disables it), got {top_p!r}")
+        self.min_p = _number("min_p", min_p, "in [0, 1) (0 disables it)")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"sampler min_p must be in [0, 1) (0 disables it), got {min_p!r}")
+        self.repetition_penalty = _number("repetition_penalty", repetition_penalty, "> 0 (1 disables it)")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(
+                f"sampler repetition_penalty must be > 0 (1 disables it), got {repetition_penalty!r}"
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"sampler seed must be an integer or None, got {seed!r}")
+        self.seed = seed
+        # One generator per device, made on first use there: a CPU generator cannot feed CUDA kernels.
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def __repr__(self) -> str:
+        return (
+            f"Sampler(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
+            f"min_p={self.min_p}, repetition_penalty={self.repetition_penalty}, seed={self.seed})"
+        )
+
+    def reset(self) -> None:
+        """Reseed, so that the same seed yields the same tokens again (seed=None: no-op)."""
+        if self.seed is not None:
+            for g in self._generators.values():
+                g.manual_seed(self.seed)
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is None:
+            return None  # global RNG state, like torch.manual_seed users expect
+        g = self._generators.get(device)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self._generators[device] = g
+        return g
+
+    def filtered_logits(
+        self, logits: Tensor, previous_ids: Tensor | Sequence[int] | None = None
+    ) -> Tensor:
+        """Float32 logits after penalty, temperature and filters; removed tokens are -inf.
+
+        Same shape as `logits`. When greedy, only the repetition penalty applies (what argmax sees).
+        """
+        squeeze = logits.dim() == 1
+        scores = logits.unsqueeze(0) if squeeze else logits
+        if scores.dim() != 2:
+            raise ValueError(f"logits must be [B, V] or [V], got shape {tuple(logits.shape)}")
+        scores = self._process(scores, previous_ids)
+        return scores.squeeze(0) if squeeze else scores
+
+    def __call__(self, logits: Tensor, previous_ids: Tensor | Sequence[int] | None = None) -> Tensor:
+        """Next token id per row: LongTensor [B] for [B, V] logits, a scalar tensor for [V]."""
+        scores = self.filtered_logits(logits, previous_ids)
+        if self.greedy:
+            return scores.argmax(dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        q = torch.empty_like(probs).exponential_(1, generator=self._generator(probs.device))
+        # An Exp(1) draw of exactly 0 would turn a removed token's 0/0 into NaN, which argmax prefers.
+        q.clamp_min_(torch.finfo(q.dtype).tiny)
+        return (probs / q).argmax(dim=-1)
+
+    # -- the chain; each step is the same arithmetic as its transformers counterpart ----------
+
+    def _process(self, scores: Tensor, previous_ids: Tensor | Sequence[int] | None) -> Tensor:
+        scores = scores.float()  # no copy when already float32; every step below is out of place
+        if self.repetition_penalty != 1.0 and previous_ids is not None:
+            scores = self._repetition_penalty(scores, previous_ids)
+        if self.greedy:
+            return scores
+        if self.temperature != 1.0:
+            scores = scores / self.temperature  # TemperatureLogitsWarper
+        if self.top_k > 0 and self.top_k < scores.shape[-1]:
+            # TopKLogitsWarper: ties with the k-th value are kept.
+            kth = torch.topk(scores, self.top_k)[0][..., -1, None]
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        if self.top_p < 1.0:
+            # TopPLogitsWarper: drop the low tail whose total mass is <= 1 - top_p; keep the top token.
+            sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            sorted_remove = cumulative <= (1 - self.top_p)
+            sorted_remove[..., -1:] = False
+            remove = sorted_remove.scatter(1, sorted_indices, sorted_remove)
+            scores = scores.masked_fill(remove, -math.inf)
+        if self.min_p > 0.0:
+            # MinPLogitsWarper: drop tokens below min_p x the top probability. The top token
+            # always survives (min_p < 1), so transformers' min_tokens_to_keep scatter is a no-op.
+            probs = torch.softmax(scores, dim=-1)
+            scores = scores.masked_fill(probs < self.min_p * probs.amax(dim=-1, keepdim=True), -math.inf)
+        return scores
+
+    def _repetition_penalty(self, scores: Tensor, previous_ids: Tensor | Sequence[int]) -> Tensor:
+        """RepetitionPenaltyLogitsProcessor: seen tokens get logit/p if positive, logit*p if negative.
+
+        `previous_ids` is [B, T], or [T] shared by every row. Ids outside the vocabulary
+        (negative padding, embedding rows beyond lm_head) are ignored, as in transformers.
+        """
+        batch, vocab = scores.shape
+        ids = torch.as_tensor(previous_ids, device=scores.device).long()
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0).expand(batch, -1)
+        if ids.dim() != 2 or ids.shape[0] != batch:
+            raise ValueError(
+                f"previous_ids must be [B, T] with B={batch} or [T], got shape {tuple(ids.shape)}"
+            )
+        if ids.shape[1] == 0:
+            return scores
+        # Out-of-vocabulary ids go to one padding column that is dropped afterwards.
+        ids = ids.masked_fill(ids < 0, vocab).clamp(max=vocab)
+        padded = torch.nn.functional.pad(scores, (0, 1))
+        seen = torch.gather(padded, 1, ids)
+        seen = torch.where(seen < 0, seen * self.repetition_penalty, seen / self.repetition_penalty)
+        padded.scatter_(1, ids, seen)
+        return padded[:, :vocab]

@@ -1,0 +1,74 @@
+"""Tiny models of each family, built once per session and loaded through the real loading code."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """tiny_dir(family) -> a save_pretrained directory with random weights and a made tokenizer."""
+    from pipeline.tiny import build_tiny
+
+    built: dict[str, Path] = {}
+    base = tmp_path_factory.mktemp("tiny")
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = build_tiny(family, base / family)
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def load_tiny(tiny_dir):
+    """load_tiny(family, **load_model_kwargs) -> LoadedModel, cached per (family, kwargs)."""
+    from pipeline import load_model
+
+    loaded: dict = {}
+
+    def get(family: str, **kwargs):
+        key = (family, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+        if key not in loaded:
+            loaded[key] = load_model(str(tiny_dir(family)), **kwargs)
+        return loaded[key]
+
+    return get
+
+
+def generate_oracle(lm, input_ids: torch.Tensor, max_new_tokens: int, ignore_eos: bool = False, **inputs) -> list[int]:
+    """transformers' own greedy generate on the same model and inputs: the correctness oracle."""
+    kwargs = dict(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=lm.tokenizer.pad_token_id or 0,
+    )
+    if ignore_eos:
+        kwargs.update(min_new_tokens=max_new_tokens)
+    with torch.inference_mode():
+        out = lm.model.generate(**kwargs, **inputs)
+    return out[0, input_ids.shape[1]:].tolist()
+
+
+def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, input: str | None = None, timeout: int = 300):
+    """python -m pipeline in a subprocess (the end-to-end contract)."""
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args],
+        cwd=cwd or ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        input=input,
+        timeout=timeout,
+    )
