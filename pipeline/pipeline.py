@@ -46,6 +46,13 @@ class Pipeline:
         ctx.metrics.end()
         return self.result(ctx)
 
+    @torch.inference_mode()
+    def tokenize(self, request: Request) -> Context:
+        """Only the tokenize stage: the ids and cache keys a request renders to."""
+        ctx = self.context(request)
+        self.stages["tokenize"](ctx)
+        return ctx
+
     def context(
         self, request: Request, cache: KVCache | None = None, on_text: Callable[[str], None] | None = None
     ) -> Context:

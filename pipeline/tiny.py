@@ -62,7 +62,6 @@ VISION_DEPTH = 2
 AUDIO_DIM = 64
 AUDIO_HEADS = 4
 AUDIO_LAYERS = 2
-VOCAB_MULTIPLE = 64
 NUM_MERGES = 400
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 224 * 224
@@ -539,16 +538,17 @@ def make_processor(family: str, tokenizer=None):
 # --------------------------------------------------------------------------------------
 # Model
 # --------------------------------------------------------------------------------------
-def _padded_vocab(tok) -> int:
-    n = len(tok)
-    return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+def _vocab_size(tok) -> int:
+    # Exactly len(tokenizer): a padded vocabulary (as real checkpoints have) would let a
+    # random model emit ids that decode to nothing.
+    return len(tok)
 
 
 def _text_kwargs(tok, family: str) -> dict[str, Any]:
     roles = _roles(family)
     ids = tok.convert_tokens_to_ids
     return dict(
-        vocab_size=_padded_vocab(tok),
+        vocab_size=_vocab_size(tok),
         hidden_size=HIDDEN,
         intermediate_size=INTERMEDIATE,
         num_hidden_layers=LAYERS,
@@ -556,10 +556,11 @@ def _text_kwargs(tok, family: str) -> dict[str, Any]:
         num_key_value_heads=KV_HEADS,
         hidden_act="silu",
         max_position_embeddings=32768 if family != "llama" else 8192,
+        max_window_layers=LAYERS,
         initializer_range=INIT_RANGE,
         rms_norm_eps=1e-6 if family != "llama" else 1e-5,
         bos_token_id=ids(roles["config_bos"]),
-        eos_token_id=ids(roles["eos"]) if family != "llama" else ids(roles["eos"]),
+        eos_token_id=ids(roles["eos"]),
         pad_token_id=ids(roles["pad"]),
         tie_word_embeddings=False,
     )
@@ -662,16 +663,46 @@ def _write(family: str, seed: int, dest: Path) -> None:
     with _seeded(torch, seed):
         model = _model_class(family)(config)
     model.eval()
+    _mute_added_tokens(model, tok)
     model.generation_config = _generation_config(family, tok)
-    model.save_pretrained(dest, safe_serialization=True)
     processor = make_processor(family, tok)
-    if processor is not None:
-        processor.save_pretrained(dest)
-    else:
-        tok.save_pretrained(dest)
+    with _quiet_progress():
+        model.save_pretrained(dest, safe_serialization=True)
+        (processor if processor is not None else tok).save_pretrained(dest)
     marker = {"family": family, "seed": seed, "recipe_version": RECIPE_VERSION,
               "note": "random weights built by mm-pipeline; outputs are meaningless"}
     (dest / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _mute_added_tokens(model, tok) -> None:
+    """Zero the output rows of added tokens (EOS, role and media markers, <think>).
+
+    Why: with random weights any token is a plausible argmax; a greedy run that emitted EOS
+    or <|image_pad|> after two steps would make token-count tests depend on the prompt.
+    With zero rows their logit is exactly 0 while the best ordinary token's is several
+    units above, so greedy never picks them; sampling still can, rarely (about 1% a step
+    at temperature 1).  Tests that need an EOS should configure one explicitly.
+    """
+    import torch
+
+    ids = sorted(set(tok.get_added_vocab().values()))
+    with torch.no_grad():
+        model.get_output_embeddings().weight[ids] = 0.0
+
+
+class _quiet_progress:
+    """Hide transformers' per-save progress bars (they would land on the CLI's stderr)."""
+
+    def __enter__(self):
+        from transformers.utils import logging as hf_logging
+
+        self.hf = hf_logging
+        self.was = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+
+    def __exit__(self, *exc):
+        if self.was:
+            self.hf.enable_progress_bar()
 
 
 class _seeded:

@@ -221,7 +221,7 @@ def test_image_errors(tmp_path):
     cases["truncated"] = (tmp_path / "trunc.jpg", "truncated")
     sof = data.index(b"\xff\xc0")  # wreck the frame header
     (tmp_path / "corrupt.jpg").write_bytes(data[:sof] + b"\xff\xc0\x00\x03\x00" + data[sof + 5 :])
-    cases["corrupt"] = (tmp_path / "corrupt.jpg", "")
+    cases["corrupt"] = (tmp_path / "corrupt.jpg", "corrupt")
     for name, (path, word) in cases.items():
         with pytest.raises(UserError) as e:
             load_image(path)
@@ -358,11 +358,12 @@ def test_audio_errors(tmp_path):
         (tmp_path / "adir.wav", "directory"),
         (tmp_path / "words.wav", "not an audio"),
         (tmp_path / "zero.wav", "empty"),
-        (tmp_path / "badhead.flac", ""),
+        (tmp_path / "badhead.flac", "corrupt header"),
         (tmp_path / "trunc.flac", ""),
         (hand_wav(tmp_path / "nosamples.wav", 1, 16, data=b""), "no samples"),
         (hand_wav(tmp_path / "pcm48.wav", 1, 48), "unsupported"),  # libsndfile: unimplemented
         (hand_wav(tmp_path / "code1234.wav", 0x1234, 16), "unsupported"),  # unknown format code
+        (hand_wav(tmp_path / "float16.wav", 3, 16), "unsupported"),  # 16-bit IEEE float
     ]
     for path, word in cases:
         with pytest.raises(UserError) as e:

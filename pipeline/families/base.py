@@ -46,3 +46,17 @@ class Family:
 
 class TextFamily(Family):
     pass
+
+
+def scatter_media(ctx: "Context", token_id: int, embeds: torch.Tensor) -> None:
+    """Write media embeddings into the prompt embeddings at the placeholder positions.
+
+    Creates ``ctx.inputs_embeds`` from the token embeddings on first use, so vision and audio
+    encoders can both contribute to one prompt.
+    """
+    if ctx.inputs_embeds is None:
+        ctx.inputs_embeds = ctx.lm.model.get_input_embeddings()(ctx.input_ids)
+    mask = ctx.input_ids[0] == token_id
+    if int(mask.sum()) != embeds.shape[0]:
+        raise ValueError(f"{int(mask.sum())} placeholder tokens but {embeds.shape[0]} media embeddings")
+    ctx.inputs_embeds[0, mask] = embeds.to(ctx.inputs_embeds.device, ctx.inputs_embeds.dtype)

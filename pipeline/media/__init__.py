@@ -23,7 +23,7 @@ from PIL import Image
 
 from pipeline.errors import UserError
 from pipeline.media.audio import load_audio, split_audio
-from pipeline.media.images import DEFAULT_MAX_PIXELS, check_file, load_image, to_rgb
+from pipeline.media.images import DEFAULT_MAX_PIXELS, check_file, has_image_signature, load_image, to_rgb
 
 __all__ = [
     "media_kind",
@@ -41,17 +41,10 @@ MediaKind = Literal["image", "audio"]
 
 def _sniff(head: bytes) -> MediaKind | None:
     """Kind from well-known signatures, or None when the bytes are not conclusive."""
-    if head.startswith(b"\x89PNG\r\n\x1a\n") or head.startswith(b"\xff\xd8\xff"):
+    if has_image_signature(head):
         return "image"
-    if head[:6] in (b"GIF87a", b"GIF89a") or head[:2] == b"BM":
-        return "image"
-    if head[:4] in (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+"):  # TIFF / BigTIFF
-        return "image"
-    if head[:4] in (b"RIFF", b"RIFX", b"RF64"):
-        if head[8:12] == b"WEBP":
-            return "image"
-        if head[8:12] == b"WAVE":
-            return "audio"
+    if head[:4] in (b"RIFF", b"RIFX", b"RF64") and head[8:12] == b"WAVE":
+        return "audio"
     if head[:4] in (b"fLaC", b"OggS", b".snd", b"caff") or head[:3] == b"ID3":
         return "audio"
     if head[:4] == b"FORM" and head[8:12] in (b"AIFF", b"AIFC"):

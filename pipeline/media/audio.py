@@ -80,11 +80,13 @@ def _describe_libsndfile_error(path, e: sf.LibsndfileError) -> str:
     except OSError:
         head = b""
     is_wav = head[:4] in (b"RIFF", b"RIFX", b"RF64") and head[8:12] == b"WAVE"
-    if "not recognised" in reason.lower() or "unknown format" in reason.lower():
+    low = reason.lower()
+    if "not recognised" in low or "unknown format" in low:
         return f"not an audio file, or an audio format libsndfile cannot read (libsndfile: {reason})"
-    if "unimplemented format" in reason.lower() or (is_wav and "fmt" in reason):
-        # e.g. 48-bit PCM, or a WAV format code libsndfile has no codec for (reported as a
-        # "malformed 'fmt ' chunk").
-        kind = "WAV " if is_wav else ""
-        return f"unsupported {kind}sample format or codec (libsndfile: {reason})"
+    if is_wav:
+        # libsndfile's words here are often misleading: an unknown format code is reported
+        # as a "malformed 'fmt ' chunk", 16-bit IEEE float as an "unspecified internal error".
+        return f"unsupported WAV sample format or codec, or a malformed WAV header (libsndfile: {reason})"
+    if "unimplemented format" in low:  # e.g. a FLAC with a wrecked STREAMINFO block
+        return f"unsupported sample format or codec, or a corrupt header (libsndfile: {reason})"
     return f"corrupt or unreadable audio file (libsndfile: {reason})"

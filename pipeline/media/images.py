@@ -25,6 +25,16 @@ _GREY_WIDE_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I", "F"}
 _TRUNCATED_FLAG_LOCK = threading.Lock()
 
 
+def has_image_signature(head: bytes) -> bool:
+    """True if ``head`` (a file's first 12+ bytes) starts like JPEG/PNG/GIF/BMP/TIFF/WebP."""
+    return (
+        head.startswith((b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a"))
+        or (head[:2] == b"BM" and head[6:10] == b"\0\0\0\0")  # BMP: reserved bytes are zero
+        or head[:4] in (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")  # TIFF / BigTIFF
+        or (head[:4] == b"RIFF" and head[8:12] == b"WEBP")
+    )
+
+
 def one_line(exc: BaseException | str) -> str:
     """An exception's message squeezed onto one line (decoders like multi-line messages)."""
     text = " ".join(str(exc).split())
@@ -83,18 +93,31 @@ def load_image(path: str | os.PathLike, max_pixels: int = DEFAULT_MAX_PIXELS) ->
                         im.load()  # full decode: a truncated/corrupt stream raises here
                     finally:
                         ImageFile.LOAD_TRUNCATED_IMAGES = saved
-                upright = ImageOps.exif_transpose(im)  # a new image, detached from the file
+                try:
+                    upright = ImageOps.exif_transpose(im)  # a new image, detached from the file
+                except Exception:  # unreadable EXIF must not reject good pixels
+                    upright = im.copy()
                 return to_rgb(upright)
     except UserError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise UserError(f"{path}: image too large, refused as a possible decompression bomb ({one_line(e)})") from None
     except UnidentifiedImageError:
+        if has_image_signature(_head(p)):
+            raise UserError(f"{path}: corrupt image header (Pillow cannot identify it)") from None
         raise UserError(f"{path}: not an image file (or an image format Pillow cannot read)") from None
     except MemoryError:
         raise UserError(f"{path}: not enough memory to decode this image") from None
     except Exception as e:  # decoders raise OSError, SyntaxError, ValueError, EOFError, zlib.error...
         raise UserError(f"{path}: corrupt or truncated image ({one_line(e)})") from None
+
+
+def _head(p: Path, n: int = 16) -> bytes:
+    try:
+        with open(p, "rb") as fh:
+            return fh.read(n)
+    except OSError:
+        return b""
 
 
 def to_rgb(im: Image.Image) -> Image.Image:
