@@ -4,8 +4,9 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.context import Request
 from pipeline.errors import UserError
@@ -14,7 +15,7 @@ from pipeline.pipeline import Pipeline
 
 
 def _plain(value: Any) -> Any:
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
 
 
 def model_path(cfg: DictConfig) -> str:
@@ -33,18 +34,48 @@ def model_path(cfg: DictConfig) -> str:
     return str(default_model_dir())
 
 
-def quantization_from_cfg(cfg: DictConfig) -> tuple[Any, str]:
-    """(transformers quantization config or None, scheme name)."""
-    name = str(cfg.quant.get("name", "none"))
-    if name == "none":
-        return None, "none"
-    from pipeline.quant import quantization_config
+def quant_from_cfg(cfg: DictConfig) -> dict:
+    """The quant group as a plain dict, its scheme checked before anything loads.
 
-    return quantization_config(cfg.quant), name
+    load_model resolves ``auto`` and builds the bitsandbytes config: it needs the model's
+    config (tied embeddings, already-quantised checkpoints) to do that right.
+    """
+    from pipeline.quant import scheme_name
+
+    quant = _plain(cfg.get("quant")) or {"name": "none"}
+    scheme_name(quant)
+    return quant
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{name} must be a whole number >= 1 (got {value!r})")
+    return value
+
+
+def processor_kwargs(cfg: DictConfig) -> dict | None:
+    """model.processor without its null entries (null = keep the model's own setting), checked."""
+    kwargs = {k: v for k, v in (_plain(cfg.model.get("processor")) or {}).items() if v is not None}
+    for key in ("min_pixels", "max_pixels"):
+        if key in kwargs:
+            _positive_int(f"model.processor.{key}", kwargs[key])
+    if kwargs.get("min_pixels", 0) > kwargs.get("max_pixels", float("inf")):
+        raise UserError(
+            f"model.processor.min_pixels ({kwargs['min_pixels']}) is above max_pixels ({kwargs['max_pixels']})"
+        )
+    return kwargs or None
+
+
+def max_image_pixels(cfg: DictConfig) -> int:
+    """media.max_image_pixels: the decompression-bomb guard applied before any image is decoded."""
+    from pipeline.media import DEFAULT_MAX_PIXELS
+
+    value = OmegaConf.select(cfg, "media.max_image_pixels", default=DEFAULT_MAX_PIXELS)
+    return _positive_int("media.max_image_pixels", value)
 
 
 def load_from_cfg(cfg: DictConfig) -> LoadedModel:
-    quant, quant_name = quantization_from_cfg(cfg)
+    quant = quant_from_cfg(cfg)
     m = cfg.model
     return load_model(
         model_path(cfg),
@@ -52,20 +83,41 @@ def load_from_cfg(cfg: DictConfig) -> LoadedModel:
         device_map=_plain(m.device_map),
         max_memory=_plain(m.max_memory),
         offload_folder=m.offload_folder,
-        quantization_config=quant,
-        quant_name=quant_name,
+        quant=quant,
         trust_remote_code=bool(m.trust_remote_code),
-        processor_kwargs=_plain(m.processor) or None,
+        processor_kwargs=processor_kwargs(cfg),
     )
 
 
 def stages_from_cfg(cfg: DictConfig) -> dict[str, Any]:
-    """Instantiate cfg.stages in order; a stage set to null is left out."""
-    return {name: instantiate(spec) for name, spec in cfg.stages.items() if spec is not None}
+    """Instantiate cfg.stages in order; a stage set to null is left out. Bad settings -> UserError."""
+    stages = {}
+    for name, spec in cfg.stages.items():
+        if spec is None:
+            continue
+        try:
+            stages[name] = instantiate(spec)
+        except InstantiationException as err:
+            cause = err.__cause__ or err
+            raise UserError(f"stages.{name}: {' '.join(str(cause).split())[:300]}") from None
+    return stages
 
 
 def pipeline_from_cfg(cfg: DictConfig, lm: LoadedModel) -> Pipeline:
-    return Pipeline(lm, stages_from_cfg(cfg))
+    """The stage chain on a KV cache of the configured kind; with ``decode.compile`` it is warmed
+    up (the decode step compiled) here, before the first request, so TTFT never includes it."""
+    kv_max_len = OmegaConf.select(cfg, "kv.max_len", default=4096)
+    pipe = Pipeline(
+        lm,
+        stages_from_cfg(cfg),
+        kv_static=bool(OmegaConf.select(cfg, "kv.static", default=False)),
+        kv_max_len=_positive_int("kv.max_len", kv_max_len),
+    )
+    if OmegaConf.select(cfg, "decode.compile", default=False):
+        print("mm-pipeline: warming up (compiling the decode step)...", file=sys.stderr)
+        seconds = pipe.warmup()
+        print(f"mm-pipeline: warm-up took {seconds:.1f} s (metrics warmup_s, not part of ttft_s)", file=sys.stderr)
+    return pipe
 
 
 def input_paths(cfg: DictConfig) -> list[str]:
@@ -75,16 +127,28 @@ def input_paths(cfg: DictConfig) -> list[str]:
     return [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
 
 
+def _tag_sources(images: list, paths: list[str]) -> None:
+    """Remember each image's file (PIL ``info["source"]``) so later errors can name it."""
+    from pipeline.media import media_kind
+
+    for image, path in zip(images, [p for p in paths if media_kind(p) == "image"]):
+        image.info["source"] = path
+
+
 def request_from_cfg(cfg: DictConfig, **overrides: Any) -> Request:
     """The request the CLI settings describe; invalid settings fail here, before any model loads."""
     if int(cfg.max_new_tokens) < 1:
         raise UserError(f"max_new_tokens must be >= 1 (got {cfg.max_new_tokens})")
+    long_audio = cfg.get("media", {}).get("long_audio", "split")
+    if long_audio not in ("split", "error"):
+        raise UserError(f"media.long_audio must be split or error (got {long_audio!r})")
     images, audios = [], []
     paths = input_paths(cfg)
     if paths:
         from pipeline.media import load_media
 
-        images, audios = load_media(paths)
+        images, audios = load_media(paths, max_pixels=max_image_pixels(cfg))
+        _tag_sources(images, paths)
     prompt = cfg.prompt
     if prompt is not None and not str(prompt).strip():
         raise UserError("the prompt is empty: give prompt=TEXT")

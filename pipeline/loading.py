@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,9 @@ class LoadedModel:
     processor: Any | None
     family: Family
     path: str
-    quant: str = "none"
+    quant: str = "none"  # the scheme in force, read from the loaded layers (nf4, fp4, int8, none)
     placement: dict = field(default_factory=dict)  # device -> {dtype/quant: bytes}
+    max_memory: dict = field(default_factory=dict)  # model.max_memory in bytes: budgets the KV guard honours
 
     @property
     def config(self) -> Any:
@@ -79,18 +81,205 @@ def _check_path(path: str) -> None:
         raise UserError(f"model.path {path!r} does not exist")
 
 
-def placement_of(model: Any) -> dict:
-    """Bytes of weights per device and per dtype / quantised storage type."""
+def _device_name(device: Any) -> str:
+    """accelerate writes GPUs as ints; report them the way torch names them."""
+    if isinstance(device, int):
+        return f"cuda:{device}"
+    return str(device)
+
+
+def _mapped_device(name: str, device_map: dict) -> str | None:
+    """The device ``hf_device_map`` gives the longest module prefix of parameter ``name``."""
+    best, best_len = None, -1
+    for prefix, device in device_map.items():
+        if (prefix == "" or name == prefix or name.startswith(prefix + ".")) and len(prefix) > best_len:
+            best, best_len = device, len(prefix)
+    return None if best is None else _device_name(best)
+
+
+def _tensor_bytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _storage(tensor: torch.Tensor) -> tuple[str, int]:
+    """(kind, bytes) of one parameter: its dtype, or its bitsandbytes scheme with the scales.
+
+    Params4bit holds two 4-bit weights per uint8 plus a QuantState (absmax per block, and
+    with double quant the absmax of the absmax); Int8Params holds int8 weights plus one
+    float scale per row (SCB). The scales are part of what the scheme costs, so they count.
+    """
+    cls = type(tensor).__name__
+    nbytes = _tensor_bytes(tensor)
+    if cls == "Params4bit":
+        state = getattr(tensor, "quant_state", None)
+        if state is not None:
+            nbytes += _tensor_bytes(getattr(state, "absmax", None)) + _tensor_bytes(getattr(state, "code", None))
+            nested = getattr(state, "state2", None)
+            if nested is not None:
+                nbytes += _tensor_bytes(getattr(nested, "absmax", None)) + _tensor_bytes(getattr(nested, "code", None))
+        return str(getattr(tensor, "quant_type", None) or "4bit"), nbytes
+    if cls == "Int8Params":
+        return "int8", nbytes + _tensor_bytes(getattr(tensor, "SCB", None))
+    return str(tensor.dtype).replace("torch.", ""), nbytes
+
+
+def placement_of(model: Any) -> dict[str, dict[str, int]]:
+    """Bytes of weights per device and per dtype / quantisation scheme.
+
+    Weights accelerate offloaded sit on the ``meta`` device in the model; they are counted
+    where they really live (``cpu`` or ``disk``, from ``hf_device_map``), at their size.
+    """
+    device_map = getattr(model, "hf_device_map", None) or {}
     out: dict[str, dict[str, int]] = {}
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        kind = type(tensor).__name__ if type(tensor).__name__ not in ("Parameter", "Tensor") else str(tensor.dtype).replace("torch.", "")
-        quant_type = getattr(tensor, "quant_type", None)
-        if quant_type:
-            kind = f"{kind}:{quant_type}"
+    seen: set[int] = set()
+    named = list(model.named_parameters(remove_duplicate=True)) + list(model.named_buffers(remove_duplicate=True))
+    for name, tensor in named:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        kind, nbytes = _storage(tensor)
         dev = str(tensor.device)
-        out.setdefault(dev, {})
-        out[dev][kind] = out[dev].get(kind, 0) + tensor.numel() * tensor.element_size()
+        if tensor.device.type == "meta":
+            dev = _mapped_device(name, device_map) or "meta"
+        kinds = out.setdefault(dev, {})
+        kinds[kind] = kinds.get(kind, 0) + nbytes
     return out
+
+
+def format_placement(placement: dict[str, dict[str, int]]) -> str:
+    """One line per device, e.g. ``cpu: nf4 1.2 MiB, float32 3.4 MiB`` (for stderr)."""
+    lines = []
+    for dev, kinds in placement.items():
+        parts = ", ".join(f"{kind} {_mib(n)}" for kind, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        lines.append(f"{dev}: {parts} (total {_mib(sum(kinds.values()))})")
+    return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+_NAMED_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def _check_device(device: Any, what: str) -> None:
+    """A device_map value: an int GPU index, cpu, disk, cuda[:N], mps; CUDA only where there is one."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        name = f"cuda:{device}"
+    elif isinstance(device, str):
+        name = device
+    else:
+        raise UserError(f"{what} {device!r} is not a device: use cpu, disk, cuda, cuda:N or a GPU index")
+    if name == "disk":
+        return
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"{what} {device!r} is not a device: use cpu, disk, cuda, cuda:N or a GPU index") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"{what} {device!r} needs a CUDA GPU and none is available: use cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(f"{what} {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+
+
+def check_device_map(device_map: Any) -> Any:
+    """Validate model.device_map: None, auto/balanced/sequential, one device, or {module: device}."""
+    if device_map is None or device_map in _NAMED_MAPS:
+        return device_map
+    if isinstance(device_map, dict):
+        if not device_map:
+            raise UserError("model.device_map is an empty mapping: give {module: device} or auto")
+        for module, device in device_map.items():
+            _check_device(device, f"model.device_map[{module!r}]")
+        return device_map
+    _check_device(device_map, "model.device_map")
+    return device_map
+
+
+def parse_max_memory(max_memory: Any) -> dict:
+    """model.max_memory -> {0: bytes, "cpu": bytes}; sizes like 10GiB, 500MB or plain bytes."""
+    if not max_memory:
+        return {}
+    if not isinstance(max_memory, dict):
+        raise UserError(f"model.max_memory must be a mapping like {{0: 10GiB, cpu: 30GiB}} (got {max_memory!r})")
+    from accelerate.utils import convert_file_size_to_int
+
+    out: dict = {}
+    for key, size in max_memory.items():
+        if isinstance(key, str) and re.fullmatch(r"(cuda:)?\d+", key):
+            key = int(key.split(":")[-1])
+        if not (isinstance(key, int) or key in ("cpu", "disk", "mps")):
+            raise UserError(f"model.max_memory key {key!r} is not a device: use a GPU index, cpu, disk or mps")
+        try:
+            value = convert_file_size_to_int(size)
+        except (ValueError, AttributeError, TypeError):
+            value = -1
+        if value < 0:
+            raise UserError(f"model.max_memory[{key!r}]={size!r} is not a size: write it like 10GiB, 500MB or bytes")
+        out[key] = value
+    return out
+
+
+def check_offload_folder(folder: str | None) -> str | None:
+    """Create model.offload_folder now and prove it is writable, before minutes of loading."""
+    if not folder:
+        return None
+    path = Path(folder).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".mm-pipeline-write-test-"):
+            pass
+    except OSError as err:
+        raise UserError(f"model.offload_folder {folder!r} cannot be written: {err.strerror or err}") from None
+    return str(path)
+
+
+def _is_tiny(path: str) -> bool:
+    """A model this project built (random weights): quant=auto leaves it unquantised."""
+    from pipeline.tiny import MARKER_FILE
+
+    return (Path(path).expanduser() / MARKER_FILE).is_file()
+
+
+def _tied_lm_head(config: Any) -> bool:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+
+
+def _has_accelerator(device_map: Any) -> bool:
+    values = device_map.values() if isinstance(device_map, dict) else [device_map]
+    return torch.cuda.is_available() and any(v not in ("cpu", "disk") for v in values)
+
+
+def _quantization(quant: Any, config: Any, path: str, torch_dtype: Any, device_map: Any) -> Any:
+    """quant (a scheme name or the quant config group) -> BitsAndBytesConfig or None."""
+    from pipeline import quant as q
+
+    quant_cfg = {"name": quant} if isinstance(quant, str) else quant
+    scheme = q.resolve_scheme(
+        quant_cfg,
+        real_model=not _is_tiny(path),
+        device_map=device_map,
+        prequantized=getattr(config, "quantization_config", None) is not None,
+    )
+    if scheme == "none":
+        return None
+    if not torch.cuda.is_available() and isinstance(device_map, dict) and "disk" in device_map.values():
+        raise UserError(
+            f"quant={scheme} cannot offload layers to disk without a CUDA GPU (bitsandbytes keeps offloaded "
+            "layers unquantised next to a GPU): drop 'disk' from model.device_map or use quant=none"
+        )
+    # An explicit map that puts some modules on cpu/disk next to a GPU: those stay unquantised
+    # (bitsandbytes' documented offload). With "auto" transformers decides too late for that,
+    # so a quantised model that does not fit fails with a one-line error instead.
+    explicit_offload = isinstance(device_map, dict) and bool({"cpu", "disk"} & set(device_map.values()))
+    return q.quantization_config(
+        quant_cfg,
+        model_dtype=torch_dtype if isinstance(torch_dtype, torch.dtype) else torch.float32,
+        tied_lm_head=_tied_lm_head(config),
+        cpu_offload=explicit_offload and _has_accelerator(device_map),
+    )
 
 
 def load_model(
@@ -100,25 +289,38 @@ def load_model(
     device_map: Any = None,
     max_memory: dict | None = None,
     offload_folder: str | None = None,
+    quant: Any = None,
     quantization_config: Any = None,
-    quant_name: str = "none",
     trust_remote_code: bool = False,
     processor_kwargs: dict | None = None,
 ) -> LoadedModel:
-    """Load weights, tokenizer/processor and the family; bad paths become one-line UserErrors."""
+    """Load weights, tokenizer/processor and the family; bad paths become one-line UserErrors.
+
+    ``quant``: a scheme name (``"nf4"``, ``"int8"``, ...) or the ``quant`` config group;
+    ``quantization_config``: a ready transformers config instead (then ``quant`` is ignored).
+    ``max_memory`` without ``device_map`` means ``device_map="auto"`` (a budget only
+    accelerate's placement can honour). The KV guard before prefill also reads it.
+    """
     path = str(path)
     _check_path(path)
+    device_map = check_device_map(device_map)
+    budgets = parse_max_memory(max_memory)
+    if budgets and device_map is None:
+        device_map = "auto"
+    offload_folder = check_offload_folder(offload_folder)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load model {path!r}: {str(err).splitlines()[0]}") from None
     family = family_for_config(config)
     torch_dtype = resolve_dtype(dtype, device_map)
+    if quantization_config is None and quant is not None:
+        quantization_config = _quantization(quant, config, path, torch_dtype, device_map)
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "use_safetensors": True, "trust_remote_code": trust_remote_code}
     if device_map is not None:
         kwargs["device_map"] = device_map
-    if max_memory:
-        kwargs["max_memory"] = dict(max_memory)
+    if budgets:
+        kwargs["max_memory"] = dict(budgets)
     if offload_folder:
         kwargs["offload_folder"] = offload_folder
     if quantization_config is not None:
@@ -127,7 +329,7 @@ def load_model(
     try:
         model = auto_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:
-        raise UserError(f"cannot load model {path!r}: {str(err).splitlines()[0]}") from None
+        raise UserError(f"cannot load model {path!r}: {_load_error(err)}") from None
     if device_map is None and torch.cuda.is_available() and quantization_config is None:
         model.to("cuda")
     model.eval()
@@ -137,12 +339,26 @@ def load_model(
         tokenizer = processor.tokenizer
     else:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    from pipeline.quant import scheme_in_force
+
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         processor=processor,
         family=family,
         path=path,
-        quant=quant_name,
+        quant=scheme_in_force(model),
         placement=placement_of(model),
+        max_memory=budgets,
     )
+
+
+def _load_error(err: Exception) -> str:
+    """transformers' offload errors are paragraphs; say in one line what to change."""
+    text = str(err)
+    if "offload_folder" in text or "offloaded to the disk" in text:
+        return "some weights do not fit in memory and go to disk: set model.offload_folder=DIR (or raise model.max_memory)"
+    if "dispatched on the CPU or the disk" in text:
+        return ("the quantised model does not fit on the GPU and bitsandbytes cannot offload quantised layers: "
+                "raise model.max_memory for the GPU, or use quant=none with model.offload_folder")
+    return text.strip().splitlines()[0] if text.strip() else type(err).__name__

@@ -70,6 +70,15 @@ class Metrics:
             if self._child_seconds:
                 self._child_seconds[-1] += total
 
+    def add_span(self, name: str, seconds: float, calls: int) -> None:
+        """Record time measured without ``span`` (e.g. per-step sampling timed with CUDA events,
+        which needs no host sync); like a nested span, it is taken out of the enclosing span."""
+        rec = self.stages.setdefault(name, {"seconds": 0.0, "calls": 0})
+        rec["seconds"] += seconds
+        rec["calls"] += calls
+        if self._child_seconds:
+            self._child_seconds[-1] += seconds
+
     def count(self, name: str, value: float = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + value
 
@@ -116,6 +125,8 @@ class Metrics:
             kv_mean = (c.get("kv_bytes_decode_start", 0) + out["kv_cache_bytes"]) / 2
             tok_s = out["decode_tok_s"]
             out["bandwidth_gb_s"] = (weights + kv_mean) * tok_s / 1e9 if tok_s else None
+        if "warmup_s" in c:  # one-off compile/tuning before the first request: never part of ttft_s
+            out["warmup_s"] = c["warmup_s"]
         out.update(self.info)
         return out
 

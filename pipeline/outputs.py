@@ -20,6 +20,33 @@ def write_json(path: str | Path, data: Any) -> Path:
     return path
 
 
+def write_text(path: str | Path, text: str) -> Path:
+    """Atomic like write_json, for markdown and CSV reports."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def write_csv(path: str | Path, rows: list[list[Any]]) -> Path:
+    """Rows (the header first) as RFC 4180 CSV, written atomically."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows)
+    return write_text(path, buf.getvalue())
+
+
+def write_jsonl(path: str | Path, records: list[Any]) -> Path:
+    """One JSON object per line, written atomically (the final, ordered results of a batch)."""
+    return write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
 def append_jsonl(path: str | Path, record: Any) -> None:
     """Append one line and fsync, so each finished item survives a crash of the process."""
     with open(path, "a", encoding="utf-8") as f:

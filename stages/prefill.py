@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pipeline.context import Context
+from pipeline.memory import check_kv_fits
 
 
 class Prefill:
@@ -19,6 +20,9 @@ class Prefill:
         lm, cache, m = ctx.lm, ctx.cache, ctx.metrics
         total = ctx.input_ids.shape[1]
         start = cache.reuse(ctx.token_keys)
+        # Stop now, with the numbers, if prompt + max_new_tokens of cache cannot fit (pipeline/memory.py).
+        check_kv_fits(lm, cache, total, ctx.request.max_new_tokens)
+        cache.ensure_capacity(total)  # a static cache refuses, in one line, what it cannot hold
         m.set("prompt_tokens", total)
         m.set("kv_reused_tokens", start)
         m.set("prefill_tokens", total - start)

@@ -1,6 +1,8 @@
 """Tokenize: messages -> the model's own chat template -> input ids (and processor outputs)."""
 from __future__ import annotations
 
+import os
+
 from pipeline.context import Context, Request
 from pipeline.errors import UserError
 
@@ -22,27 +24,42 @@ def build_messages(request: Request, family, default_prompt: str | None = None) 
     return messages
 
 
+def _sources(items: list, kind: str) -> str:
+    """The media's file names for an error message (paths, or PIL images tagged with info["source"])."""
+    names = []
+    for item in items:
+        source = item if isinstance(item, (str, os.PathLike)) else getattr(item, "info", {}).get("source")
+        names.append(str(source) if source else f"{kind} {len(names) + 1}")
+    return ", ".join(names)
+
+
 class Tokenize:
     """Renders the conversation with the model's chat template and tokenizes it.
 
     ``default_image_prompt`` / ``default_audio_prompt`` apply when media come without a prompt.
+    ``long_audio`` (split | error): what to do with audio longer than the encoder's window.
     """
 
     def __init__(
         self,
         default_image_prompt: str = "Describe this image.",
         default_audio_prompt: str = "What is said or heard in this audio?",
+        long_audio: str = "split",
     ) -> None:
         self.default_image_prompt = default_image_prompt
         self.default_audio_prompt = default_audio_prompt
+        self.long_audio = long_audio
 
     def __call__(self, ctx: Context) -> Context:
         req, lm = ctx.request, ctx.lm
         for kind, items in (("image", req.images), ("audio", req.audios)):
             if items and kind not in lm.family.media:
                 raise UserError(
-                    f"{lm.path} is a {lm.family.name} model without a {kind} encoder: cannot take {kind} input"
+                    f"{_sources(items, kind)}: {lm.path} is a {lm.family.name} model without an {kind} encoder: "
+                    f"cannot take {kind} input"
                 )
+        # Media at the model's rate / within its windows; later stages read the prepared request.
+        req = ctx.request = lm.family.prepare(lm, req, long_audio=self.long_audio)
         default = self.default_image_prompt if req.images else self.default_audio_prompt if req.audios else None
         messages = build_messages(req, lm.family, default)
         template_owner = lm.processor if lm.processor is not None else lm.tokenizer

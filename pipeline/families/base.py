@@ -26,6 +26,12 @@ class Family:
         items.append({"type": "text", "text": text})
         return items
 
+    def prepare(self, lm: Any, request: Any, long_audio: str = "split") -> Any:
+        """The request with its media made ready for this model, before the template renders
+        (audio families resample to the model's rate and split clips longer than the encoder
+        window into several audio items). Returns a new Request; the default changes nothing."""
+        return request
+
     def process(self, lm: Any, text: str, request: Any) -> dict:
         """Run the model's processor on the rendered prompt (media families pass their media)."""
         return lm.processor(text=[text], return_tensors="pt")

@@ -5,8 +5,10 @@ import sys
 
 from omegaconf import DictConfig
 
-from pipeline.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg
+from pipeline.assemble import load_from_cfg, request_from_cfg, stages_from_cfg
+from pipeline.loading import format_placement
 from pipeline.metrics import format_table
+from pipeline.pipeline import Pipeline
 from pipeline.outputs import run_dir, write_json
 
 
@@ -16,9 +18,11 @@ def stdout_writer(text: str) -> None:
 
 
 def main(cfg: DictConfig) -> None:
-    request = request_from_cfg(cfg)  # validate settings and media before loading anything
+    request = request_from_cfg(cfg)  # validate settings, media and stages before loading anything
+    stages = stages_from_cfg(cfg)
     lm = load_from_cfg(cfg)
-    pipe = pipeline_from_cfg(cfg, lm)
+    print(f"weights (quant={lm.quant}):\n{format_placement(lm.placement)}", file=sys.stderr)
+    pipe = Pipeline(lm, stages)
     result = pipe.run(request, on_text=stdout_writer if cfg.stream else None)
     if not cfg.stream:
         sys.stdout.write(result.text)

@@ -1,0 +1,146 @@
+"""Will the KV cache fit? The arithmetic, done before prefill allocates anything.
+
+Why: a long prompt with a large ``max_new_tokens`` can need more cache than the device has
+left after the weights. Without a check the run dies mid-decode (CUDA OOM, or the kernel's
+OOM killer on CPU) after minutes of work; with it, the run stops at once with the numbers.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipeline.errors import UserError
+
+
+def _text_config(config: Any) -> Any:
+    """Multimodal configs keep the language model's sizes in their text config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def kv_bytes_per_layer(config: Any, tokens: int, dtype: torch.dtype) -> list[int]:
+    """Bytes of keys + values each decoder layer holds for ``tokens`` positions.
+
+    Sliding-window layers (``layer_types`` = ``sliding_attention``) hold at most the window.
+    """
+    text = _text_config(config)
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    layers = int(text.num_hidden_layers)
+    types = list(getattr(text, "layer_types", None) or ["full_attention"] * layers)
+    window = getattr(text, "sliding_window", None)
+    size = torch.empty((), dtype=dtype).element_size()
+    out = []
+    for kind in types[:layers] + ["full_attention"] * (layers - len(types)):
+        held = min(tokens, int(window)) if kind == "sliding_attention" and window else tokens
+        out.append(2 * kv_heads * head_dim * held * size)
+    return out
+
+
+def kv_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of the whole KV cache for ``tokens`` positions (all layers, keys and values)."""
+    return sum(kv_bytes_per_layer(config, tokens, dtype))
+
+
+def _decoder_layers(model: Any) -> list[Any]:
+    """The language model's decoder layers (the ModuleList the KV cache has one entry per)."""
+    n = int(_text_config(model.config).num_hidden_layers)
+    for name, module in model.named_modules():
+        if name.endswith("layers") and isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            if "visual" not in name and "audio" not in name:
+                return list(module)
+    return []
+
+
+def _execution_device(module: Any, fallback: torch.device) -> torch.device:
+    """Where a layer computes (its cache lives there): accelerate's hook knows for offloaded ones."""
+    hook = getattr(module, "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    if device is not None:
+        return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    for p in module.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return fallback
+
+
+def cache_devices(lm: Any) -> list[torch.device]:
+    """One device per decoder layer (the model's device when layers cannot be found)."""
+    layers = _decoder_layers(lm.model)
+    n = int(_text_config(lm.config).num_hidden_layers)
+    if len(layers) != n:
+        return [torch.device(lm.device)] * n
+    return [_execution_device(layer, torch.device(lm.device)) for layer in layers]
+
+
+def available_ram() -> int:
+    """Bytes the OS can still give this process without swapping."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # psutil comes with accelerate; this is only a fallback
+        import os
+
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def free_bytes(device: torch.device, lm: Any) -> tuple[int, str]:
+    """(bytes free for the cache on ``device``, where that figure comes from) - for the message.
+
+    CUDA: free device memory, capped by model.max_memory[index] minus what torch holds there.
+    CPU: available RAM, capped by model.max_memory["cpu"] minus the weights on the CPU.
+    """
+    budgets = getattr(lm, "max_memory", None) or {}
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        free = int(torch.cuda.mem_get_info(index)[0])
+        if index in budgets:
+            left = budgets[index] - int(torch.cuda.memory_allocated(index))
+            if left < free:
+                return max(left, 0), f"model.max_memory[{index}]={_fmt(budgets[index])} minus allocated"
+        return free, f"free on cuda:{index}"
+    free = available_ram()
+    key = "cpu" if device.type == "cpu" else device.type
+    if key in budgets:
+        weights = sum((getattr(lm, "placement", None) or {}).get(key, {}).values())
+        left = budgets[key] - weights
+        if left < free:
+            return max(left, 0), f"model.max_memory['{key}']={_fmt(budgets[key])} minus {_fmt(weights)} of weights"
+    return free, "available RAM"
+
+
+def check_kv_fits(lm: Any, cache: Any, prompt_tokens: int, max_new_tokens: int) -> int:
+    """Raise a one-line UserError when the cache for prompt + max_new_tokens cannot fit.
+
+    What is already cached is already allocated, so only the growth must fit. Returns the
+    bytes the full cache will take.
+    """
+    tokens = prompt_tokens + max_new_tokens
+    dtype = getattr(lm.model, "dtype", torch.float32)
+    per_layer = kv_bytes_per_layer(lm.config, tokens, dtype)
+    devices = cache_devices(lm)
+    held = int(getattr(cache, "nbytes", 0) or 0)
+    total = sum(per_layer)
+    need: dict[torch.device, int] = {}
+    for dev, nbytes in zip(devices, per_layer):
+        if dev.type != "meta":
+            need[dev] = need.get(dev, 0) + nbytes
+    for dev, nbytes in need.items():
+        growth = max(0, nbytes - round(held * nbytes / total)) if total else 0
+        free, source = free_bytes(dev, lm)
+        if growth > free:
+            raise UserError(
+                f"the KV cache for {prompt_tokens} prompt + {max_new_tokens} new tokens needs {_fmt(growth)} "
+                f"({growth:,} bytes) more on {dev} but only {_fmt(free)} ({free:,} bytes) is free ({source}): "
+                "lower max_new_tokens, shorten the prompt, or raise model.max_memory"
+            )
+    return total
+
+
+def _fmt(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,394 @@
+"""mode=bench: a llama-bench style grid of prefill (pp) and decode (tg) speeds, optionally vs HF generate.
+
+Every cell of ``bench.prompt_lengths`` x ``bench.gen_lengths`` is one test, ``pp{P}+tg{G}``:
+a synthetic prompt of P random vocabulary ids (fixed seed, no special tokens, no template) is
+prefilled into a fresh KV cache and G tokens are decoded greedily with EOS ignored, driving
+``Prefill`` and ``DecodeLoop`` directly on a Context. Each run yields four figures, measured the
+same way for the pipeline and for the baseline so that their ratio is fair:
+
+- ``ttft_s``      start -> first generated token chosen (prefill + first sample)
+- ``pp_tok_s``    P / ttft_s (prompt processing speed)
+- ``tg_tok_s``    (G - 1) / (end - first token) (decode speed; none when G = 1)
+- ``pptg_tok_s``  (P + G) / (end - start) (the combined pp+tg figure)
+
+With ``bench.baseline=hf`` each repetition also runs transformers' ``model.generate()`` on the
+same model and ids (greedy, ``min_new_tokens=max_new_tokens``), alternating with the pipeline
+so that drifting clocks or thermals hit both alike; rows then carry pipeline / generate ratios.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from tqdm import tqdm
+
+from pipeline.assemble import load_from_cfg
+from pipeline.context import Request
+from pipeline.errors import UserError
+from pipeline.loading import LoadedModel
+from pipeline.metrics import synchronize
+from pipeline.outputs import run_dir, write_csv, write_json, write_text
+from pipeline.pipeline import Pipeline
+from stages import DecodeLoop, Prefill, Sampler
+
+FIGURES: tuple[str, ...] = ("pp_tok_s", "tg_tok_s", "pptg_tok_s", "ttft_s")
+BASELINES: tuple[str, ...] = ("hf",)
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """The grid and how often each cell runs; checked before any model is loaded."""
+
+    prompt_lengths: tuple[int, ...] = (32, 128)
+    gen_lengths: tuple[int, ...] = (16, 64)
+    repetitions: int = 3
+    warmup: int = 1
+    seed: int = 0
+    baseline: str | None = None
+
+    @property
+    def cells(self) -> list[tuple[int, int]]:
+        return [(p, g) for p in self.prompt_lengths for g in self.gen_lengths]
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UserError(f"{name} must be an integer >= {minimum} (got {value!r})")
+    return value
+
+
+def _lengths(name: str, value: Any) -> tuple[int, ...]:
+    if isinstance(value, (ListConfig, DictConfig)):
+        value = OmegaConf.to_container(value, resolve=True)
+    if value is None:
+        raise UserError(f"{name} is empty: give at least one length, e.g. {name}=[32,128]")
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise UserError(f"{name} is empty: give at least one length, e.g. {name}=[32,128]")
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 1:
+            raise UserError(f"{name} has {item!r}: every length must be an integer >= 1")
+    return tuple(dict.fromkeys(items))  # duplicates would only repeat a row
+
+
+def settings_from_cfg(cfg: DictConfig) -> BenchSettings:
+    """The ``bench`` config section as checked settings; any bad value is a one-line UserError."""
+    b = cfg.get("bench")
+    if b is None:
+        raise UserError("mode=bench needs its bench settings: select it with mode=bench")
+    baseline = b.get("baseline")
+    baseline = None if baseline in (None, "", "none", False) else str(baseline)
+    if baseline is not None and baseline not in BASELINES:
+        raise UserError(f"bench.baseline must be null or one of {', '.join(BASELINES)} (got {baseline!r})")
+    return BenchSettings(
+        prompt_lengths=_lengths("bench.prompt_lengths", b.get("prompt_lengths")),
+        gen_lengths=_lengths("bench.gen_lengths", b.get("gen_lengths")),
+        repetitions=_int("bench.repetitions", b.get("repetitions"), 1),
+        warmup=_int("bench.warmup", b.get("warmup"), 0),
+        seed=_int("bench.seed", b.get("seed"), 0),
+        baseline=baseline,
+    )
+
+
+def check_fits(lm: LoadedModel, settings: BenchSettings) -> None:
+    """Refuse cells longer than the model's position range (they would fail or be meaningless)."""
+    limit = getattr(lm.config.get_text_config(), "max_position_embeddings", None)
+    longest = max(settings.prompt_lengths) + max(settings.gen_lengths)
+    if limit is not None and longest > limit:
+        raise UserError(f"bench: {longest} tokens (prompt + generated) exceed the model's {limit} positions")
+
+
+def synthetic_prompt(lm: LoadedModel, length: int, seed: int) -> list[int]:
+    """``length`` ids drawn uniformly from the ordinary vocabulary (special and added tokens excluded)."""
+    tok = lm.tokenizer
+    rows = lm.model.get_input_embeddings().weight.shape[0]
+    vocab = min(len(tok), rows)
+    excluded = set(getattr(tok, "all_special_ids", [])) | set(getattr(tok, "added_tokens_decoder", {}))
+    allowed = torch.tensor([i for i in range(vocab) if i not in excluded], dtype=torch.long)
+    if allowed.numel() == 0:
+        raise UserError("bench: the tokenizer has no ordinary tokens to build a prompt from")
+    g = torch.Generator().manual_seed(seed * 1_000_003 + length)
+    return allowed[torch.randint(len(allowed), (length,), generator=g)].tolist()
+
+
+def _figures(prompt: int, gen: int, ttft: float, total: float) -> dict[str, float | None]:
+    decode_s = total - ttft
+    return {
+        "ttft_s": ttft,
+        "pp_tok_s": prompt / ttft if ttft > 0 else None,
+        "tg_tok_s": (gen - 1) / decode_s if gen > 1 and decode_s > 0 else None,
+        "pptg_tok_s": (prompt + gen) / total if total > 0 else None,
+    }
+
+
+def time_pipeline(lm: LoadedModel, prefill: Any, decode: Any, ids: list[int], gen: int) -> dict:
+    """One pipeline run on a fresh cache: the bench figures plus the pipeline's own metrics."""
+    pipe = Pipeline(lm, {"prefill": prefill, "decode": decode})
+    ctx = pipe.context(Request(max_new_tokens=gen, ignore_eos=True))
+    ctx.input_ids = torch.tensor([ids], device=lm.device)
+    ctx.token_keys = list(ids)
+    with torch.inference_mode():
+        ctx.metrics.start()
+        for name, stage in pipe.stages.items():
+            with ctx.metrics.span(name):
+                stage(ctx)
+        ctx.metrics.end()
+    m = pipe.result(ctx).metrics
+    if len(ctx.generated) != gen:
+        raise RuntimeError(f"the decode stage produced {len(ctx.generated)} tokens instead of {gen}")
+    out = _figures(len(ids), gen, m["ttft_s"], m["total_s"])
+    for key in ("prefill_tok_s", "decode_tok_s", "sample_s", "kv_cache_bytes", "peak_memory_bytes", "bandwidth_gb_s"):
+        out[key] = m.get(key)
+    return out
+
+
+class _FirstTokenClock:
+    """A generate() streamer that only notes when the first generated token arrives."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.puts = 0
+        self.t_first: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2:  # the first put is the prompt itself
+            synchronize(self.device)
+            self.t_first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def time_generate(lm: LoadedModel, ids: list[int], gen: int) -> dict:
+    """One ``model.generate()`` run: greedy, EOS ignored, same ids; the same figures as the pipeline."""
+    input_ids = torch.tensor([ids], device=lm.device)
+    clock = _FirstTokenClock(lm.device)
+    pad = lm.tokenizer.pad_token_id
+    pad = pad if pad is not None else min(lm.eos_token_ids, default=0)
+    synchronize(lm.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = lm.model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=gen,
+            min_new_tokens=gen,
+            pad_token_id=pad,
+            streamer=clock,
+        )
+    synchronize(lm.device)
+    total = time.perf_counter() - t0
+    produced = out.shape[1] - len(ids)
+    if produced != gen or clock.t_first is None:
+        raise RuntimeError(f"generate() produced {produced} tokens instead of {gen}")
+    return _figures(len(ids), gen, clock.t_first - t0, total)
+
+
+def _stats(samples: list[dict], key: str) -> dict:
+    values = [s[key] for s in samples if s.get(key) is not None]
+    if not values:
+        return {"mean": None, "std": None}
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+@dataclass
+class Row:
+    """One grid cell: its samples and their mean / standard deviation per figure."""
+
+    test: str
+    prompt_tokens: int
+    gen_tokens: int
+    pipeline: list[dict] = field(default_factory=list)
+    baseline: list[dict] = field(default_factory=list)
+
+    def stats(self, which: str = "pipeline") -> dict[str, dict]:
+        samples = self.pipeline if which == "pipeline" else self.baseline
+        return {key: _stats(samples, key) for key in FIGURES}
+
+    def ratios(self) -> dict[str, float | None]:
+        """Pipeline speed / baseline speed per throughput figure (> 1: the pipeline is faster)."""
+        if not self.baseline:
+            return {}
+        mine, theirs = self.stats("pipeline"), self.stats("baseline")
+        return {key: _ratio(mine[key]["mean"], theirs[key]["mean"]) for key in ("pp_tok_s", "tg_tok_s", "pptg_tok_s")}
+
+    def to_dict(self) -> dict:
+        out = {
+            "test": self.test,
+            "prompt_tokens": self.prompt_tokens,
+            "gen_tokens": self.gen_tokens,
+            "pipeline": {"stats": self.stats("pipeline"), "samples": self.pipeline},
+        }
+        if self.baseline:
+            out["hf"] = {"stats": self.stats("baseline"), "samples": self.baseline}
+            out["ratio"] = self.ratios()
+        return out
+
+
+def run_grid(
+    lm: LoadedModel,
+    settings: BenchSettings,
+    prefill: Any | None = None,
+    decode: Any | None = None,
+    on_run: Callable[[], None] | None = None,
+) -> list[Row]:
+    """Warm up, then time every cell ``repetitions`` times (pipeline and baseline alternating)."""
+    prefill = prefill if prefill is not None else Prefill()
+    decode = decode if decode is not None else DecodeLoop(Sampler())
+    prompts = {p: synthetic_prompt(lm, p, settings.seed) for p in settings.prompt_lengths}
+    rows: list[Row] = []
+    for p, g in settings.cells:
+        row = Row(f"pp{p}+tg{g}", p, g)
+        for rep in range(settings.warmup + settings.repetitions):
+            sample = time_pipeline(lm, prefill, decode, prompts[p], g)
+            if rep >= settings.warmup:
+                row.pipeline.append(sample)
+            if on_run is not None:
+                on_run()
+            if settings.baseline == "hf":
+                sample = time_generate(lm, prompts[p], g)
+                if rep >= settings.warmup:
+                    row.baseline.append(sample)
+                if on_run is not None:
+                    on_run()
+        rows.append(row)
+    return rows
+
+
+# --- reports -------------------------------------------------------------------------------------
+
+
+def _num(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.4g}"
+
+
+def _pm(stat: dict) -> str:
+    if stat["mean"] is None:
+        return "n/a"
+    return f"{_num(stat['mean'])} ± {_num(stat['std'])}"
+
+
+def markdown_table(rows: list[Row]) -> str:
+    """The llama-bench style table: mean ± stddev per figure, baseline and ratios when measured."""
+    with_hf = any(r.baseline for r in rows)
+    head = ["test", "pp t/s", "tg t/s", "pp+tg t/s", "TTFT s"]
+    if with_hf:
+        head += ["hf pp t/s", "hf tg t/s", "hf pp+tg t/s", "hf TTFT s", "ratio pp", "ratio tg", "ratio pp+tg"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" if i else "---" for i in range(len(head))) + "|"]
+    for r in rows:
+        s = r.stats()
+        cells = [r.test] + [_pm(s[k]) for k in ("pp_tok_s", "tg_tok_s", "pptg_tok_s", "ttft_s")]
+        if with_hf:
+            h, q = r.stats("baseline"), r.ratios()
+            cells += [_pm(h[k]) for k in ("pp_tok_s", "tg_tok_s", "pptg_tok_s", "ttft_s")]
+            cells += [_num(q.get(k)) for k in ("pp_tok_s", "tg_tok_s", "pptg_tok_s")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def csv_rows(rows: list[Row]) -> list[list[Any]]:
+    """One line per cell; every figure as ``<figure>_mean`` / ``<figure>_std`` (hf_ prefixed for the baseline)."""
+    with_hf = any(r.baseline for r in rows)
+    header: list[str] = ["test", "prompt_tokens", "gen_tokens", "repetitions"]
+    for key in FIGURES:
+        header += [f"{key}_mean", f"{key}_std"]
+    if with_hf:
+        for key in FIGURES:
+            header += [f"hf_{key}_mean", f"hf_{key}_std"]
+        header += ["ratio_pp", "ratio_tg", "ratio_pptg"]
+    out: list[list[Any]] = [header]
+    for r in rows:
+        line: list[Any] = [r.test, r.prompt_tokens, r.gen_tokens, len(r.pipeline)]
+        for which in ("pipeline", "baseline") if with_hf else ("pipeline",):
+            s = r.stats(which)
+            for key in FIGURES:
+                line += ["" if s[key]["mean"] is None else s[key]["mean"], "" if s[key]["std"] is None else s[key]["std"]]
+        if with_hf:
+            q = r.ratios()
+            line += ["" if q.get(k) is None else q[k] for k in ("pp_tok_s", "tg_tok_s", "pptg_tok_s")]
+        out.append(line)
+    return out
+
+
+def plot(rows: list[Row], path: Path, title: str) -> Path:
+    """Bars of pp and tg tokens/s per cell with stddev whiskers; the baseline beside when measured."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+
+    with_hf = any(r.baseline for r in rows)
+    fig = Figure(figsize=(max(6.0, 1.2 * len(rows) + 3), 4.5), layout="constrained")
+    axes = fig.subplots(1, 2)
+    x = list(range(len(rows)))
+    width = 0.38 if with_hf else 0.6
+    for ax, key, label in ((axes[0], "pp_tok_s", "prefill (pp) tokens/s"), (axes[1], "tg_tok_s", "decode (tg) tokens/s")):
+        series = [("pipeline", "mm-pipeline")] + ([("baseline", "HF generate")] if with_hf else [])
+        for i, (which, name) in enumerate(series):
+            stats = [r.stats(which)[key] for r in rows]
+            offset = (i - (len(series) - 1) / 2) * width
+            ax.bar(
+                [v + offset for v in x],
+                [s["mean"] or 0.0 for s in stats],
+                width,
+                yerr=[s["std"] or 0.0 for s in stats],
+                capsize=3,
+                label=name,
+            )
+        ax.set_xticks(x, [r.test for r in rows], rotation=30, ha="right")
+        ax.set_title(label)
+        ax.set_ylabel("tokens/s")
+        if with_hf:
+            ax.legend()
+    fig.suptitle(title)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(cfg: DictConfig) -> None:
+    settings = settings_from_cfg(cfg)  # bad grid values fail before the model loads
+    lm = load_from_cfg(cfg)
+    check_fits(lm, settings)
+    prefill_spec = cfg.get("stages", {}).get("prefill")
+    prefill = instantiate(prefill_spec) if prefill_spec is not None else Prefill()
+    runs = len(settings.cells) * (settings.warmup + settings.repetitions) * (2 if settings.baseline else 1)
+    with tqdm(total=runs, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
+        rows = run_grid(lm, settings, prefill=prefill, on_run=lambda: bar.update(1))
+
+    dtype = str(lm.model.dtype).replace("torch.", "")
+    title = f"{lm.path}  ({lm.device}, {dtype}, quant={lm.quant})"
+    table = markdown_table(rows)
+    print(table)
+    sys.stdout.flush()
+    out = run_dir()
+    note = (
+        f"greedy, EOS ignored, synthetic prompts (seed {settings.seed}); "
+        f"{settings.repetitions} repetitions after {settings.warmup} warmup; mean ± stddev"
+    )
+    write_text(out / "bench.md", f"# bench: {title}\n\n{note}\n\n{table}\n")
+    write_csv(out / "bench.csv", csv_rows(rows))
+    write_json(
+        out / "bench.json",
+        {
+            "model": lm.path,
+            "device": str(lm.device),
+            "dtype": dtype,
+            "quant": lm.quant,
+            "weights_bytes": lm.weights_bytes,
+            "settings": asdict(settings),
+            "rows": [r.to_dict() for r in rows],
+        },
+    )
+    plot(rows, out / "bench.png", title)
+    print(f"bench results: {out}", file=sys.stderr)

@@ -1,0 +1,190 @@
+"""bitsandbytes quantisation from the ``quant`` config group: which scheme, and what it skips.
+
+Schemes: ``none``, ``nf4`` and ``fp4`` (4-bit weights, ``bnb.nn.Linear4bit``), ``int8``
+(LLM.int8, ``bnb.nn.Linear8bitLt``) and ``auto`` (resolved per run, see ``resolve_scheme``).
+The scheme a run reports (``result.json`` ``metrics.quant``) is read back from the loaded
+modules (``scheme_in_force``), never copied from the request, so a sweep compares what
+really ran.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Mapping
+
+import torch
+
+from pipeline.errors import UserError
+
+SCHEMES = ("none", "auto", "nf4", "fp4", "int8")
+FOUR_BIT = ("nf4", "fp4")
+# What the skip list keeps unquantised by default (conf/quant/*.yaml repeats it for users).
+DEFAULT_SKIP = ("lm_head", "visual", "audio_tower", "multi_modal_projector")
+
+
+class _DropMessages(logging.Filter):
+    """Drops bitsandbytes log lines that are expected on this path and would only alarm users."""
+
+    def __init__(self, *prefixes: str) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def quiet_bitsandbytes() -> None:
+    """Silence two bitsandbytes warnings that fire on every CPU run and change nothing.
+
+    Why: the CPU backend logs that an optional ``kernels`` package is missing (it falls back
+    to its own kernel), and LLM.int8 logs on *every matmul* that float32 inputs are cast to
+    float16 (that cast is how int8 works). Other bitsandbytes messages stay.
+    """
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropMessages("Failed to load CPU gemm_4bit"))
+    logging.getLogger("bitsandbytes.autograd._functions").addFilter(_DropMessages("MatMul8bitLt: inputs will be cast"))
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if cfg is None:
+        return default
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+
+
+def scheme_name(quant_cfg: Any) -> str:
+    """The requested scheme, checked: one of SCHEMES, and quant_type not naming another scheme."""
+    name = str(_get(quant_cfg, "name", "none") or "none")
+    if name not in SCHEMES:
+        raise UserError(f"unknown quant scheme {name!r}: choose one of {', '.join(SCHEMES)}")
+    qtype = _get(quant_cfg, "quant_type")
+    if qtype is None:
+        return name
+    qtype = str(qtype)
+    if qtype not in FOUR_BIT:
+        raise UserError(f"unknown quant.quant_type {qtype!r}: the 4-bit storage types are nf4 and fp4")
+    if name == "int8":
+        raise UserError(
+            f"quant=int8 with quant.quant_type={qtype}: int8 and {qtype} are two different schemes and a model "
+            f"uses one; choose quant=int8 or quant={qtype}"
+        )
+    if name in ("none", "auto"):
+        raise UserError(f"quant.quant_type={qtype} needs a 4-bit scheme: use quant={qtype} (quant is {name})")
+    if qtype != name:
+        raise UserError(f"quant={name} with quant.quant_type={qtype} contradict each other: use quant={qtype}")
+    return name
+
+
+def resolve_scheme(quant_cfg: Any, *, real_model: bool, device_map: Any = None, prequantized: bool = False) -> str:
+    """``auto`` -> ``nf4`` for a real model on a CUDA GPU, ``none`` otherwise; others unchanged.
+
+    Why this default: on a GPU decode speed is bound by reading the weights, so 4-bit weights
+    (about 3.5x fewer bytes than bfloat16) fit models that would not fit and decode faster.
+    On CPU, bitsandbytes dequantises inside every matmul, which is slower than float32 for
+    the model sizes a CPU runs, and the embedded default is tiny test scaffolding: both stay
+    unquantised (and exact against float32 transformers). A checkpoint that is already
+    quantised keeps its own scheme.
+    """
+    name = scheme_name(quant_cfg)
+    if name != "auto":
+        return name
+    on_gpu = torch.cuda.is_available() and device_map not in ("cpu", {"": "cpu"})
+    return "nf4" if (real_model and on_gpu and not prequantized) else "none"
+
+
+def skip_patterns(names: Any, *, keep_lm_head: bool = False) -> list[str]:
+    """Module names -> patterns transformers matches at a module boundary anywhere in the path.
+
+    transformers matches ``llm_int8_skip_modules`` from the start of the full module name
+    (``model.visual.blocks.0...``), so a bare ``visual`` would never match; we anchor each
+    name after any dotted prefix instead. Passing a list *replaces* transformers' own
+    default skips (the output embedding and tied weights), hence ``keep_lm_head``.
+    """
+    if names is None:
+        names = []
+    if isinstance(names, str):
+        names = [names]
+    try:
+        names = [str(n) for n in names]
+    except TypeError:
+        raise UserError(f"quant.skip_modules must be a list of module names (got {names!r})") from None
+    for n in names:
+        if not re.fullmatch(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*", n):
+            raise UserError(f"quant.skip_modules entry {n!r} is not a module name (like lm_head or model.visual)")
+    if keep_lm_head and "lm_head" not in names:
+        names.append("lm_head")
+    return [rf"(?:.*\.)?{re.escape(n)}" for n in dict.fromkeys(names)]
+
+
+def compute_dtype(value: Any, model_dtype: torch.dtype) -> torch.dtype:
+    """``auto`` = the model's dtype (float32 on CPU, bfloat16 on GPU): activations stay in it."""
+    if value in (None, "auto"):
+        return model_dtype
+    if isinstance(value, torch.dtype):
+        return value
+    dt = getattr(torch, str(value), None)
+    if dt not in (torch.float32, torch.bfloat16, torch.float16):
+        raise UserError(f"unknown quant.compute_dtype {value!r}: use auto, float32, bfloat16 or float16")
+    return dt
+
+
+def quantization_config(
+    quant_cfg: Any,
+    *,
+    model_dtype: torch.dtype = torch.float32,
+    tied_lm_head: bool = False,
+    cpu_offload: bool = False,
+) -> Any:
+    """A ``transformers.BitsAndBytesConfig`` for a resolved scheme (nf4, fp4 or int8).
+
+    ``tied_lm_head``: the output layer shares the embedding matrix, which must stay a plain
+    tensor, so ``lm_head`` is kept unquantised whatever the skip list says.
+    ``cpu_offload``: layers accelerate places on the CPU or disk next to a GPU stay
+    unquantised in the model dtype (bitsandbytes' documented way to offload).
+    """
+    name = scheme_name(quant_cfg)
+    if name in ("none", "auto"):
+        raise UserError(f"quant={name} has no bitsandbytes config (resolve the scheme first)")
+    quiet_bitsandbytes()
+    from transformers import BitsAndBytesConfig
+
+    skips = skip_patterns(_get(quant_cfg, "skip_modules", list(DEFAULT_SKIP)), keep_lm_head=tied_lm_head)
+    if name == "int8":
+        threshold = _get(quant_cfg, "threshold", 6.0)
+        try:
+            threshold = float(6.0 if threshold is None else threshold)
+        except (TypeError, ValueError):
+            raise UserError(f"quant.threshold must be a number (got {threshold!r})") from None
+        return BitsAndBytesConfig(
+            load_in_8bit=True,
+            llm_int8_threshold=threshold,
+            llm_int8_skip_modules=skips,
+            llm_int8_enable_fp32_cpu_offload=cpu_offload,
+        )
+    double = _get(quant_cfg, "double_quant", True)
+    if not isinstance(double, bool) and double is not None:
+        raise UserError(f"quant.double_quant must be true or false (got {double!r})")
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=name,
+        bnb_4bit_use_double_quant=bool(double) if double is not None else True,
+        bnb_4bit_compute_dtype=compute_dtype(_get(quant_cfg, "compute_dtype", "auto"), model_dtype),
+        llm_int8_skip_modules=skips,
+        llm_int8_enable_fp32_cpu_offload=cpu_offload,
+    )
+
+
+def scheme_in_force(model: Any) -> str:
+    """What the loaded model really runs: nf4 / fp4 / int8 from its bnb layers, else none.
+
+    Mixed 4-bit types (only possible with a hand-made checkpoint) read as ``nf4+fp4``.
+    """
+    found: list[str] = []
+    for module in model.modules():
+        cls = type(module).__name__
+        if cls in ("Linear4bit", "LinearFP4", "LinearNF4"):
+            qtype = getattr(module.weight, "quant_type", None) or getattr(module, "quant_type", None) or "nf4"
+            found.append(str(qtype))
+        elif cls == "Linear8bitLt":
+            found.append("int8")
+    return "+".join(sorted(set(found))) if found else "none"

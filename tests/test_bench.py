@@ -1,0 +1,123 @@
+"""mode=bench: every grid cell reported, files written, the HF baseline beside it, bad grids refused."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from conftest import run_cli
+from pipeline import UserError
+from pipeline.modes import bench
+from pipeline.modes.bench import BenchSettings, settings_from_cfg
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "pipeline" / "conf"
+TINY_GRID = ["bench.prompt_lengths=[4,8]", "bench.gen_lengths=[2,3]", "bench.repetitions=2", "bench.warmup=1"]
+
+
+def make_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose("config", overrides=["mode=bench", *overrides])
+
+
+@pytest.fixture(scope="module")
+def lm(load_tiny):
+    return load_tiny("qwen3")
+
+
+def test_default_grid_is_valid():
+    s = settings_from_cfg(make_cfg())
+    assert s.cells == [(32, 16), (32, 64), (128, 16), (128, 64)]
+    assert s.repetitions >= 1 and s.warmup >= 0 and s.baseline is None
+
+
+def test_single_length_is_a_one_cell_axis():
+    s = settings_from_cfg(make_cfg("bench.prompt_lengths=16", "bench.gen_lengths=[8,8]"))
+    assert s.cells == [(16, 8)]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("bench.prompt_lengths=[]", "bench.prompt_lengths is empty"),
+        ("bench.gen_lengths=[]", "bench.gen_lengths is empty"),
+        ("bench.prompt_lengths=[32,0]", "bench.prompt_lengths has 0"),
+        ("bench.gen_lengths=[-4]", "bench.gen_lengths has -4"),
+        ("bench.prompt_lengths=[abc]", "bench.prompt_lengths has 'abc'"),
+        ("bench.gen_lengths=[1.5]", "bench.gen_lengths has 1.5"),
+        ("bench.repetitions=0", "bench.repetitions must be an integer >= 1"),
+        ("bench.warmup=-1", "bench.warmup must be an integer >= 0"),
+        ("bench.baseline=vllm", "bench.baseline must be null or one of hf"),
+    ],
+)
+def test_bad_grid_values_are_one_line_errors(override, message):
+    with pytest.raises(UserError, match=message) as err:
+        bench.main(make_cfg(override))  # fails before any model is loaded
+    assert "\n" not in str(err.value)
+
+
+def test_grid_longer_than_the_model_is_refused(lm):
+    limit = lm.config.max_position_embeddings
+    with pytest.raises(UserError, match=f"exceed the model's {limit} positions"):
+        bench.check_fits(lm, BenchSettings(prompt_lengths=(limit,), gen_lengths=(1,)))
+
+
+def test_synthetic_prompt_is_seeded_and_avoids_special_tokens(lm):
+    a = bench.synthetic_prompt(lm, 64, seed=0)
+    assert a == bench.synthetic_prompt(lm, 64, seed=0) != bench.synthetic_prompt(lm, 64, seed=1)
+    special = set(lm.tokenizer.all_special_ids) | set(lm.tokenizer.added_tokens_decoder)
+    assert len(a) == 64 and not special & set(a) and max(a) < len(lm.tokenizer)
+
+
+def test_bench_with_hf_baseline_reports_every_cell(tiny_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    bench.main(make_cfg(f"model.path={tiny_dir('qwen3')}", "bench.baseline=hf", *TINY_GRID))
+    expected = ["pp4+tg2", "pp4+tg3", "pp8+tg2", "pp8+tg3"]
+
+    table = capsys.readouterr().out
+    body = [line for line in table.splitlines() if line.startswith("| pp")]
+    assert [line.split("|")[1].strip() for line in body] == expected
+    assert "hf tg t/s" in table and "ratio pp+tg" in table
+
+    with open(tmp_path / "bench.csv", encoding="utf-8", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["test"] for r in rows] == expected
+    assert [(int(r["prompt_tokens"]), int(r["gen_tokens"])) for r in rows] == [(4, 2), (4, 3), (8, 2), (8, 3)]
+    for r in rows:
+        assert r["repetitions"] == "2"
+        for key in ("pp_tok_s", "tg_tok_s", "pptg_tok_s", "ttft_s", "hf_tg_tok_s", "hf_pptg_tok_s"):
+            assert float(r[f"{key}_mean"]) > 0 and float(r[f"{key}_std"]) >= 0
+        for key in ("ratio_pp", "ratio_tg", "ratio_pptg"):
+            assert float(r[key]) > 0
+
+    data = json.loads((tmp_path / "bench.json").read_text(encoding="utf-8"))
+    assert data["settings"]["baseline"] == "hf" and data["settings"]["prompt_lengths"] == [4, 8]
+    assert [r["test"] for r in data["rows"]] == expected
+    for r in data["rows"]:
+        assert len(r["pipeline"]["samples"]) == 2 and len(r["hf"]["samples"]) == 2  # warmup not counted
+        assert set(r["ratio"]) == {"pp_tok_s", "tg_tok_s", "pptg_tok_s"}
+        assert all(s["kv_cache_bytes"] > 0 for s in r["pipeline"]["samples"])
+
+    md = (tmp_path / "bench.md").read_text(encoding="utf-8")
+    assert all(f"| {t} |" in md for t in expected)
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bench_without_baseline(tiny_dir, tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli(
+        "mode=bench", f"model.path={tiny_dir('qwen3')}", "bench.prompt_lengths=[4]", "bench.gen_lengths=[1,2]",
+        "bench.repetitions=1", "bench.warmup=0", f"hydra.run.dir={run}",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("| test |") and "hf" not in lines[0]
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["pp4+tg1", "pp4+tg2"]
+    assert "n/a" in lines[2]  # one generated token: no decode step to time
+    for name in ("bench.md", "bench.csv", "bench.json", "bench.png"):
+        assert (run / name).is_file()
+    with open(run / "bench.csv", encoding="utf-8", newline="") as f:
+        header = next(csv.reader(f))
+    assert "ratio_tg" not in header and "hf_tg_tok_s_mean" not in header

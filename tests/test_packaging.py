@@ -1,0 +1,32 @@
+"""A non-editable install (a wheel) carries the configs, so `python -m pipeline` works from anywhere."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_ships_packages_and_configs_and_runs_from_another_folder(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True, capture_output=True,
+    )
+    wheel = next(tmp_path.glob("mm_pipeline-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for required in ("pipeline/__main__.py", "stages/prefill.py", "pipeline/conf/config.yaml",
+                     "pipeline/conf/model/qwen3.yaml", "pipeline/conf/sampler/greedy.yaml"):
+        assert required in names, required
+    assert not any(n.startswith("tests/") for n in names)
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "+model=qwen3", "--cfg", "job"], cwd=elsewhere,
+                          env=dict(env, PYTHONPATH=str(site)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Qwen/Qwen3-0.6B" in proc.stdout
