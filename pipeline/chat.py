@@ -113,7 +113,7 @@ class ChatSession:
 
         actual = media_kind(path)
         if kind is not None and actual != kind:
-            raise UserError(f"{path}: this is an {actual} file, not an {kind} (use /{actual})")
+            raise UserError(f"{path}: an {actual} file, not an {kind} file (use /{actual} {path})")
         self._require(actual)
         if actual == "image":
             data: Any = load_image(path)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
+import torch
 from transformers import DynamicCache, StaticCache
 
 from pipeline.errors import UserError
@@ -48,7 +49,8 @@ class KVCache:
         if static and cache is None:
             if not max_cache_len or max_cache_len < 1:
                 raise ValueError(f"a static KV cache needs max_cache_len >= 1 (got {max_cache_len!r})")
-            cache = StaticCache(config=config, max_cache_len=int(max_cache_len))
+            with torch.inference_mode():  # like every tensor the stages make: no guard mismatch later
+                cache = StaticCache(config=config, max_cache_len=int(max_cache_len))
         self.cache = cache if cache is not None else DynamicCache(config=config)
         self.keys: list[Hashable] = []
         # Position state a family needs to continue (e.g. Qwen2-VL rope_deltas); reset with the cache.
@@ -153,7 +155,8 @@ class KVCache:
                     "(its ring buffer has overwritten older positions): use kv.static=false"
                 )
             if layer.is_initialized:
-                layer.cumulative_length.fill_(n)  # in place: compiled graphs hold its address
+                with torch.inference_mode():  # the tensors were made under inference mode
+                    layer.cumulative_length.fill_(n)  # in place: compiled graphs hold its address
 
     def cache_length(self) -> int:
         return int(self.cache.get_seq_length()) if self.keys else 0
@@ -170,7 +173,8 @@ class KVCache:
 
     def clear(self) -> None:
         if self.is_static:
-            self.cache.reset()  # in place: keeps the allocation and the addresses compiled code uses
+            with torch.inference_mode():  # the tensors were made under inference mode
+                self.cache.reset()  # in place: keeps the allocation and the addresses compiled code uses
         else:
             self.cache = DynamicCache(config=self.config)
         self.keys.clear()

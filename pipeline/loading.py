@@ -359,6 +359,6 @@ def _load_error(err: Exception) -> str:
     if "offload_folder" in text or "offloaded to the disk" in text:
         return "some weights do not fit in memory and go to disk: set model.offload_folder=DIR (or raise model.max_memory)"
     if "dispatched on the CPU or the disk" in text:
-        return ("the quantised model does not fit on the GPU and bitsandbytes cannot offload quantised layers: "
-                "raise model.max_memory for the GPU, or use quant=none with model.offload_folder")
+        return ("the quantised model does not fit in model.max_memory and bitsandbytes cannot offload quantised "
+                "layers to cpu/disk: raise model.max_memory, give an explicit model.device_map, or use quant=none")
     return text.strip().splitlines()[0] if text.strip() else type(err).__name__

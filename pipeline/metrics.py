@@ -16,6 +16,28 @@ def synchronize(device: torch.device | str | None) -> None:
         torch.cuda.synchronize(device)
 
 
+# Modules a decode step never runs: media encoders and their projectors (named as in transformers).
+ENCODER_MODULES = frozenset({"visual", "vision_tower", "vision_model", "audio_tower", "multi_modal_projector"})
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads: the language model, lm_head included; not the
+    media encoders (run once per image or clip) nor the input embedding table (one row per
+    token) unless it is tied to lm_head. The numerator of an honest ``bandwidth_gb_s``."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    skip = set()
+    if emb is not None and (out is None or out.weight is not emb.weight):
+        skip.add(id(emb.weight))
+    total = 0
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if id(tensor) in skip or ENCODER_MODULES.intersection(name.split(".")):
+            continue
+        skip.add(id(tensor))  # tied / shared tensors count once
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
 def peak_memory_bytes(device: torch.device | str | None) -> int:
     if device is not None and torch.device(device).type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
@@ -124,7 +146,9 @@ class Metrics:
             out["weights_bytes"] = int(weights)
             kv_mean = (c.get("kv_bytes_decode_start", 0) + out["kv_cache_bytes"]) / 2
             tok_s = out["decode_tok_s"]
-            out["bandwidth_gb_s"] = (weights + kv_mean) * tok_s / 1e9 if tok_s else None
+            read = c.get("decode_weights_bytes", weights)  # what a decode step reads (no encoders)
+            out["decode_weights_bytes"] = int(read)
+            out["bandwidth_gb_s"] = (read + kv_mean) * tok_s / 1e9 if tok_s else None
         if "warmup_s" in c:  # one-off compile/tuning before the first request: never part of ttft_s
             out["warmup_s"] = c["warmup_s"]
         out.update(self.info)

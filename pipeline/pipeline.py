@@ -9,7 +9,7 @@ import torch
 from pipeline.context import Context, Request, Result
 from pipeline.kv_cache import KVCache
 from pipeline.loading import LoadedModel
-from pipeline.metrics import Metrics, synchronize
+from pipeline.metrics import Metrics, decode_weight_bytes, synchronize
 
 Stage = Callable[[Context], Any]
 
@@ -40,6 +40,7 @@ class Pipeline:
         self.kv_max_len = int(kv_max_len)
         self.warmup_s: float | None = None  # time spent in warmup(), reported apart from ttft_s
         self._shared_cache: KVCache | None = None
+        self._decode_weights: int | None = None  # bytes a decode step reads (metrics.decode_weight_bytes)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.lm.config, static=self.kv_static, max_cache_len=self.kv_max_len)
@@ -132,6 +133,9 @@ class Pipeline:
         m = ctx.metrics
         m.set("kv_cache_bytes", ctx.cache.nbytes)
         m.set("weights_bytes", self.lm.weights_bytes)
+        if self._decode_weights is None:
+            self._decode_weights = decode_weight_bytes(self.lm.model)
+        m.set("decode_weights_bytes", self._decode_weights)
         if self.warmup_s is not None:
             m.set("warmup_s", self.warmup_s)
         m.info["quant"] = self.lm.quant

@@ -79,7 +79,7 @@ def resolve_scheme(quant_cfg: Any, *, real_model: bool, device_map: Any = None, 
     """``auto`` -> ``nf4`` for a real model on a CUDA GPU, ``none`` otherwise; others unchanged.
 
     Why this default: on a GPU decode speed is bound by reading the weights, so 4-bit weights
-    (about 3.5x fewer bytes than bfloat16) fit models that would not fit and decode faster.
+    (3-4x fewer bytes than bfloat16 for the whole model) fit models that would not fit and decode faster.
     On CPU, bitsandbytes dequantises inside every matmul, which is slower than float32 for
     the model sizes a CPU runs, and the embedded default is tiny test scaffolding: both stay
     unquantised (and exact against float32 transformers). A checkpoint that is already

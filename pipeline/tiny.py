@@ -479,17 +479,10 @@ def make_tokenizer(family: str):
         # Qwen2Tokenizer registers eos/pad itself; add the rest in the published order.
         tok.add_tokens(added)
     extra = [t for t, s in specials if s and t not in (roles["bos"], roles["eos"], roles["pad"])]
-    tok.add_special_tokens({"additional_special_tokens": extra}, replace_extra_special_tokens=True) \
-        if _accepts_replace_kw(tok) else tok.add_special_tokens({"additional_special_tokens": extra})
+    tok.add_special_tokens({"additional_special_tokens": extra})  # saved as extra_special_tokens
     tok.chat_template = CHAT_TEMPLATES[family]
     _check_ids(tok, family)
     return tok
-
-
-def _accepts_replace_kw(tok) -> bool:
-    import inspect
-
-    return "replace_extra_special_tokens" in inspect.signature(tok.add_special_tokens).parameters
 
 
 def _check_ids(tok, family: str) -> None:

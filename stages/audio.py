@@ -11,9 +11,9 @@ class AudioEncoder:
     """Encodes the prompt's audio clips and writes their embeddings into ``ctx.inputs_embeds``.
 
     The model knowledge (feature masks, the tower and projector, the placeholder id) lives in
-    the family (``encode_audio``, ``audio_token_id``); this stage decides when to encode and
-    counts. When the KV cache already holds every audio position of the prompt (a follow-up
-    turn about the same clip), the encoder is not run: Prefill never reads those positions.
+    the family (``encode_audio``, ``audio_token_id``, ``audio_token_counts``); this stage decides
+    what to encode and counts. A clip whose audio positions the KV cache already holds (a
+    follow-up turn in a conversation) is not encoded again: Prefill never reads those positions.
     ``batch_size`` bounds how many 30 s windows go through the tower at once (None = all).
 
     Counters: ``audio_seconds`` (audio fed to the encoder, so ``audio_rtf`` = encoder seconds /
@@ -31,24 +31,29 @@ class AudioEncoder:
     def __call__(self, ctx: Context) -> Context:
         lm, family, m = ctx.lm, ctx.lm.family, ctx.metrics
         token = family.audio_token_id(lm)
-        slots = (ctx.input_ids[0] == token).nonzero().flatten()
-        m.count("audio_tokens", int(slots.numel()))
-        total = ctx.input_ids.shape[1]
-        # What Prefill will keep of the cache (it always recomputes at least the last token).
-        kept = min(ctx.cache.common_prefix(ctx.token_keys), total - 1)
-        if slots.numel() == 0 or kept > int(slots[-1]):
-            m.count("audio_seconds", 0.0)
+        features = ctx.model_inputs["input_features"]
+        feature_mask = ctx.model_inputs["feature_attention_mask"]
+        slots = (ctx.input_ids[0] == token).nonzero().flatten().tolist()
+        counts = family.audio_token_counts(lm, feature_mask)  # placeholders per clip, in prompt order
+        m.count("audio_tokens", len(slots))
+        # What Prefill will keep of the cache (it always recomputes at least the last token):
+        # clips whose every slot lies before that are not encoded again.
+        kept = min(ctx.cache.common_prefix(ctx.token_keys), ctx.input_ids.shape[1] - 1)
+        ends = torch.tensor(counts).cumsum(0).tolist()
+        todo = [j for j, end in enumerate(ends) if end > 0 and slots[end - 1] >= kept]
+        seconds = sum(_seconds(*ctx.request.audios[j]) for j in todo)
+        m.count("audio_seconds", float(seconds))
+        if not todo:
             if ctx.inputs_embeds is None:
                 ctx.inputs_embeds = lm.model.get_input_embeddings()(ctx.input_ids)
             return ctx
-        embeds = family.encode_audio(
-            lm,
-            ctx.model_inputs["input_features"],
-            ctx.model_inputs["feature_attention_mask"],
-            batch_size=self.batch_size,
-        )
+        embeds = family.encode_audio(lm, features[todo], feature_mask[todo], batch_size=self.batch_size)
+        if len(todo) < len(counts):  # cached clips' slots get zeros: Prefill never reads them
+            full = embeds.new_zeros((len(slots), embeds.shape[-1]))
+            rows = torch.cat([torch.arange(ends[j] - counts[j], ends[j]) for j in todo])
+            full[rows.to(full.device)] = embeds
+            embeds = full
         scatter_media(ctx, token, embeds)
-        m.count("audio_seconds", float(sum(_seconds(wave, rate) for wave, rate in ctx.request.audios)))
         return ctx
 
 

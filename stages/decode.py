@@ -92,7 +92,8 @@ class DecodeLoop:
     (``kv.static=true``). ``check_every``: decode steps between host reads of the new tokens
     (default 1 on the plain path, 8 on the fast path; streaming then arrives in chunks of that
     many tokens). ``compile_mode``: ``torch.compile`` mode (default ``reduce-overhead`` on CUDA,
-    inductor's default elsewhere).
+    inductor's default elsewhere); ``compile_backend``: ``inductor``, or e.g. ``aot_eager`` to
+    check graph capture without paying for code generation.
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class DecodeLoop:
         compile: bool = False,
         check_every: int | None = None,
         compile_mode: str | None = None,
+        compile_backend: str = "inductor",
     ) -> None:
         if check_every is not None and (isinstance(check_every, bool) or int(check_every) < 1):
             raise ValueError(f"decode.check_every must be >= 1 (got {check_every!r})")
@@ -108,6 +110,7 @@ class DecodeLoop:
         self.compile = bool(compile)
         self.check_every = None if check_every is None else int(check_every)
         self.compile_mode = compile_mode
+        self.compile_backend = compile_backend
         self._compiled: tuple[Any, Callable] | None = None  # (model, its compiled step)
         self._verified = False  # the compiled step has run once without error
         self._broken: str | None = None  # why compiling failed, once it did
@@ -133,6 +136,8 @@ class DecodeLoop:
     def _mode(self, device: torch.device) -> str | None:
         if self.compile_mode is not None:
             return self.compile_mode
+        if self.compile_backend != "inductor":
+            return None  # modes are inductor options
         return "reduce-overhead" if device.type == "cuda" else None
 
     def step_for(self, ctx: Context) -> tuple[Callable, bool]:
@@ -146,11 +151,13 @@ class DecodeLoop:
         model = ctx.lm.model
         if self._compiled is None or self._compiled[0] is not model:
             mode = self._mode(ctx.input_ids.device)
-            self._compiled = (model, torch.compile(decode_step, mode=mode, dynamic=False, fullgraph=False))
+            step = torch.compile(decode_step, backend=self.compile_backend, mode=mode, dynamic=False, fullgraph=False)
+            self._compiled = (model, step)
             self._verified = False
         return self._compiled[1], True
 
     # --- the loop -----------------------------------------------------------------------------
+    @torch.inference_mode()
     def __call__(self, ctx: Context) -> Context:
         req, lm, cache, m = ctx.request, ctx.lm, ctx.cache, ctx.metrics
         max_new = req.max_new_tokens
@@ -178,7 +185,6 @@ class DecodeLoop:
         ids[:, :prompt_len] = ctx.input_ids
         clock = _SampleClock(device)
         m.set("kv_bytes_decode_start", cache.nbytes)
-        m.info["decode_compiled"] = compiled
 
         clock.start()
         token = self.sampler(ctx.logits, ids)

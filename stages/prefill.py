@@ -1,6 +1,8 @@
 """Prefill: compute the prompt's keys/values into the shared cache, keeping what is already there."""
 from __future__ import annotations
 
+import torch
+
 from pipeline.context import Context
 from pipeline.memory import check_kv_fits
 
@@ -16,6 +18,7 @@ class Prefill:
             raise ValueError(f"prefill.chunk_size must be >= 1 (got {chunk_size})")
         self.chunk_size = chunk_size
 
+    @torch.inference_mode()  # as in Pipeline.run, also when driven by hand (static caches need it)
     def __call__(self, ctx: Context) -> Context:
         lm, cache, m = ctx.lm, ctx.cache, ctx.metrics
         total = ctx.input_ids.shape[1]

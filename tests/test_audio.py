@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from stages import AudioEncoder, DecodeLoop, Prefill, Sampler, Tokenize
 
 N = 10
 RATE = 16_000
+CONF_DIR = Path(__file__).resolve().parents[1] / "pipeline" / "conf"
 
 
 def tone(freq: float, seconds: float, rate: int = RATE, amp: float = 0.4) -> torch.Tensor:
@@ -77,9 +79,6 @@ def test_two_clips_of_different_lengths_match_generate(lm):
     assert result.prompt_ids == prompt_ids
     assert result.token_ids == generated
     assert result.metrics["audio_seconds"] == pytest.approx(1.9)
-    # Swapping the clips changes the answer's input: the order of audio items is kept.
-    swapped = make_pipe(lm).run(Request(prompt="Compare them.", audios=[(b, RATE), (a, RATE)], max_new_tokens=N))
-    assert swapped.token_ids == oracle(lm, [b, a], "Compare them.")[1]
 
 
 def test_clip_at_another_rate_is_resampled_to_the_model_rate(lm, tmp_path):
@@ -124,6 +123,12 @@ def test_audio_encoder_alone_matches_what_the_model_forward_merges(lm):
         assert not torch.allclose(ctx.inputs_embeds[0, slots], text[0, slots])  # audio really was written
 
 
+def test_text_only_prompt_skips_the_audio_encoder(lm):
+    result = make_pipe(lm).run(Request(prompt="Just text.", max_new_tokens=N))
+    assert "audio_encoder" not in result.metrics["stages"] and "audio_seconds" not in result.metrics
+    assert result.token_ids == generate_oracle(lm, torch.tensor([result.prompt_ids]), N)
+
+
 # ---------------------------------------------------------------- long clips
 
 
@@ -131,8 +136,9 @@ def test_long_clip_is_split_into_ordered_chunks_never_truncated(lm):
     wave = tone(200, 61.0, amp=0.3)
     wave[-RATE:] = tone(1500, 1.0, amp=0.8)  # the last second differs: it must reach the model
     request = Request(prompt="Summarise.", audios=[(wave, RATE)], max_new_tokens=4)
-    result = make_pipe(lm).run(request)
-    ctx = make_pipe(lm).tokenize(request)
+    pipe = make_pipe(lm)
+    ctx = pipe.run_context(request)
+    result = pipe.result(ctx)
     chunks = [w for w, _ in ctx.request.audios]
     assert len(chunks) == 3 and all(c.numel() <= 30 * RATE for c in chunks)
     assert torch.equal(torch.cat(chunks), wave)  # every sample, in order
@@ -179,6 +185,24 @@ def test_cache_reuse_skips_the_encoder_and_keeps_tokens_exact(lm):
     assert switched.metrics["kv_reused_tokens"] == switched.prompt_ids.index(lm.config.audio_token_id)
     assert switched.metrics["audio_seconds"] == pytest.approx(1.0)
     assert switched.token_ids == oracle(lm, [other], "Again?")[1]
+
+
+def test_follow_up_turn_encodes_only_the_new_clip(lm):
+    a, b = tone(440, 1.0), tone(660, 0.8)
+
+    def user(text: str) -> dict:
+        return {"role": "user", "content": [{"type": "audio", "audio": "clip.wav"}, {"type": "text", "text": text}]}
+
+    pipe, cache = make_pipe(lm), KVCache(lm.config)
+    first = pipe.run(Request(messages=[user("First?")], audios=[(a, RATE)], max_new_tokens=N), cache)
+    history = [user("First?"), {"role": "assistant", "content": first.text}, user("And this one?")]
+    follow = Request(messages=history, audios=[(a, RATE), (b, RATE)], max_new_tokens=N)
+    second = pipe.run(follow, cache)
+    fresh = pipe.run(follow)
+    assert second.token_ids == fresh.token_ids
+    assert second.metrics["audio_seconds"] == pytest.approx(0.8)  # clip a came from the cache
+    assert fresh.metrics["audio_seconds"] == pytest.approx(1.8)
+    assert second.metrics["audio_tokens"] == fresh.metrics["audio_tokens"]
 
 
 # ---------------------------------------------------------------- bad input
@@ -238,7 +262,7 @@ def test_bad_audio_file_is_one_line_user_error(lm, bad_files, case):
     ],
 )
 def test_bad_waveform_is_one_line_user_error(lm, item, words):
-    with pytest.raises(UserError, match=None) as err:
+    with pytest.raises(UserError) as err:
         make_pipe(lm).run(Request(prompt="x", audios=[item]))
     assert words in str(err.value) and "\n" not in str(err.value)
 
@@ -250,7 +274,7 @@ def test_placeholder_typed_in_the_prompt_is_refused(lm):
 
 def test_audio_to_a_model_without_audio_encoder_is_refused(load_tiny):
     vl = load_tiny("qwen2-vl")
-    with pytest.raises(UserError, match="without a audio encoder: cannot take audio input"):
+    with pytest.raises(UserError, match="qwen2-vl model without an audio encoder: cannot take audio input"):
         make_pipe(vl).run(Request(prompt="x", audios=[(tone(440, 0.5), RATE)]))
 
 
@@ -273,18 +297,30 @@ def test_cli_hears_a_wav_and_reports_audio_metrics(tiny_dir, load_tiny, tmp_path
     assert result["prompt_ids"] == prompt_ids and result["token_ids"] == generated
 
 
-@pytest.mark.parametrize("case", ["corrupt header", "long with error option"])
-def test_cli_bad_audio_is_one_line_exit_2(tiny_dir, bad_files, tmp_path, case):
-    if case == "long with error option":
-        path = tmp_path / "long.flac"
-        sf.write(path, tone(300, 31.0).numpy(), RATE, subtype="PCM_16")
-        args, words = [f"input={path}", "media.long_audio=error"], "longer than the encoder's 30 s window"
-    else:
-        path, words = bad_files[case]
-        args = [f"input={path}"]
-    proc = run_cli(f"model.path={tiny_dir('qwen2-audio')}", *args, f"hydra.run.dir={tmp_path}")
+def test_cli_bad_audio_is_one_line_exit_2(tiny_dir, bad_files, tmp_path):
+    path, words = bad_files["corrupt header"]
+    proc = run_cli(f"model.path={tiny_dir('qwen2-audio')}", f"input={path}", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and words in last
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: ") and words in lines[0]
     assert proc.stdout == ""
+
+
+def test_long_audio_option_flows_from_the_config(lm):
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.assemble import request_from_cfg, stages_from_cfg
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        default = compose("config")
+        refuse = compose("config", overrides=["media.long_audio=error"])
+        bogus = compose("config", overrides=["media.long_audio=truncate"])
+    assert list(default.stages).index("audio_encoder") == list(default.stages).index("prefill") - 1
+    assert stages_from_cfg(default)["tokenize"].long_audio == "split"
+    stages = stages_from_cfg(refuse)
+    assert stages["tokenize"].long_audio == "error"
+    with pytest.raises(UserError, match="longer than the encoder's 30 s window"):
+        Pipeline(lm, stages).run(Request(prompt="x", audios=[(tone(100, 30.5), RATE)]))
+    with pytest.raises(UserError, match="media.long_audio must be split or error"):
+        request_from_cfg(bogus)

@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from conftest import run_cli
-from pipeline import UserError
+from pipeline import Pipeline, UserError
 from pipeline.modes import bench
 from pipeline.modes.bench import BenchSettings, settings_from_cfg
 
@@ -58,10 +58,20 @@ def test_bad_grid_values_are_one_line_errors(override, message):
     assert "\n" not in str(err.value)
 
 
-def test_grid_longer_than_the_model_is_refused(lm):
+def test_grid_longer_than_the_model_or_static_cache_is_refused(lm):
     limit = lm.config.max_position_embeddings
     with pytest.raises(UserError, match=f"exceed the model's {limit} positions"):
-        bench.check_fits(lm, BenchSettings(prompt_lengths=(limit,), gen_lengths=(1,)))
+        bench.check_fits(bench.bench_pipeline(lm), BenchSettings(prompt_lengths=(limit,), gen_lengths=(1,)))
+    static = Pipeline(lm, bench.bench_pipeline(lm).stages, kv_static=True, kv_max_len=16)
+    with pytest.raises(UserError, match="exceed kv.max_len=16"):
+        bench.run_grid(static, BenchSettings(prompt_lengths=(8, 12), gen_lengths=(8,)))
+
+
+def test_python_api_runs_a_grid_without_baseline(lm):
+    rows = bench.run_grid(bench.bench_pipeline(lm), BenchSettings((4,), (3,), repetitions=2, warmup=0))
+    assert [r.test for r in rows] == ["pp4+tg3"]
+    assert len(rows[0].pipeline) == 2 and rows[0].baseline == [] and rows[0].ratios() == {}
+    assert rows[0].stats()["tg_tok_s"]["mean"] > 0
 
 
 def test_synthetic_prompt_is_seeded_and_avoids_special_tokens(lm):

@@ -31,7 +31,7 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def lm(load_tiny):
-    return load_tiny("qwen3")
+    return load_tiny("qwen3", dtype="float32")  # exact comparisons with a plain forward, GPU included
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def pipe(lm):
 
 def make_cfg(*overrides: str):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose("config", overrides=["mode=ceval", *overrides])
+        return compose("config", overrides=["mode=ceval", "model.dtype=float32", *overrides])
 
 
 def questions(subject: str, items=QUESTIONS) -> list[Question]:

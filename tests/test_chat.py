@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
-import torch
 from PIL import Image
 
 from conftest import generate_oracle, run_cli
@@ -321,8 +320,8 @@ def test_repl_ctrl_c_drops_the_answer_and_keeps_the_session(lm, pipe):
 
 
 def test_repl_through_cli_with_piped_stdin(tiny_dir, lm, tmp_path):
-    script = "Hi there.\n\n/stats\n/bogus\n/undo\nTell me about the sea.\n/image /no/such/cat.png\nCount to three.\n"
-    proc = run_cli("mode=chat", f"model.path={tiny_dir('qwen3')}", f"max_new_tokens={N}",
+    script = "\n/stats\n/bogus\n/undo\nTell me about the sea.\n/image /no/such/cat.png\nCount to three.\n"
+    proc = run_cli("mode=chat", f"model.path={tiny_dir('qwen3')}", f"max_new_tokens={N}", "prompt=Hi there.",
                    f"hydra.run.dir={tmp_path}", input=script)  # ends with EOF, as Ctrl-D does
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr

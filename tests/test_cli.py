@@ -80,9 +80,9 @@ def test_multirun_writes_one_result_per_job(tiny_dir, tmp_path):
 
 
 def test_custom_stage_swapped_with_one_override(tiny_dir, tmp_path):
-    # The chain is config: swap the decode stage's sampler for a different class by dotted path.
+    # The chain is config: one override swaps the sampler the decode stage uses for a user class.
     proc = run_cli(f"model.path={tiny_dir('qwen3')}", "prompt=Hi", "max_new_tokens=4", "ignore_eos=true",
-                   "stages.decode.sampler._target_=tests.helpers.FirstTokenSampler",
+                   "sampler._target_=tests.helpers.FirstTokenSampler",
                    f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     assert read_result(tmp_path)["token_ids"] == [0, 0, 0, 0]

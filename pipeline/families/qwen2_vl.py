@@ -24,7 +24,7 @@ from PIL import Image
 
 from pipeline.errors import UserError
 from pipeline.families.base import Family
-from pipeline.media import content_hash, load_image
+from pipeline.media import content_hash, load_image, to_rgb
 
 if TYPE_CHECKING:
     from pipeline.context import Context
@@ -48,7 +48,7 @@ def load_images(images: list[Any]) -> list[Image.Image]:
         if isinstance(image, (str, os.PathLike)):
             out.append(load_image(image))
         elif isinstance(image, Image.Image):
-            out.append(image if image.mode == "RGB" else image.convert("RGB"))
+            out.append(to_rgb(image))  # alpha on white, as the file loader does
         else:
             raise UserError(f"image {i + 1}: expected a file path or a PIL image, got {type(image).__name__}")
     return out
@@ -79,7 +79,7 @@ class Qwen2VLFamily(Family):
             with warnings.catch_warnings():
                 # min_pixels/max_pixels given to from_pretrained (model.processor) are replayed by
                 # transformers 5.23 on every call with a deprecation warning; they still apply.
-                warnings.filterwarnings("ignore", message="Passing `min_pixels` and `max_pixels`", category=FutureWarning)
+                warnings.filterwarnings("ignore", "Passing `min_pixels` and `max_pixels`", FutureWarning)
                 out = dict(lm.processor(text=[text], images=images or None, return_tensors="pt"))
         except ValueError as err:  # e.g. an aspect ratio beyond 200:1, which smart_resize refuses
             names = ", ".join(

@@ -336,16 +336,21 @@ def summarize(records: list[dict], **info: Any) -> dict:
 
 
 # --- processes -------------------------------------------------------------------------------
-def process_state() -> Any:
+def process_state(sync_timeout_s: float = 86400) -> Any:
     """accelerate's view of the launch: one process under plain python, N under accelerate/torchrun.
 
     On a machine without CUDA, accelerate only joins the ranks (gloo) when told ``cpu=True``.
+    Ranks that finish early wait at a barrier for the slowest one: the process group's timeout
+    (torch's default is 30 minutes) must outlast the longest shard, hence ``sync_timeout_s``.
     """
+    from datetime import timedelta
+
     import torch
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
 
-    return PartialState(cpu=not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU"))
+    cpu = not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU")
+    return PartialState(cpu=cpu, timeout=timedelta(seconds=sync_timeout_s))
 
 
 def shared_run_dir(state: Any) -> Path:
@@ -398,8 +403,12 @@ def main(cfg: DictConfig) -> None:
         cfg.input = None
     request_from_cfg(cfg, prompt=None)  # the run's own settings fail before the model loads
     shared_prefix = bool(opts.get("shared_prefix", False))
+    value = opts.get("sync_timeout_s", 86400)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise UserError(f"batch.sync_timeout_s must be a number of seconds > 0 (got {value!r})")
+    sync_timeout_s = float(value)
 
-    state = process_state()
+    state = process_state(sync_timeout_s)
     out = shared_run_dir(state)
     rank, n = state.process_index, state.num_processes
     done, dropped = collect(out, items)
@@ -432,7 +441,11 @@ def main(cfg: DictConfig) -> None:
                 if exit_after is not None and written >= exit_after:
                     os._exit(3)
 
-            run_items(pipe, cfg, pending, shared_prefix, on_record)
+            try:
+                run_items(pipe, cfg, pending, shared_prefix, on_record)
+            except KeyboardInterrupt:
+                print(f"\nbatch: interrupted; finished items are kept: resume with hydra.run.dir={out}", file=sys.stderr)
+                raise
 
     state.wait_for_everyone()
     if not state.is_main_process:

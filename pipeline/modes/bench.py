@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
-from pipeline.assemble import load_from_cfg
+from pipeline.assemble import load_from_cfg, pipeline_from_cfg
 from pipeline.context import Request
 from pipeline.errors import UserError
 from pipeline.loading import LoadedModel
@@ -98,12 +97,19 @@ def settings_from_cfg(cfg: DictConfig) -> BenchSettings:
     )
 
 
-def check_fits(lm: LoadedModel, settings: BenchSettings) -> None:
-    """Refuse cells longer than the model's position range (they would fail or be meaningless)."""
-    limit = getattr(lm.config.get_text_config(), "max_position_embeddings", None)
+def check_fits(pipe: Pipeline, settings: BenchSettings) -> None:
+    """Refuse cells longer than the model's position range or a static cache (they would fail mid-grid)."""
     longest = max(settings.prompt_lengths) + max(settings.gen_lengths)
+    limit = getattr(pipe.lm.config.get_text_config(), "max_position_embeddings", None)
     if limit is not None and longest > limit:
         raise UserError(f"bench: {longest} tokens (prompt + generated) exceed the model's {limit} positions")
+    if pipe.kv_static and longest > pipe.kv_max_len:
+        raise UserError(f"bench: {longest} tokens (prompt + generated) exceed kv.max_len={pipe.kv_max_len}")
+
+
+def bench_pipeline(lm: LoadedModel) -> Pipeline:
+    """The default chain for Python use: plain Prefill and a greedy DecodeLoop."""
+    return Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(Sampler())})
 
 
 def synthetic_prompt(lm: LoadedModel, length: int, seed: int) -> list[int]:
@@ -129,17 +135,17 @@ def _figures(prompt: int, gen: int, ttft: float, total: float) -> dict[str, floa
     }
 
 
-def time_pipeline(lm: LoadedModel, prefill: Any, decode: Any, ids: list[int], gen: int) -> dict:
-    """One pipeline run on a fresh cache: the bench figures plus the pipeline's own metrics."""
-    pipe = Pipeline(lm, {"prefill": prefill, "decode": decode})
+def time_pipeline(pipe: Pipeline, ids: list[int], gen: int) -> dict:
+    """One run of the pipeline's prefill + decode stages on raw ids and an empty cache:
+    the bench figures plus the pipeline's own metrics."""
     ctx = pipe.context(Request(max_new_tokens=gen, ignore_eos=True))
-    ctx.input_ids = torch.tensor([ids], device=lm.device)
+    ctx.input_ids = torch.tensor([ids], device=pipe.lm.device)
     ctx.token_keys = list(ids)
     with torch.inference_mode():
         ctx.metrics.start()
-        for name, stage in pipe.stages.items():
+        for name in ("prefill", "decode"):
             with ctx.metrics.span(name):
-                stage(ctx)
+                pipe.stages[name](ctx)
         ctx.metrics.end()
     m = pipe.result(ctx).metrics
     if len(ctx.generated) != gen:
@@ -239,22 +245,23 @@ class Row:
         return out
 
 
-def run_grid(
-    lm: LoadedModel,
-    settings: BenchSettings,
-    prefill: Any | None = None,
-    decode: Any | None = None,
-    on_run: Callable[[], None] | None = None,
-) -> list[Row]:
-    """Warm up, then time every cell ``repetitions`` times (pipeline and baseline alternating)."""
-    prefill = prefill if prefill is not None else Prefill()
-    decode = decode if decode is not None else DecodeLoop(Sampler())
+def run_grid(pipe: Pipeline, settings: BenchSettings, on_run: Callable[[], None] | None = None) -> list[Row]:
+    """Warm up, then time every cell ``repetitions`` times (pipeline and baseline alternating).
+
+    ``pipe`` needs ``prefill`` and ``decode`` stages (other stages are not run); its decode
+    sampler should be greedy for the baseline comparison to mean anything.
+    """
+    missing = [name for name in ("prefill", "decode") if name not in pipe.stages]
+    if missing:
+        raise UserError(f"bench: the pipeline has no {' or '.join(missing)} stage")
+    check_fits(pipe, settings)
+    lm = pipe.lm
     prompts = {p: synthetic_prompt(lm, p, settings.seed) for p in settings.prompt_lengths}
     rows: list[Row] = []
     for p, g in settings.cells:
         row = Row(f"pp{p}+tg{g}", p, g)
         for rep in range(settings.warmup + settings.repetitions):
-            sample = time_pipeline(lm, prefill, decode, prompts[p], g)
+            sample = time_pipeline(pipe, prompts[p], g)
             if rep >= settings.warmup:
                 row.pipeline.append(sample)
             if on_run is not None:
@@ -358,13 +365,15 @@ def plot(rows: list[Row], path: Path, title: str) -> Path:
 
 def main(cfg: DictConfig) -> None:
     settings = settings_from_cfg(cfg)  # bad grid values fail before the model loads
+    # The configured stages (prefill.chunk_size, decode.compile, kv.static are benchmarked as set),
+    # except the sampler: always greedy, like the baseline.
+    cfg = OmegaConf.merge(cfg, {"stages": {"decode": {"sampler": {"_target_": "stages.Sampler"}}}})
     lm = load_from_cfg(cfg)
-    check_fits(lm, settings)
-    prefill_spec = cfg.get("stages", {}).get("prefill")
-    prefill = instantiate(prefill_spec) if prefill_spec is not None else Prefill()
+    pipe = pipeline_from_cfg(cfg, lm)
     runs = len(settings.cells) * (settings.warmup + settings.repetitions) * (2 if settings.baseline else 1)
+    check_fits(pipe, settings)
     with tqdm(total=runs, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
-        rows = run_grid(lm, settings, prefill=prefill, on_run=lambda: bar.update(1))
+        rows = run_grid(pipe, settings, on_run=lambda: bar.update(1))
 
     dtype = str(lm.model.dtype).replace("torch.", "")
     title = f"{lm.path}  ({lm.device}, {dtype}, quant={lm.quant})"

@@ -13,9 +13,10 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from pipeline import ceval
-from pipeline.assemble import load_from_cfg, pipeline_from_cfg
+from pipeline.assemble import load_from_cfg, stages_from_cfg
 from pipeline.errors import UserError
 from pipeline.outputs import run_dir, write_csv, write_json
+from pipeline.pipeline import Pipeline
 
 
 def _shots(cfg: DictConfig) -> int:
@@ -37,9 +38,11 @@ def main(cfg: DictConfig) -> None:
     for subject in subjects:  # a missing dev subject fails now, not after an hour of answering
         ceval.shots_for(dev, subject, shots)
     thinking = False if cfg.thinking is None else bool(cfg.thinking)
+    stages = stages_from_cfg(cfg)  # bad stage settings fail before the model loads too
 
     lm = load_from_cfg(cfg)
-    pipe = pipeline_from_cfg(cfg, lm)
+    # No decode warm-up or static cache: C-Eval never decodes, and a dynamic cache crops cheaply.
+    pipe = Pipeline(lm, stages)
     graded = {"n": 0, "correct": 0}
     bar = tqdm(total=len(questions), desc="ceval", unit="q", file=sys.stderr, dynamic_ncols=True)
 

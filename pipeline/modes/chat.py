@@ -62,7 +62,12 @@ class Repl:
 
     def read(self) -> str | None:
         """The next line without its newline, or None at end of input (Ctrl-D / EOF)."""
-        if self.stdin.isatty():
+        if self.stdin is sys.stdin and self.stdin.isatty():
+            if self.stdout.isatty():  # readline echoes to stdout: only when that is the terminal
+                try:
+                    import readline  # noqa: F401  (line editing and history for input())
+                except ImportError:
+                    pass
             self.stderr.write("> ")
             self.stderr.flush()
             try:
@@ -92,7 +97,8 @@ class Repl:
             return self.send(line[1:])
         if not line.startswith("/"):
             return self.send(line)
-        name, _, arg = line.strip().partition(" ")
+        name, *rest = line.strip().split(maxsplit=1)
+        arg = rest[0] if rest else ""
         command = self.commands.get(name.lower())
         if command is None:
             self.note(f"unknown command {name}: commands are {COMMANDS}")

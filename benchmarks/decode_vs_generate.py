@@ -1,0 +1,307 @@
+"""Prefill and decode speed of the pipeline against transformers' ``model.generate()``.
+
+One model is loaded once; each repetition runs, alternating their order so that drifting
+clocks and thermals hit both alike, on the same prompt ids and settings (greedy, EOS ignored):
+
+- ``generate``: ``generate(max_new_tokens=1)`` and ``generate(max_new_tokens=N)`` with
+  ``min_new_tokens`` = ``max_new_tokens``. TTFT = the first; decode tok/s = (N - 1) / (t_N - t_1).
+- ``plain``: the pipeline's default path (eager step, metrics on).
+- ``fast`` (``--fast``): ``decode.compile=true`` + ``kv.static=true``, warmed up before timing.
+
+Pipeline figures are measured the same way as generate's: TTFT = request start to the first
+token chosen; decode tok/s = (N - 1) / (end - first token), sampling and bookkeeping included.
+Printed: medians, ratios against generate, ``bandwidth_gb_s`` ((decode weight bytes + mean KV
+bytes) x decode tok/s) and whether every path produced the same tokens.
+
+    python benchmarks/decode_vs_generate.py                         # embedded tiny model, CPU
+    python benchmarks/decode_vs_generate.py --fast --reps 5
+    python benchmarks/decode_vs_generate.py --arch qwen2-vl-2b --quant nf4 --fast --image 448 \\
+        --prompt-tokens 32 --new-tokens 256                         # real-size, random weights (GPU)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from pipeline import Pipeline, Request, load_model  # noqa: E402
+from pipeline.loading import LoadedModel  # noqa: E402
+from pipeline.metrics import decode_weight_bytes, synchronize  # noqa: E402
+from stages import DecodeLoop, Prefill, Tokenize  # noqa: E402
+
+# Qwen/Qwen2-VL-2B-Instruct's published config.json (architecture only; weights are random).
+QWEN2_VL_2B: dict[str, Any] = {
+    "text": dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=32768,
+        rms_norm_eps=1e-6, use_sliding_window=False, sliding_window=32768, max_window_layers=28,
+        attention_dropout=0.0, initializer_range=0.02,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+    ),
+    "vision": dict(depth=32, embed_dim=1280, hidden_size=1536, hidden_act="quick_gelu", mlp_ratio=4,
+                   num_heads=16, in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+    "tie_word_embeddings": True,
+    "processor": dict(min_pixels=56 * 56, max_pixels=28 * 28 * 1280),  # the Qwen2-VL processor defaults
+}
+ARCHS = {"qwen2-vl-2b": QWEN2_VL_2B}
+
+
+# --- the model ------------------------------------------------------------------------------
+
+def build_arch(name: str, out_dir: Path, device: str) -> Path:
+    """Write a ``save_pretrained`` directory of the ``name`` architecture with random weights.
+
+    The tokenizer and processor are the embedded tiny Qwen2-VL ones (same special tokens and
+    chat template, small vocabulary): what matters for speed is the model's shapes.
+    """
+    marker = out_dir / "mm_pipeline_bench.json"
+    if marker.is_file():
+        return out_dir
+    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from pipeline.tiny import make_processor, make_tokenizer
+
+    spec = ARCHS[name]
+    tok = make_tokenizer("qwen2-vl")
+    ids = tok.convert_tokens_to_ids
+    config = Qwen2VLConfig(
+        text_config={**spec["text"], "bos_token_id": ids("<|endoftext|>"), "eos_token_id": ids("<|im_end|>"),
+                     "pad_token_id": ids("<|endoftext|>")},
+        vision_config=spec["vision"],
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=spec["tie_word_embeddings"],
+    )
+    print(f"building {name} with random weights on {device} -> {out_dir}", file=sys.stderr)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2VLForConditionalGeneration(config).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=[ids("<|im_end|>")], pad_token_id=ids("<|endoftext|>"))
+    processor = make_processor("qwen2-vl", tok)
+    processor.image_processor.min_pixels = spec["processor"]["min_pixels"]
+    processor.image_processor.max_pixels = spec["processor"]["max_pixels"]
+    processor.image_processor.size = {"shortest_edge": spec["processor"]["min_pixels"],
+                                      "longest_edge": spec["processor"]["max_pixels"]}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    del model
+    marker.write_text(json.dumps({"arch": name, "weights": "random"}) + "\n")
+    return out_dir
+
+
+def load(args: argparse.Namespace) -> LoadedModel:
+    if args.arch:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        cache = Path(args.cache_dir or Path(tempfile.gettempdir()) / "mm-pipeline-bench") / args.arch
+        path = str(build_arch(args.arch, cache, device))
+    elif args.model:
+        path = args.model
+    else:
+        from pipeline.tiny import default_model_dir
+
+        path = str(default_model_dir())
+    return load_model(path, dtype=args.dtype, quant=args.quant)
+
+
+# --- one request ----------------------------------------------------------------------------
+
+class Prompt:
+    """The same prompt for every path: raw ids (text) or a templated image request."""
+
+    def __init__(self, lm: LoadedModel, args: argparse.Namespace) -> None:
+        self.lm = lm
+        self.image = None
+        if args.image:
+            import numpy as np
+            from PIL import Image
+
+            rng = np.random.default_rng(0)
+            self.image = Image.fromarray(rng.integers(0, 256, (args.image, args.image, 3), dtype=np.uint8), "RGB")
+            words = ("describe the picture in detail please " * 64).split()
+            text = " ".join(words)
+            n = len(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+            while n > args.prompt_tokens and len(words) > 1:
+                words = words[:-1]
+                n = len(lm.tokenizer(" ".join(words), add_special_tokens=False)["input_ids"])
+            self.text = " ".join(words)
+            pipe = Pipeline(lm, {"tokenize": Tokenize()})
+            ctx = pipe.tokenize(self.request(1))
+            self.ids = ctx.input_ids
+            self.model_inputs = {k: v for k, v in ctx.model_inputs.items() if isinstance(v, torch.Tensor)}
+        else:
+            # Random ordinary-vocabulary ids (no special tokens), fixed seed, like llama-bench.
+            special = set(lm.tokenizer.all_special_ids) | set(lm.tokenizer.get_added_vocab().values())
+            pool = torch.tensor([i for i in range(len(lm.tokenizer)) if i not in special])
+            g = torch.Generator().manual_seed(0)
+            self.ids = pool[torch.randint(len(pool), (1, args.prompt_tokens), generator=g)].to(lm.device)
+            self.model_inputs = {}
+
+    def request(self, n: int) -> Request:
+        images = [self.image] if self.image is not None else []
+        return Request(prompt=getattr(self, "text", None), images=images, max_new_tokens=n, ignore_eos=True)
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.shape[1])
+
+
+def time_generate(lm: LoadedModel, prompt: Prompt, n: int) -> tuple[float, list[int]]:
+    kwargs = {k: v.to(lm.device) for k, v in prompt.model_inputs.items()}
+    synchronize(lm.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = lm.model.generate(
+            input_ids=prompt.ids, attention_mask=torch.ones_like(prompt.ids), do_sample=False,
+            max_new_tokens=n, min_new_tokens=n, pad_token_id=lm.tokenizer.pad_token_id or 0, **kwargs,
+        )
+    synchronize(lm.device)
+    return time.perf_counter() - t0, out[0, prompt.length:].tolist()
+
+
+def time_pipeline(pipe: Pipeline, prompt: Prompt, n: int) -> tuple[dict, list[int]]:
+    """One request, metrics on: through every stage for an image prompt, else from raw ids."""
+    if prompt.image is not None:
+        result = pipe.run(prompt.request(n))
+        return result.metrics, result.token_ids
+    ctx = pipe.context(prompt.request(n))
+    ctx.input_ids = prompt.ids
+    ctx.token_keys = prompt.ids[0].tolist()
+    with torch.inference_mode():
+        ctx.metrics.start()
+        for name in ("prefill", "decode"):
+            with ctx.metrics.span(name):
+                pipe.stages[name](ctx)
+        ctx.metrics.end()
+    return pipe.result(ctx).metrics, list(ctx.generated)
+
+
+def make_pipe(lm: LoadedModel, fast: bool, capacity: int, image: bool) -> Pipeline:
+    stages: dict[str, Callable] = {}
+    if image:
+        from stages import VisionEncoder
+
+        stages = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder()}
+    stages["prefill"] = Prefill()
+    stages["decode"] = DecodeLoop(compile=fast)
+    return Pipeline(lm, stages, kv_static=fast, kv_max_len=capacity)
+
+
+# --- main -----------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="a save_pretrained directory (default: the embedded tiny model)")
+    ap.add_argument("--arch", choices=sorted(ARCHS), help="build this architecture with random weights instead")
+    ap.add_argument("--cache-dir", help="where --arch models are written (default: $TMPDIR/mm-pipeline-bench)")
+    ap.add_argument("--quant", default="none", help="nf4 | fp4 | int8 | none")
+    ap.add_argument("--dtype", default="auto", help="auto (float32 CPU, bfloat16 GPU) | bfloat16 | float32")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--image", type=int, default=0, help="add one random SIZE x SIZE image (e.g. 448)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--fast", action="store_true", help="also time decode.compile=true + kv.static=true")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--peak-gb-s", type=float, default=None, help="memory bandwidth to report a roofline %% against")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n = args.new_tokens
+    if n < 2:
+        ap.error("--new-tokens must be >= 2 (decode speed needs a decode step)")
+
+    lm = load(args)
+    prompt = Prompt(lm, args)
+    image = prompt.image is not None
+    capacity = prompt.length + n + 16
+    paths: dict[str, Pipeline] = {"plain": make_pipe(lm, False, capacity, image)}
+    warmup_s = None
+    if args.fast:
+        paths["fast"] = make_pipe(lm, True, capacity, image)
+        warmup_s = paths["fast"].warmup()
+    read_bytes = decode_weight_bytes(lm.model)
+    print(f"model {lm.path}  quant={lm.quant} dtype={lm.model.dtype} device={lm.device}  "
+          f"decode weights {read_bytes / 1e6:.1f} MB  prompt {prompt.length} tokens"
+          f"{' (with a %dx%d image)' % (args.image, args.image) if image else ''}  new {n}  reps {args.reps}"
+          + (f"  warm-up {warmup_s:.1f} s" if warmup_s is not None else ""), file=sys.stderr)
+
+    # One untimed round of everything: allocator, kernels and lazy imports warmed alike.
+    time_generate(lm, prompt, 2)
+    for pipe in paths.values():
+        time_pipeline(pipe, prompt, 2)
+
+    samples: dict[str, dict[str, list[float]]] = {k: {"ttft_s": [], "decode_tok_s": [], "bytes_per_token": []}
+                                                  for k in ["generate", *paths]}
+    tokens: dict[str, list[int]] = {}
+    for rep in range(args.reps):
+        order = ["generate", *paths] if rep % 2 == 0 else [*paths, "generate"]
+        for name in order:
+            if name == "generate":
+                t1, _ = time_generate(lm, prompt, 1)
+                tn, toks = time_generate(lm, prompt, n)
+                samples[name]["ttft_s"].append(t1)
+                samples[name]["decode_tok_s"].append((n - 1) / (tn - t1))
+            else:
+                m, toks = time_pipeline(paths[name], prompt, n)
+                samples[name]["ttft_s"].append(m["ttft_s"])
+                samples[name]["decode_tok_s"].append((n - 1) / (m["total_s"] - m["ttft_s"]))
+                # Bytes one decode step reads (decode weights + mean KV; static: the whole allocation).
+                samples[name]["bytes_per_token"].append(m["bandwidth_gb_s"] * 1e9 / m["decode_tok_s"])
+            tokens.setdefault(name, toks)
+            if toks != tokens[name]:
+                print(f"warning: {name} gave different tokens across repetitions", file=sys.stderr)
+
+    # generate() grows a dynamic cache exactly like the plain path: same bytes per step.
+    samples["generate"]["bytes_per_token"] = samples["plain"]["bytes_per_token"]
+    rows = []
+    base = {k: statistics.median(v) for k, v in samples["generate"].items() if v}
+    for name, figs in samples.items():
+        ttft = statistics.median(figs["ttft_s"])
+        tok_s = statistics.median(figs["decode_tok_s"])
+        bw = statistics.median(figs["bytes_per_token"]) * tok_s / 1e9
+        rows.append({
+            "path": name,
+            "ttft_s": ttft,
+            "prefill_tok_s": prompt.length / ttft,
+            "decode_tok_s": tok_s,
+            "decode_tok_s_stdev": statistics.stdev(figs["decode_tok_s"]) if len(figs["decode_tok_s"]) > 1 else 0.0,
+            "prefill_ratio": base["ttft_s"] / ttft,
+            "decode_ratio": tok_s / base["decode_tok_s"],
+            "bandwidth_gb_s": bw,
+            "roofline_pct": 100 * bw / args.peak_gb_s if args.peak_gb_s else None,
+            "tokens_match_generate": tokens[name] == tokens["generate"],
+        })
+
+    print(f"\n| path | prefill tok/s (P/TTFT) | decode tok/s | vs generate: prefill | decode | bandwidth GB/s |"
+          f"{' roofline % |' if args.peak_gb_s else ''} tokens = generate |")
+    print(f"|---|---|---|---|---|---|{'---|' if args.peak_gb_s else ''}---|")
+    for r in rows:
+        roof = f" {r['roofline_pct']:.1f} |" if args.peak_gb_s else ""
+        print(f"| {r['path']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} ± {r['decode_tok_s_stdev']:.2f} | "
+              f"{r['prefill_ratio']:.3f} | {r['decode_ratio']:.3f} | {r['bandwidth_gb_s']:.3f} |{roof} "
+              f"{'yes' if r['tokens_match_generate'] else 'NO'} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "warmup_s": warmup_s, "rows": rows}, indent=2))
+    mismatched = [r["path"] for r in rows if not r["tokens_match_generate"]]
+    if mismatched:
+        print(f"tokens differ from generate() for: {', '.join(mismatched)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""bitsandbytes quantisation, accelerate placement and the KV memory guard (issue 5).
+
+Everything runs on CPU: bitsandbytes >= 0.49 has CPU 4-bit and int8 kernels, and the tiny
+models keep every Linear at in_features >= 64 (the CPU 4-bit path's floor).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from conftest import generate_oracle, run_cli
+from pipeline import Pipeline, Request, UserError, load_model
+from pipeline.memory import check_kv_fits, kv_bytes
+from pipeline.quant import quantization_config, resolve_scheme, scheme_name
+from stages import DecodeLoop, Prefill, Sampler, Tokenize
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "pipeline" / "conf"
+N = 10
+PROMPT = "Tell me about the sea."
+
+
+def make_pipe(lm) -> Pipeline:
+    return Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop(Sampler())})
+
+
+def run_and_oracle(lm, max_new_tokens: int = N) -> tuple[list[int], list[int]]:
+    result = make_pipe(lm).run(Request(prompt=PROMPT, max_new_tokens=max_new_tokens))
+    ids = torch.tensor([result.prompt_ids], device=lm.device)
+    return result.token_ids, generate_oracle(lm, ids, max_new_tokens)
+
+
+def linears(model, cls) -> list[tuple[str, torch.nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if type(m) is cls]
+
+
+# --- greedy output equals generate on the same quantised model --------------------------------
+@pytest.mark.parametrize("scheme", ["nf4", "int8"])
+def test_quantised_pipeline_matches_generate(load_tiny, scheme):
+    lm = load_tiny("qwen3", quant=scheme)
+    assert lm.quant == scheme
+    ours, oracle = run_and_oracle(lm)
+    assert ours == oracle
+    result = make_pipe(lm).run(Request(prompt=PROMPT, max_new_tokens=2))
+    assert result.metrics["quant"] == scheme
+    assert result.metrics["weights_bytes"] == lm.weights_bytes == sum(sum(k.values()) for k in lm.placement.values())
+    assert result.metrics["placement"] == lm.placement
+
+
+# --- the layers really are 4-bit / 8-bit, and the skip list is honoured -----------------------
+def test_nf4_linears_are_4bit_and_skips_stay_linear(load_tiny):
+    # double_quant off: its per-layer code table (1 KiB) would dominate layers this small
+    lm = load_tiny("qwen3", quant={"name": "nf4", "skip_modules": ["lm_head", "mlp"], "double_quant": False})
+    model = lm.model
+    quantised = linears(model, bnb.nn.Linear4bit)
+    assert {n.rsplit(".", 1)[-1] for n, _ in quantised} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    for _, module in quantised:
+        assert type(module.weight).__name__ == "Params4bit" and module.weight.quant_type == "nf4"
+        # two 4-bit weights per stored byte
+        assert module.weight.numel() * module.weight.element_size() * 2 == module.in_features * module.out_features
+    plain = {n for n, _ in linears(model, torch.nn.Linear)}
+    assert "lm_head" in plain and all(f"mlp.{p}" in " ".join(plain) for p in ("gate_proj", "up_proj", "down_proj"))
+    # Placement: nf4 bytes ~ half a byte per quantised weight (plus per-block scales), the rest float32.
+    n_quantised = sum(m.in_features * m.out_features for _, m in quantised)
+    float_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if type(p).__name__ != "Params4bit")
+    float_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
+    assert set(lm.placement) == {"cpu"}
+    assert lm.placement["cpu"]["float32"] == float_bytes
+    # 4 bits per weight + one float32 absmax per 64-weight block = 0.5625 bytes per weight
+    assert 0.5625 <= lm.placement["cpu"]["nf4"] / n_quantised < 0.57
+
+
+def test_default_skips_keep_lm_head_and_quantise_every_decoder_linear(load_tiny):
+    lm = load_tiny("qwen3", quant="nf4")
+    plain = [n for n, _ in linears(lm.model, torch.nn.Linear)]
+    assert plain == ["lm_head"]
+    assert len(linears(lm.model, bnb.nn.Linear4bit)) == 7 * lm.config.num_hidden_layers
+
+
+def test_nf4_vision_model_keeps_its_tower_unquantised_and_matches_generate(load_tiny):
+    from PIL import Image
+
+    from stages.vision import VisionEncoder
+
+    lm = load_tiny("qwen2-vl", quant="nf4")
+    plain = [n for n, _ in linears(lm.model, torch.nn.Linear)]
+    four_bit = [n for n, _ in linears(lm.model, bnb.nn.Linear4bit)]
+    assert plain and all(n.startswith("model.visual.") or n == "lm_head" for n in plain)
+    assert any(".merger." in n for n in plain)  # the projector into the LM stays unquantised too
+    assert four_bit and all(n.startswith("model.language_model.") for n in four_bit)
+    image = Image.fromarray((torch.arange(112 * 112 * 3) % 251).to(torch.uint8).reshape(112, 112, 3).numpy(), "RGB")
+    pipe = Pipeline(lm, {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(),
+                         "decode": DecodeLoop(Sampler())})
+    result = pipe.run(Request(prompt="What is it?", images=[image], max_new_tokens=N, ignore_eos=True))
+    content = [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]
+    inputs = dict(lm.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=True, return_tensors="pt"))
+    ids = inputs.pop("input_ids")
+    inputs.pop("attention_mask")
+    assert result.prompt_ids == ids[0].tolist()
+    assert result.token_ids == generate_oracle(lm, ids, N, ignore_eos=True, **inputs)
+
+
+def test_int8_placement_counts_weights_and_row_scales(load_tiny):
+    lm = load_tiny("qwen3", quant="int8")
+    quantised = linears(lm.model, bnb.nn.Linear8bitLt)
+    assert quantised and all(type(m.weight).__name__ == "Int8Params" for _, m in quantised)
+    # one int8 byte per weight + one float32 scale per output row
+    expected = sum(m.in_features * m.out_features + 4 * m.out_features for _, m in quantised)
+    assert lm.placement["cpu"]["int8"] == expected
+
+
+def test_skip_names_match_towers_anywhere_at_module_boundaries():
+    """Bare names in quant.skip_modules reach nested towers (transformers anchors at the start)."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    patterns = quantization_config({"name": "nf4"}).llm_int8_skip_modules
+    kept = ["lm_head", "model.visual.blocks.0.attn.qkv", "model.visual.merger.mlp.0",
+            "audio_tower.layers.0.fc1", "model.multi_modal_projector.linear"]
+    converted = ["model.language_model.layers.0.mlp.up_proj", "model.layers.1.self_attn.q_proj",
+                 "model.visual_proj", "model.layers.0.lm_head_gate"]
+    assert not any(should_convert_module(name, patterns) for name in kept)
+    assert all(should_convert_module(name, patterns) for name in converted)
+
+
+def test_tied_lm_head_is_never_quantised():
+    config = quantization_config({"name": "nf4", "skip_modules": []}, tied_lm_head=True)
+    assert any("lm_head" in p for p in config.llm_int8_skip_modules)
+    assert quantization_config({"name": "nf4", "skip_modules": []}).llm_int8_skip_modules == []
+
+
+# --- accelerate placement: offloaded weights count where they live ----------------------------
+def test_disk_offloaded_weights_are_reported_on_disk_and_output_unchanged(load_tiny, tiny_dir, tmp_path):
+    reference = load_tiny("qwen3")
+    lm = load_model(str(tiny_dir("qwen3")), device_map={"model": "cpu", "lm_head": "disk"},
+                    offload_folder=str(tmp_path / "offload"))
+    head = reference.model.lm_head.weight
+    assert lm.placement["disk"] == {"float32": head.numel() * 4}
+    assert "meta" not in lm.placement
+    assert lm.weights_bytes == reference.weights_bytes
+    ours = make_pipe(lm).run(Request(prompt=PROMPT, max_new_tokens=N)).token_ids
+    assert ours == make_pipe(reference).run(Request(prompt=PROMPT, max_new_tokens=N)).token_ids
+
+
+# --- KV cache arithmetic and the guard ---------------------------------------------------------
+def test_kv_arithmetic_equals_the_real_cache(load_tiny):
+    lm = load_tiny("qwen3")
+    pipe = make_pipe(lm)
+    cache = pipe.new_cache()
+    result = pipe.run(Request(prompt=PROMPT, max_new_tokens=N, ignore_eos=True), cache=cache)
+    text = lm.config
+    per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 4
+    # the last generated token is never fed back, so the cache holds prompt + N - 1
+    held = len(result.prompt_ids) + N - 1
+    assert cache.nbytes == kv_bytes(lm.config, held, torch.float32) == per_token * held
+
+
+def test_kv_arithmetic_reads_the_text_config_of_multimodal_models():
+    from transformers import Qwen2VLConfig
+
+    config = Qwen2VLConfig(text_config=dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                                            num_key_value_heads=2, vocab_size=1000))
+    # Qwen2-VL-2B: 28 layers x 2 kv heads x 128 dims x (k, v) x 2 bytes = 28 KiB per token in bfloat16
+    assert kv_bytes(config, 1000, torch.bfloat16) == 28 * 2 * 128 * 2 * 2 * 1000
+
+
+def test_kv_guard_stops_before_prefill_with_the_numbers(tiny_dir):
+    probe = load_model(str(tiny_dir("qwen3")), device_map="cpu")
+    weights = probe.weights_bytes
+    lm = load_model(str(tiny_dir("qwen3")), device_map="cpu", max_memory={"cpu": weights + 64 * 1024})
+    assert lm.max_memory == {"cpu": weights + 64 * 1024}
+    pipe = make_pipe(lm)
+    cache = pipe.new_cache()
+    with pytest.raises(UserError) as err:
+        pipe.run(Request(prompt=PROMPT, max_new_tokens=1000), cache=cache)
+    prompt = len(pipe.tokenize(Request(prompt=PROMPT)).input_ids[0])
+    need = kv_bytes(lm.config, prompt + 1000, torch.float32)
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"{prompt} prompt + 1000 new tokens" in message
+    assert f"({need:,} bytes)" in message and f"({64 * 1024:,} bytes) is free" in message
+    assert cache.nbytes == 0  # nothing was allocated
+    # the same budget is plenty for a short answer
+    assert len(pipe.run(Request(prompt=PROMPT, max_new_tokens=4, ignore_eos=True)).token_ids) == 4
+
+
+def test_kv_guard_uses_the_free_memory_of_the_device(load_tiny, monkeypatch):
+    import pipeline.memory as memory
+
+    lm = load_tiny("qwen3")
+    monkeypatch.setattr(memory, "free_bytes", lambda device, lm: (5000, "free on test device"))
+    cache = make_pipe(lm).new_cache()
+    need = kv_bytes(lm.config, 20 + 30, torch.float32)
+    with pytest.raises(UserError, match=rf"needs .* \({need:,} bytes\) more on cpu but only .* \(5,000 bytes\)"):
+        check_kv_fits(lm, cache, 20, 30)
+    monkeypatch.setattr(memory, "free_bytes", lambda device, lm: (need, "free on test device"))
+    assert check_kv_fits(lm, cache, 20, 30) == need
+
+
+# --- the quant config group ---------------------------------------------------------------------
+def compose_quant(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose("config", overrides=list(overrides)).quant
+
+
+@pytest.mark.parametrize("scheme", ["none", "auto", "nf4", "fp4", "int8"])
+def test_every_quant_yaml_composes_and_is_valid(scheme):
+    quant = compose_quant(f"quant={scheme}")
+    assert scheme_name(quant) == scheme
+    if scheme in ("nf4", "fp4", "int8", "auto"):
+        assert "lm_head" in quant.skip_modules and "visual" in quant.skip_modules
+
+
+def test_default_is_auto_and_auto_means_nf4_only_for_real_models_on_gpu(monkeypatch):
+    quant = compose_quant()
+    assert quant.name == "auto"
+    assert resolve_scheme(quant, real_model=True) == ("nf4" if torch.cuda.is_available() else "none")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_scheme(quant, real_model=True) == "nf4"
+    assert resolve_scheme(quant, real_model=False) == "none"  # the embedded default / tiny models
+    assert resolve_scheme(quant, real_model=True, device_map="cpu") == "none"
+    assert resolve_scheme(quant, real_model=True, prequantized=True) == "none"
+    assert resolve_scheme(compose_quant("quant=int8"), real_model=False) == "int8"  # explicit wins
+
+
+def test_auto_leaves_tiny_models_unquantised_on_cpu(load_tiny):
+    assert load_tiny("qwen3", quant="auto").quant == "none"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["quant.name=q3"], "unknown quant scheme 'q3'"),
+        (["quant=int8", "quant.quant_type=fp4"], "int8 and fp4 are two different schemes"),
+        (["quant=nf4", "quant.quant_type=fp4"], "use quant=fp4"),
+        (["quant=none", "quant.quant_type=nf4"], "needs a 4-bit scheme"),
+        (["quant=nf4", "quant.compute_dtype=int3"], "unknown quant.compute_dtype 'int3'"),
+        (["quant=nf4", "quant.skip_modules=[lm head]"], "not a module name"),
+        (["quant=int8", "quant.threshold=high"], "quant.threshold must be a number"),
+    ],
+)
+def test_bad_quant_settings_are_one_line_errors(overrides, message):
+    with pytest.raises(UserError, match=message) as err:
+        quantization_config(compose_quant(*overrides))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(offload_folder="FILE/sub"), "model.offload_folder .* cannot be written"),
+        (dict(max_memory={"cpu": "lots"}), r"model.max_memory\['cpu'\]='lots' is not a size"),
+        (dict(max_memory={"gpu0": "1GiB"}), "model.max_memory key 'gpu0' is not a device"),
+        (dict(device_map="warp:0"), "model.device_map 'warp:0' is not a device"),
+        (dict(quant="nf4", device_map={"model": "cpu", "lm_head": "disk"}), "cannot offload layers to disk"),
+    ],
+)
+def test_bad_placement_settings_fail_before_loading(tiny_dir, tmp_path, kwargs, message):
+    if kwargs.get("offload_folder") == "FILE/sub":
+        (tmp_path / "FILE").write_text("a file, not a folder")
+        kwargs = dict(offload_folder=str(tmp_path / "FILE" / "sub"))
+    if "disk" in str(kwargs.get("device_map")) and torch.cuda.is_available():
+        pytest.skip("disk offload next to a GPU is allowed (offloaded layers stay unquantised)")
+    with pytest.raises(UserError, match=message) as err:
+        load_model(str(tiny_dir("qwen3")), **kwargs)
+    assert "\n" not in str(err.value)
+
+
+# --- end to end: one sweep compares schemes; bad input exits 2 with one line --------------------
+def test_cli_sweep_reports_each_scheme_in_its_result(tiny_dir, tmp_path):
+    proc = run_cli("-m", "quant=nf4,int8", f"model.path={tiny_dir('qwen3')}", "max_new_tokens=3",
+                   "metrics_table=false", f"hydra.sweep.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for job, scheme in (("0", "nf4"), ("1", "int8")):
+        result = json.loads((tmp_path / job / "result.json").read_text())
+        metrics = result["metrics"]
+        assert metrics["quant"] == scheme
+        assert set(metrics["placement"]["cpu"]) == {"float32", scheme}
+        assert metrics["weights_bytes"] == sum(metrics["placement"]["cpu"].values())
+        assert f"weights (quant={scheme}):" in proc.stderr
+    assert "Failed to load CPU gemm_4bit" not in proc.stderr and "MatMul8bitLt" not in proc.stderr
+
+
+def test_cli_int8_with_fp4_exits_2_with_one_line(tiny_dir, tmp_path):
+    proc = run_cli(f"model.path={tiny_dir('qwen3')}", "quant=int8", "quant.quant_type=fp4",
+                   f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: quant=int8 with quant.quant_type=fp4")
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
