@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 
 from pipeline import Metrics, Pipeline, Request, load_model
-from pipeline.metrics import format_table
 from stages import DecodeLoop, Prefill, Sampler, Tokenize
 
 
@@ -47,12 +46,12 @@ def main() -> None:
             DecodeLoop(sampler)(branch)
         branch.metrics.end()
         branches[name] = branch
-        print(f"\n[{name}] {branch.text!r}")
-        print(format_table(branch.metrics.to_dict()))
+        m = branch.metrics.to_dict()
+        print(f"[{name}] {branch.text!r}  ({m['generated_tokens']} tokens, {m['decode_tok_s']:.1f} tok/s decode)")
 
     reference = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()}).run(request)
     assert reference.token_ids == branches["greedy"].generated, "greedy branch differs from a plain run"
-    print("\ngreedy branch == plain pipeline run: OK")
+    print("greedy branch == plain pipeline run: OK")
 
 
 if __name__ == "__main__":
