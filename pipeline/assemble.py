@@ -103,13 +103,14 @@ def stages_from_cfg(cfg: DictConfig) -> dict[str, Any]:
     return stages
 
 
-def pipeline_from_cfg(cfg: DictConfig, lm: LoadedModel) -> Pipeline:
-    """The stage chain on a KV cache of the configured kind; with ``decode.compile`` it is warmed
-    up (the decode step compiled) here, before the first request, so TTFT never includes it."""
+def pipeline_from_cfg(cfg: DictConfig, lm: LoadedModel, stages: dict[str, Any] | None = None) -> Pipeline:
+    """The stage chain (``stages``, or built from cfg.stages) on a KV cache of the configured kind;
+    with ``decode.compile`` it is warmed up (the decode step compiled) here, before the first
+    request, so TTFT never includes it."""
     kv_max_len = OmegaConf.select(cfg, "kv.max_len", default=4096)
     pipe = Pipeline(
         lm,
-        stages_from_cfg(cfg),
+        stages if stages is not None else stages_from_cfg(cfg),
         kv_static=bool(OmegaConf.select(cfg, "kv.static", default=False)),
         kv_max_len=_positive_int("kv.max_len", kv_max_len),
     )

@@ -134,9 +134,9 @@ class KVCache:
     def trim(self) -> None:
         """Drop what the model wrote past the recorded keys (a decode loop that ran ahead of its
         EOS check), so that the cache holds exactly ``keys`` again."""
-        if self.keys and self.cache_length() > self.length:
-            self._truncate(self.length)
-        elif not self.keys:
+        if self.keys:
+            self._truncate(self.length)  # per layer: a no-op where nothing ran ahead
+        else:
             self.clear()
 
     def _truncate(self, n: int) -> None:
@@ -149,14 +149,17 @@ class KVCache:
                     layer.crop(-extra)
             return
         for layer in self.cache.layers:
+            if not layer.is_initialized:
+                continue
             if getattr(layer, "is_sliding", False):
-                raise ValueError(
-                    "cannot roll back a static cache with sliding-window layers "
-                    "(its ring buffer has overwritten older positions): use kv.static=false"
-                )
-            if layer.is_initialized:
-                with torch.inference_mode():  # the tensors were made under inference mode
-                    layer.cumulative_length.fill_(n)  # in place: compiled graphs hold its address
+                if layer.get_seq_length() != n:  # a host int on sliding layers: no sync
+                    raise ValueError(
+                        "cannot roll back a static cache with sliding-window layers "
+                        "(its ring buffer has overwritten older positions): use kv.static=false"
+                    )
+                continue
+            with torch.inference_mode():  # the tensors were made under inference mode
+                layer.cumulative_length.fill_(n)  # in place: compiled graphs hold its address
 
     def cache_length(self) -> int:
         return int(self.cache.get_seq_length()) if self.keys else 0

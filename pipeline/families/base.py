@@ -46,7 +46,11 @@ class Family:
         return torch.arange(start, end, device=ctx.input_ids.device).unsqueeze(0)
 
     def decode_positions(self, ctx: "Context", position: int) -> torch.Tensor:
-        """position_ids for one decode token at cache position ``position``."""
+        """position_ids for one decode token at cache position ``position``.
+
+        DecodeLoop calls this once per request and then adds 1 on the device for each further
+        token (no host work per step), so every entry must advance by exactly 1 per position.
+        """
         return torch.tensor([[position]], device=ctx.input_ids.device)
 
 

@@ -5,10 +5,9 @@ import sys
 
 from omegaconf import DictConfig
 
-from pipeline.assemble import load_from_cfg, request_from_cfg, stages_from_cfg
+from pipeline.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg, stages_from_cfg
 from pipeline.loading import format_placement
 from pipeline.metrics import format_table
-from pipeline.pipeline import Pipeline
 from pipeline.outputs import run_dir, write_json
 
 
@@ -22,7 +21,7 @@ def main(cfg: DictConfig) -> None:
     stages = stages_from_cfg(cfg)
     lm = load_from_cfg(cfg)
     print(f"weights (quant={lm.quant}):\n{format_placement(lm.placement)}", file=sys.stderr)
-    pipe = Pipeline(lm, stages)
+    pipe = pipeline_from_cfg(cfg, lm, stages)  # kv.static / decode.compile: warm-up happens here
     result = pipe.run(request, on_text=stdout_writer if cfg.stream else None)
     if not cfg.stream:
         sys.stdout.write(result.text)
