@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -40,74 +40,14 @@ from pipeline.loading import LoadedModel  # noqa: E402
 from pipeline.metrics import decode_weight_bytes, synchronize  # noqa: E402
 from stages import DecodeLoop, Prefill, Tokenize  # noqa: E402
 
-# Qwen/Qwen2-VL-2B-Instruct's published config.json (architecture only; weights are random).
-QWEN2_VL_2B: dict[str, Any] = {
-    "text": dict(
-        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-        num_attention_heads=12, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=32768,
-        rms_norm_eps=1e-6, use_sliding_window=False, sliding_window=32768, max_window_layers=28,
-        attention_dropout=0.0, initializer_range=0.02,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
-    ),
-    "vision": dict(depth=32, embed_dim=1280, hidden_size=1536, hidden_act="quick_gelu", mlp_ratio=4,
-                   num_heads=16, in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
-    "tie_word_embeddings": True,
-    "processor": dict(min_pixels=56 * 56, max_pixels=28 * 28 * 1280),  # the Qwen2-VL processor defaults
-}
-ARCHS = {"qwen2-vl-2b": QWEN2_VL_2B}
-
-
-# --- the model ------------------------------------------------------------------------------
-
-def build_arch(name: str, out_dir: Path, device: str) -> Path:
-    """Write a ``save_pretrained`` directory of the ``name`` architecture with random weights.
-
-    The tokenizer and processor are the embedded tiny Qwen2-VL ones (same special tokens and
-    chat template, small vocabulary): what matters for speed is the model's shapes.
-    """
-    marker = out_dir / "mm_pipeline_bench.json"
-    if marker.is_file():
-        return out_dir
-    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    from pipeline.tiny import make_processor, make_tokenizer
-
-    spec = ARCHS[name]
-    tok = make_tokenizer("qwen2-vl")
-    ids = tok.convert_tokens_to_ids
-    config = Qwen2VLConfig(
-        text_config={**spec["text"], "bos_token_id": ids("<|endoftext|>"), "eos_token_id": ids("<|im_end|>"),
-                     "pad_token_id": ids("<|endoftext|>")},
-        vision_config=spec["vision"],
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
-        tie_word_embeddings=spec["tie_word_embeddings"],
-    )
-    print(f"building {name} with random weights on {device} -> {out_dir}", file=sys.stderr)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2VLForConditionalGeneration(config).to(torch.bfloat16)
-    model.generation_config = GenerationConfig(eos_token_id=[ids("<|im_end|>")], pad_token_id=ids("<|endoftext|>"))
-    processor = make_processor("qwen2-vl", tok)
-    processor.image_processor.min_pixels = spec["processor"]["min_pixels"]
-    processor.image_processor.max_pixels = spec["processor"]["max_pixels"]
-    processor.image_processor.size = {"shortest_edge": spec["processor"]["min_pixels"],
-                                      "longest_edge": spec["processor"]["max_pixels"]}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    processor.save_pretrained(out_dir)
-    del model
-    marker.write_text(json.dumps({"arch": name, "weights": "random"}) + "\n")
-    return out_dir
+from archs import ARCHS, build_qwen2_vl_2b  # noqa: E402
 
 
 def load(args: argparse.Namespace) -> LoadedModel:
     if args.arch:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         cache = Path(args.cache_dir or Path(tempfile.gettempdir()) / "mm-pipeline-bench") / args.arch
-        path = str(build_arch(args.arch, cache, device))
+        path = str(build_qwen2_vl_2b(cache, device))
     elif args.model:
         path = args.model
     else:
@@ -177,15 +117,7 @@ def time_pipeline(pipe: Pipeline, prompt: Prompt, n: int) -> tuple[dict, list[in
     if prompt.image is not None:
         result = pipe.run(prompt.request(n))
         return result.metrics, result.token_ids
-    ctx = pipe.context(prompt.request(n))
-    ctx.input_ids = prompt.ids
-    ctx.token_keys = prompt.ids[0].tolist()
-    with torch.inference_mode():
-        ctx.metrics.start()
-        for name in ("prefill", "decode"):
-            with ctx.metrics.span(name):
-                pipe.stages[name](ctx)
-        ctx.metrics.end()
+    ctx = pipe.run_ids(prompt.ids[0].tolist(), prompt.request(n))
     return pipe.result(ctx).metrics, list(ctx.generated)
 
 
@@ -205,7 +137,7 @@ def make_pipe(lm: LoadedModel, fast: bool, capacity: int, image: bool) -> Pipeli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a save_pretrained directory (default: the embedded tiny model)")
-    ap.add_argument("--arch", choices=sorted(ARCHS), help="build this architecture with random weights instead")
+    ap.add_argument("--arch", choices=ARCHS, help="build this architecture with random weights instead")
     ap.add_argument("--cache-dir", help="where --arch models are written (default: $TMPDIR/mm-pipeline-bench)")
     ap.add_argument("--quant", default="none", help="nf4 | fp4 | int8 | none")
     ap.add_argument("--dtype", default="auto", help="auto (float32 CPU, bfloat16 GPU) | bfloat16 | float32")

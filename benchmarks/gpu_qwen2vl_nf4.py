@@ -32,71 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-# Qwen/Qwen2-VL-2B-Instruct config.json (published values).
-TEXT = dict(
-    vocab_size=151936,
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    hidden_act="silu",
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
-    use_sliding_window=False,
-    sliding_window=32768,
-    max_window_layers=28,
-    tie_word_embeddings=True,
-    initializer_range=0.02,
-)
-VISION = dict(
-    depth=32,
-    embed_dim=1280,
-    hidden_size=1536,
-    mlp_ratio=4,
-    num_heads=16,
-    in_channels=3,
-    patch_size=14,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    hidden_act="quick_gelu",
-    initializer_range=0.02,
-)
-
-
-def build(out: Path, layers: int, vision_depth: int, device: str) -> None:
-    """Random-weight Qwen2-VL-2B (bfloat16) + the project's tokenizer/processor, saved to ``out``."""
-    from transformers import (GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration,
-                              Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor)
-
-    from pipeline.tiny import CHAT_TEMPLATES, make_tokenizer
-
-    tok = make_tokenizer("qwen2-vl")
-    ids = tok.convert_tokens_to_ids
-    text = dict(TEXT, num_hidden_layers=layers, max_window_layers=layers,
-                bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"))
-    config = Qwen2VLConfig(
-        text_config=text,
-        vision_config=dict(VISION, depth=vision_depth),
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2VLForConditionalGeneration(config).to(torch.bfloat16)
-    model.generation_config = GenerationConfig(eos_token_id=[ids("<|im_end|>")], pad_token_id=ids("<|endoftext|>"))
-    model.save_pretrained(out)
-    del model
-    pixels = dict(min_pixels=56 * 56, max_pixels=16384 * 28 * 28, patch_size=14, temporal_patch_size=2, merge_size=2)
-    Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**pixels), tokenizer=tok,
-                     video_processor=Qwen2VLVideoProcessor(**pixels),
-                     chat_template=CHAT_TEMPLATES["qwen2-vl"]).save_pretrained(out)
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
+from archs import QWEN2_VL_2B_TEXT, QWEN2_VL_2B_VISION, build_qwen2_vl_2b  # noqa: E402
 
 
 def test_image(size: int):
@@ -111,8 +47,8 @@ def test_image(size: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quant", default="nf4", choices=["nf4", "fp4", "int8", "none"])
-    ap.add_argument("--layers", type=int, default=TEXT["num_hidden_layers"], help="shrink to check on CPU")
-    ap.add_argument("--vision-depth", type=int, default=VISION["depth"], help="shrink to check on CPU")
+    ap.add_argument("--layers", type=int, default=QWEN2_VL_2B_TEXT["num_hidden_layers"], help="shrink to check on CPU")
+    ap.add_argument("--vision-depth", type=int, default=QWEN2_VL_2B_VISION["depth"], help="shrink to check on CPU")
     ap.add_argument("--image-size", type=int, default=448, help="square image side in pixels (448 -> 256 tokens)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3, help="measured runs after one warm-up")
@@ -130,7 +66,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="qwen2vl-2b-"))
     try:
         t0 = time.perf_counter()
-        build(tmp, args.layers, args.vision_depth, device)
+        build_qwen2_vl_2b(tmp, device, args.layers, args.vision_depth)
         print(f"built random-weight Qwen2-VL-2B ({args.layers} layers, vision depth {args.vision_depth}) "
               f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         if cuda:

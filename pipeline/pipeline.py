@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -68,12 +68,7 @@ class Pipeline:
         n = new_tokens or 2 * every + 2
         text = " ".join(["warm"] * prompt_tokens)
         ids = self.lm.tokenizer(text, add_special_tokens=False)["input_ids"][:prompt_tokens] or [0]
-        ctx = self.context(Request(max_new_tokens=n, ignore_eos=True))
-        ctx.input_ids = torch.tensor([ids], device=self.lm.device)
-        ctx.token_keys = list(ids)
-        for name in ("prefill", "decode"):
-            if name in self.stages:
-                self.stages[name](ctx)
+        ctx = self.run_ids(ids, Request(max_new_tokens=n, ignore_eos=True))
         ctx.cache.clear()
         synchronize(self.lm.device)
         seconds = time.perf_counter() - t0
@@ -99,9 +94,28 @@ class Pipeline:
     ) -> Context:
         """Like ``run`` but returns the whole Context, for recipes that need more than the Result
         (e.g. C-Eval scores prefill's next-token logits)."""
+        return self._run_stages(self.context(request, cache, on_text), self.stages)
+
+    @torch.inference_mode()
+    def run_ids(
+        self,
+        ids: Sequence[int],
+        request: Request,
+        cache: KVCache | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> Context:
+        """Run the stages after tokenization on raw prompt ids (no chat template, no media):
+        synthetic benchmark prompts, cache experiments, tests."""
         ctx = self.context(request, cache, on_text)
+        ctx.input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.lm.device)
+        ctx.token_keys = list(ids)
+        return self._run_stages(ctx, {k: v for k, v in self.stages.items() if k != "tokenize"})
+
+    @staticmethod
+    def _run_stages(ctx: Context, stages: Mapping[str, Stage]) -> Context:
+        """Run stages in order, each timed the same way (device-synchronised span)."""
         ctx.metrics.start()
-        for name, stage in self.stages.items():
+        for name, stage in stages.items():
             skip = getattr(stage, "skip", None)
             if skip is not None and skip(ctx):
                 continue

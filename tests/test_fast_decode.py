@@ -37,16 +37,7 @@ def prompt(lm) -> list[int]:
 
 def run_ids(pipe: Pipeline, ids: list[int], cache: KVCache | None = None, n: int = N, **request):
     """Prefill + decode from raw ids (no template) through the pipeline's own stages and spans."""
-    ctx = pipe.context(Request(max_new_tokens=n, **{"ignore_eos": True, **request}), cache)
-    ctx.input_ids = torch.tensor([ids], device=pipe.lm.device)
-    ctx.token_keys = list(ids)
-    with torch.inference_mode():
-        ctx.metrics.start()
-        for name, stage in pipe.stages.items():
-            with ctx.metrics.span(name):
-                stage(ctx)
-        ctx.metrics.end()
-    return ctx
+    return pipe.run_ids(ids, Request(max_new_tokens=n, **{"ignore_eos": True, **request}), cache)
 
 
 def pipe_of(lm, static: bool = False, chunk: int | None = None, **decode) -> Pipeline:

@@ -13,15 +13,7 @@ N = 8
 def run_ids(lm, ids: list[int], cache: KVCache | None = None, n: int = N):
     """Prefill + decode from raw ids (no template), on the given cache."""
     pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()})
-    ctx = pipe.context(Request(max_new_tokens=n, ignore_eos=True), cache)
-    ctx.input_ids = torch.tensor([ids], device=lm.device)
-    ctx.token_keys = list(ids)
-    with torch.inference_mode():
-        ctx.metrics.start()
-        for name, stage in pipe.stages.items():
-            with ctx.metrics.span(name):
-                stage(ctx)
-        ctx.metrics.end()
+    ctx = pipe.run_ids(ids, Request(max_new_tokens=n, ignore_eos=True), cache)
     return ctx.generated, ctx.metrics.to_dict(), ctx.cache
 
 

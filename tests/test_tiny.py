@@ -3,7 +3,6 @@ their processors and chat templates behave like the published ones, and builds a
 deterministic."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path

@@ -138,15 +138,7 @@ def _figures(prompt: int, gen: int, ttft: float, total: float) -> dict[str, floa
 def time_pipeline(pipe: Pipeline, ids: list[int], gen: int) -> dict:
     """One run of the pipeline's prefill + decode stages on raw ids and an empty cache:
     the bench figures plus the pipeline's own metrics."""
-    ctx = pipe.context(Request(max_new_tokens=gen, ignore_eos=True))
-    ctx.input_ids = torch.tensor([ids], device=pipe.lm.device)
-    ctx.token_keys = list(ids)
-    with torch.inference_mode():
-        ctx.metrics.start()
-        for name in ("prefill", "decode"):
-            with ctx.metrics.span(name):
-                pipe.stages[name](ctx)
-        ctx.metrics.end()
+    ctx = pipe.run_ids(ids, Request(max_new_tokens=gen, ignore_eos=True))
     m = pipe.result(ctx).metrics
     if len(ctx.generated) != gen:
         raise RuntimeError(f"the decode stage produced {len(ctx.generated)} tokens instead of {gen}")

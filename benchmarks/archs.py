@@ -1,0 +1,75 @@
+"""Real-size architectures with random weights, built from published config values (no download).
+
+Speed does not depend on weight values, so a random-weight model of the real shapes measures
+what the real one would. The tokenizer and processor are the embedded tiny Qwen2-VL ones (same
+special tokens and chat template, small vocabulary); the model keeps the real vocabulary size,
+so the embedding and lm_head cost what they really cost.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# Qwen/Qwen2-VL-2B-Instruct: config.json and preprocessor_config.json (published values).
+QWEN2_VL_2B_TEXT = dict(
+    vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+    num_attention_heads=12, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=32768,
+    rms_norm_eps=1e-6, use_sliding_window=False, sliding_window=32768, max_window_layers=28,
+    attention_dropout=0.0, initializer_range=0.02, tie_word_embeddings=True,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+)
+QWEN2_VL_2B_VISION = dict(
+    depth=32, embed_dim=1280, hidden_size=1536, hidden_act="quick_gelu", mlp_ratio=4, num_heads=16,
+    in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.02,
+)
+QWEN2_VL_2B_PIXELS = dict(min_pixels=56 * 56, max_pixels=16384 * 28 * 28)
+ARCHS = ("qwen2-vl-2b",)
+
+
+def build_qwen2_vl_2b(out_dir: Path, device: str, layers: int | None = None, vision_depth: int | None = None) -> Path:
+    """Write a save_pretrained directory (bfloat16, random weights) once; later calls reuse it.
+
+    ``layers`` / ``vision_depth`` shrink the model to check a script quickly on CPU.
+    """
+    layers = layers or QWEN2_VL_2B_TEXT["num_hidden_layers"]
+    vision_depth = vision_depth or QWEN2_VL_2B_VISION["depth"]
+    recipe = {"arch": "qwen2-vl-2b", "layers": layers, "vision_depth": vision_depth, "weights": "random"}
+    marker = out_dir / "mm_pipeline_bench.json"
+    if marker.is_file() and json.loads(marker.read_text()) == recipe:
+        return out_dir
+    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from pipeline.tiny import make_processor, make_tokenizer
+
+    tok = make_tokenizer("qwen2-vl")
+    ids = tok.convert_tokens_to_ids
+    text = dict(QWEN2_VL_2B_TEXT, num_hidden_layers=layers, max_window_layers=layers,
+                bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"))
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=dict(QWEN2_VL_2B_VISION, depth=vision_depth),
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2VLForConditionalGeneration(config).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=[ids("<|im_end|>")], pad_token_id=ids("<|endoftext|>"))
+    processor = make_processor("qwen2-vl", tok)
+    image_processor = processor.image_processor
+    image_processor.min_pixels = QWEN2_VL_2B_PIXELS["min_pixels"]
+    image_processor.max_pixels = QWEN2_VL_2B_PIXELS["max_pixels"]
+    image_processor.size = {"shortest_edge": image_processor.min_pixels, "longest_edge": image_processor.max_pixels}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    marker.write_text(json.dumps(recipe) + "\n")
+    return out_dir
