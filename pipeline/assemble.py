@@ -138,8 +138,12 @@ def _tag_sources(images: list, paths: list[str]) -> None:
 
 def request_from_cfg(cfg: DictConfig, **overrides: Any) -> Request:
     """The request the CLI settings describe; invalid settings fail here, before any model loads."""
-    if int(cfg.max_new_tokens) < 1:
-        raise UserError(f"max_new_tokens must be >= 1 (got {cfg.max_new_tokens})")
+    try:
+        max_new_tokens = int(cfg.max_new_tokens)
+    except (TypeError, ValueError):
+        max_new_tokens = 0
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be >= 1 (got {cfg.max_new_tokens!r})")
     long_audio = cfg.get("media", {}).get("long_audio", "split")
     if long_audio not in ("split", "error"):
         raise UserError(f"media.long_audio must be split or error (got {long_audio!r})")
@@ -161,7 +165,7 @@ def request_from_cfg(cfg: DictConfig, **overrides: Any) -> Request:
         system_prompt=cfg.system_prompt,
         images=images,
         audios=audios,
-        max_new_tokens=int(cfg.max_new_tokens),
+        max_new_tokens=max_new_tokens,
         ignore_eos=bool(cfg.ignore_eos),
         stop=[stop] if isinstance(stop, str) else [str(s) for s in stop],
         thinking=cfg.thinking,

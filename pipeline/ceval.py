@@ -145,6 +145,8 @@ def read_csv(path: str | Path, subject: str | None = None, *, need_answers: bool
                 questions.append(Question(text, choices, answer, qid, subject, f"{path} row {row_no}"))  # type: ignore[arg-type]
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
+    except OSError as err:  # a folder, no permission, ...
+        raise UserError(f"{path}: cannot read ({err.strerror or err})") from None
     except UnicodeDecodeError:
         raise UserError(f"{path}: not UTF-8 text") from None
     except csv.Error as err:

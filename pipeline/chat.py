@@ -70,6 +70,7 @@ class ChatSession:
     stop: Sequence[str] = ()
     thinking: bool | None = None
     log_path: str | Path | None = None
+    max_image_pixels: int | None = None  # decompression-bomb guard for attached images (None: media's default)
     cache: KVCache = field(init=False)
     turns: list[Turn] = field(init=False, default_factory=list)
     pending: list[Attachment] = field(init=False, default_factory=list)
@@ -109,14 +110,14 @@ class ChatSession:
 
         Bad files, or a kind the model has no encoder for, raise UserError and attach nothing.
         """
-        from pipeline.media import load_audio, load_image, media_kind
+        from pipeline.media import DEFAULT_MAX_PIXELS, load_audio, load_image, media_kind
 
         actual = media_kind(path)
         if kind is not None and actual != kind:
             raise UserError(f"{path}: an {actual} file, not an {kind} file (use /{actual} {path})")
         self._require(actual)
         if actual == "image":
-            data: Any = load_image(path)
+            data: Any = load_image(path, max_pixels=self.max_image_pixels or DEFAULT_MAX_PIXELS)
             data.info["source"] = str(path)  # families name the image by it in their messages
         else:
             rate = self.audio_rate()

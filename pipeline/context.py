@@ -39,8 +39,6 @@ class Context:
     token_keys: list | None = None  # hashable per-position keys (media positions carry content hashes)
     model_inputs: dict = field(default_factory=dict)  # processor outputs (pixel_values, grid_thw, ...)
     inputs_embeds: torch.Tensor | None = None  # [1, L, H] when media embeddings are merged in
-    media_embeds: dict = field(default_factory=dict)  # kind -> embeddings to scatter at placeholders
-    position_ids: torch.Tensor | None = None  # family-specific positions of the full prompt
     logits: torch.Tensor | None = None  # [1, V] logits for the next token
     generated: list[int] = field(default_factory=list)
     text: str = ""

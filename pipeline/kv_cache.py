@@ -114,8 +114,7 @@ class KVCache:
 
         At least one token is always left to compute, because prefill must produce logits.
         """
-        n = min(self.common_prefix(keys), len(keys) - 1)
-        n = max(n, 0)
+        n = max(0, min(self.common_prefix(keys), len(keys) - 1))
         self.rollback(n)
         return n
 
@@ -153,7 +152,7 @@ class KVCache:
                 continue
             if getattr(layer, "is_sliding", False):
                 if layer.get_seq_length() != n:  # a host int on sliding layers: no sync
-                    raise ValueError(
+                    raise UserError(  # a setting the user can change, not a programming error
                         "cannot roll back a static cache with sliding-window layers "
                         "(its ring buffer has overwritten older positions): use kv.static=false"
                     )

@@ -11,8 +11,10 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
+from pipeline import quant as q
 from pipeline.errors import UserError
 from pipeline.families import Family, family_for_config
+from pipeline.memory import text_config
 
 
 @dataclass
@@ -55,12 +57,8 @@ def resolve_dtype(dtype: str | torch.dtype | None, device_map: Any) -> torch.dty
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        on_gpu = torch.cuda.is_available() and device_map not in ("cpu", {"": "cpu"})
-        return torch.bfloat16 if on_gpu else torch.float32
-    try:
-        value = getattr(torch, str(dtype))
-    except AttributeError:
-        value = None
+        return torch.bfloat16 if q.on_gpu(device_map) else torch.float32
+    value = getattr(torch, str(dtype), None)
     if not isinstance(value, torch.dtype):
         raise UserError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
     return value
@@ -243,7 +241,7 @@ def _is_tiny(path: str) -> bool:
 
 
 def _tied_lm_head(config: Any) -> bool:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     return bool(getattr(config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
 
 
@@ -254,8 +252,6 @@ def _has_accelerator(device_map: Any) -> bool:
 
 def _quantization(quant: Any, config: Any, path: str, torch_dtype: Any, device_map: Any) -> Any:
     """quant (a scheme name or the quant config group) -> BitsAndBytesConfig or None."""
-    from pipeline import quant as q
-
     quant_cfg = {"name": quant} if isinstance(quant, str) else quant
     scheme = q.resolve_scheme(
         quant_cfg,
@@ -325,6 +321,18 @@ def load_model(
         kwargs["offload_folder"] = offload_folder
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
+    # Tokenizer / processor first: a directory without them fails before the weights load.
+    processor = None
+    try:
+        if family.uses_processor:
+            processor = AutoProcessor.from_pretrained(
+                path, trust_remote_code=trust_remote_code, **(processor_kwargs or {})
+            )
+            tokenizer = processor.tokenizer
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot load the tokenizer/processor of {path!r}: {_load_error(err)}") from None
     auto_class = getattr(transformers, family.auto_class)
     try:
         model = auto_class.from_pretrained(path, **kwargs)
@@ -333,21 +341,13 @@ def load_model(
     if device_map is None and torch.cuda.is_available() and quantization_config is None:
         model.to("cuda")
     model.eval()
-    processor = None
-    if family.uses_processor:
-        processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code, **(processor_kwargs or {}))
-        tokenizer = processor.tokenizer
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    from pipeline.quant import scheme_in_force
-
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         processor=processor,
         family=family,
         path=path,
-        quant=scheme_in_force(model),
+        quant=q.scheme_in_force(model),
         placement=placement_of(model),
         max_memory=budgets,
     )

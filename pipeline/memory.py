@@ -13,7 +13,7 @@ import torch
 from pipeline.errors import UserError
 
 
-def _text_config(config: Any) -> Any:
+def text_config(config: Any) -> Any:
     """Multimodal configs keep the language model's sizes in their text config."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
@@ -23,7 +23,7 @@ def kv_bytes_per_layer(config: Any, tokens: int, dtype: torch.dtype) -> list[int
 
     Sliding-window layers (``layer_types`` = ``sliding_attention``) hold at most the window.
     """
-    text = _text_config(config)
+    text = text_config(config)
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
@@ -45,7 +45,7 @@ def kv_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
 
 def _decoder_layers(model: Any) -> list[Any]:
     """The language model's decoder layers (the ModuleList the KV cache has one entry per)."""
-    n = int(_text_config(model.config).num_hidden_layers)
+    n = int(text_config(model.config).num_hidden_layers)
     for name, module in model.named_modules():
         if name.endswith("layers") and isinstance(module, torch.nn.ModuleList) and len(module) == n:
             if "visual" not in name and "audio" not in name:
@@ -68,10 +68,10 @@ def _execution_device(module: Any, fallback: torch.device) -> torch.device:
 def cache_devices(lm: Any) -> list[torch.device]:
     """One device per decoder layer (the model's device when layers cannot be found)."""
     layers = _decoder_layers(lm.model)
-    n = int(_text_config(lm.config).num_hidden_layers)
-    if len(layers) != n:
-        return [torch.device(lm.device)] * n
-    return [_execution_device(layer, torch.device(lm.device)) for layer in layers]
+    fallback = torch.device(lm.device)
+    if not layers:
+        return [fallback] * int(text_config(lm.config).num_hidden_layers)
+    return [_execution_device(layer, fallback) for layer in layers]
 
 
 def available_ram() -> int:
@@ -102,7 +102,7 @@ def free_bytes(device: torch.device, lm: Any) -> tuple[int, str]:
                 return max(left, 0), f"model.max_memory[{index}]={_fmt(budgets[index])} minus allocated"
         return free, f"free on cuda:{index}"
     free = available_ram()
-    key = "cpu" if device.type == "cpu" else device.type
+    key = device.type
     if key in budgets:
         weights = sum((getattr(lm, "placement", None) or {}).get(key, {}).values())
         left = budgets[key] - weights

@@ -10,9 +10,13 @@ from typing import Iterator
 import torch
 
 
+def _is_cuda(device: torch.device | str | None) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
 def synchronize(device: torch.device | str | None) -> None:
     """Wait for queued accelerator work so that wall time measures the work, not its launch."""
-    if device is not None and torch.device(device).type == "cuda":
+    if _is_cuda(device):
         torch.cuda.synchronize(device)
 
 
@@ -39,7 +43,7 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def peak_memory_bytes(device: torch.device | str | None) -> int:
-    if device is not None and torch.device(device).type == "cuda":
+    if _is_cuda(device):
         return int(torch.cuda.max_memory_allocated(device))
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
@@ -60,7 +64,7 @@ class Metrics:
 
     # --- events -----------------------------------------------------------------------------
     def start(self) -> None:
-        if self.device is not None and torch.device(self.device).type == "cuda":
+        if _is_cuda(self.device):
             torch.cuda.reset_peak_memory_stats(self.device)
         synchronize(self.device)
         self.t_start = time.perf_counter()
@@ -85,21 +89,20 @@ class Metrics:
         finally:
             synchronize(self.device)
             total = time.perf_counter() - t0
-            children = self._child_seconds.pop()
-            rec = self.stages.setdefault(name, {"seconds": 0.0, "calls": 0})
-            rec["seconds"] += total - children
-            rec["calls"] += 1
-            if self._child_seconds:
-                self._child_seconds[-1] += total
+            self._record(name, total - self._child_seconds.pop(), 1, enclosing=total)
 
     def add_span(self, name: str, seconds: float, calls: int) -> None:
         """Record time measured without ``span`` (e.g. per-step sampling timed with CUDA events,
         which needs no host sync); like a nested span, it is taken out of the enclosing span."""
+        self._record(name, seconds, calls, enclosing=seconds)
+
+    def _record(self, name: str, seconds: float, calls: int, *, enclosing: float) -> None:
+        """Add to stages[name]; ``enclosing`` seconds are taken out of the open parent span."""
         rec = self.stages.setdefault(name, {"seconds": 0.0, "calls": 0})
         rec["seconds"] += seconds
         rec["calls"] += calls
         if self._child_seconds:
-            self._child_seconds[-1] += seconds
+            self._child_seconds[-1] += enclosing
 
     def count(self, name: str, value: float = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + value
@@ -177,11 +180,9 @@ def format_table(metrics: dict) -> str:
 
 
 def _fmt(key: str, value: object) -> str:
-    if isinstance(value, float):
-        if key.endswith("_bytes"):
-            value = int(value)
-        else:
-            return f"{value:.4g}"
-    if isinstance(value, int) and key.endswith("_bytes"):
+    if isinstance(value, (int, float)) and key.endswith("_bytes"):
+        value = int(value)
         return f"{value:,} ({value / 2**20:.1f} MiB)"
+    if isinstance(value, float):
+        return f"{value:.4g}"
     return str(value)

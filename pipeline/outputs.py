@@ -9,19 +9,11 @@ from typing import Any
 
 def write_json(path: str | Path, data: Any) -> Path:
     """Write via a temp file + rename: a crash leaves the old file or none, never a partial one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, ensure_ascii=False, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return write_text(path, json.dumps(data, ensure_ascii=False, indent=2) + "\n")
 
 
 def write_text(path: str | Path, text: str) -> Path:
-    """Atomic like write_json, for markdown and CSV reports."""
+    """Write via a temp file + rename, like write_json (which uses it); for reports, CSV, JSONL."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8", newline="") as f:
@@ -45,6 +37,15 @@ def write_csv(path: str | Path, rows: list[list[Any]]) -> Path:
 def write_jsonl(path: str | Path, records: list[Any]) -> Path:
     """One JSON object per line, written atomically (the final, ordered results of a batch)."""
     return write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+
+
+def save_figure(fig: Any, path: str | Path, dpi: int = 100) -> Path:
+    """Save a matplotlib figure via a temp file + rename, like every other result file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")  # keep the suffix: it picks the format
+    fig.savefig(tmp, dpi=dpi)
+    os.replace(tmp, path)
+    return path
 
 
 def append_jsonl(path: str | Path, record: Any) -> None:

@@ -4,21 +4,23 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from pipeline.context import Request, Result
+from pipeline.errors import UserError
 from pipeline.kv_cache import KVCache
 from pipeline.pipeline import Pipeline
 
 
-def common_prefix_length(pipe: Pipeline, requests: Sequence[Request]) -> int:
-    """Tokens (media hashes included) that every request's rendered prompt starts with."""
-    keys = [pipe.tokenize(r).token_keys for r in requests]
+def _common_length(keys: Sequence[Sequence]) -> int:
+    """How many leading keys every sequence of ``keys`` shares."""
     n = min(len(k) for k in keys)
     first = keys[0]
     for other in keys[1:]:
-        i = 0
-        while i < n and other[i] == first[i]:
-            i += 1
-        n = i
+        n = next((i for i in range(n) if other[i] != first[i]), n)
     return n
+
+
+def common_prefix_length(pipe: Pipeline, requests: Sequence[Request]) -> int:
+    """Tokens (media hashes included) that every request's rendered prompt starts with."""
+    return _common_length([pipe.tokenize(r).token_keys for r in requests])
 
 
 def run_shared_prefix(
@@ -26,21 +28,34 @@ def run_shared_prefix(
     requests: Sequence[Request],
     cache: KVCache | None = None,
     on_result: Callable[[int, Result], None] | None = None,
-) -> list[Result]:
+    keys: Sequence[Sequence] | None = None,
+    on_error: Callable[[int, UserError], None] | None = None,
+) -> list[Result | None]:
     """Prefill the common prefix once, snapshot it, and answer each request from the snapshot.
 
     Each answer equals a fresh run of its full prompt; only its own suffix is computed.
+    ``keys``: each request's ``token_keys``, when the caller has tokenized them already.
+    ``on_error``: report a request's UserError and go on with the others (its result is None);
+    without it the error propagates.
     """
     if not requests:
         return []
     cache = cache if cache is not None else pipe.new_cache()
-    shared = common_prefix_length(pipe, requests)
+    shared = _common_length(keys) if keys is not None else common_prefix_length(pipe, requests)
     results: list[Result] = []
     snapshot = None
     for i, request in enumerate(requests):
         if snapshot is not None:
             cache.restore(snapshot)
-        result = pipe.run(request, cache=cache)
+        try:
+            result = pipe.run(request, cache=cache)
+        except UserError as err:
+            if on_error is None:
+                raise
+            cache.trim()  # drop whatever a failed forward wrote past the recorded keys
+            results.append(None)
+            on_error(i, err)
+            continue
         if snapshot is None:
             cache.rollback(min(shared, cache.length))
             snapshot = cache.snapshot()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -45,11 +45,15 @@ def quiet_bitsandbytes() -> None:
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    """``key`` of a mapping (dict, DictConfig) or an attribute-style config; None reads as empty."""
     if cfg is None:
         return default
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
     return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+
+
+def on_gpu(device_map: Any) -> bool:
+    """Will the model compute on a CUDA GPU: one is available and device_map does not pin it to cpu."""
+    return torch.cuda.is_available() and device_map not in ("cpu", {"": "cpu"})
 
 
 def scheme_name(quant_cfg: Any) -> str:
@@ -88,8 +92,7 @@ def resolve_scheme(quant_cfg: Any, *, real_model: bool, device_map: Any = None, 
     name = scheme_name(quant_cfg)
     if name != "auto":
         return name
-    on_gpu = torch.cuda.is_available() and device_map not in ("cpu", {"": "cpu"})
-    return "nf4" if (real_model and on_gpu and not prequantized) else "none"
+    return "nf4" if (real_model and on_gpu(device_map) and not prequantized) else "none"
 
 
 def skip_patterns(names: Any, *, keep_lm_head: bool = False) -> list[str]:

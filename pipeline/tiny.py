@@ -722,23 +722,32 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0) -> Path:
     """
     _check_family(family)
     out = Path(out_dir).expanduser().absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    _build_into(family, seed, out, keep_existing=False)
+    return out
+
+
+def _build_into(family: str, seed: int, dest: Path, keep_existing: bool) -> None:
+    """Build privately next to ``dest``, then move the directory into place with ``os.replace``.
+
+    When ``dest`` already exists (not empty), it is swapped aside and dropped, unless
+    ``keep_existing`` and it is a complete build (a concurrent builder won the race).
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         _write(family, seed, tmp)
         os.chmod(tmp, 0o755)
         try:
-            os.replace(tmp, out)
+            os.replace(tmp, dest)
         except OSError:
-            # out exists and is not empty: swap it aside, then drop the old copy.
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / "d")
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+            if not (keep_existing and _is_complete(dest)):
+                old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+                os.replace(dest, old / "d")
+                os.replace(tmp, dest)
+                shutil.rmtree(old, ignore_errors=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def _cache_root() -> Path:
@@ -762,24 +771,8 @@ def tiny_model_dir(family: str) -> Path:
     """
     _check_family(family)
     d = _cache_root() / f"tiny-{family}-v{RECIPE_VERSION}"
-    if _is_complete(d):
-        return d
-    d.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}.tmp-", dir=d.parent))
-    try:
-        _write(family, 0, tmp)
-        os.chmod(tmp, 0o755)
-        try:
-            os.replace(tmp, d)
-        except OSError:
-            if not _is_complete(d):  # a broken leftover, not a concurrent winner: replace it
-                old = Path(tempfile.mkdtemp(prefix=f".{d.name}.old-", dir=d.parent))
-                os.replace(d, old / "d")
-                os.replace(tmp, d)
-                shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    if not _is_complete(d):
+        _build_into(family, 0, d, keep_existing=True)  # a broken leftover is replaced
     return d
 
 

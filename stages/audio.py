@@ -4,15 +4,14 @@ from __future__ import annotations
 import torch
 
 from pipeline.context import Context
-from pipeline.families.base import scatter_media
+from pipeline.families.base import merge_media, prompt_embeds, uncached_items
 
 
 class AudioEncoder:
     """Encodes the prompt's audio clips and writes their embeddings into ``ctx.inputs_embeds``.
 
     The model knowledge (feature masks, the tower and projector, the placeholder id) lives in
-    the family (``encode_audio``, ``audio_token_id``, ``audio_token_counts``); this stage decides
-    what to encode and counts. A clip whose audio positions the KV cache already holds (a
+    the family (``audio_spans``, ``encode_audio``); this stage decides what to encode and counts. A clip whose audio positions the KV cache already holds (a
     follow-up turn in a conversation) is not encoded again: Prefill never reads those positions.
     ``batch_size`` bounds how many 30 s windows go through the tower at once (None = all).
 
@@ -21,8 +20,8 @@ class AudioEncoder:
     """
 
     def __init__(self, batch_size: int | None = None) -> None:
-        if batch_size is not None and batch_size < 1:
-            raise ValueError(f"audio_encoder.batch_size must be >= 1 (got {batch_size})")
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"audio_encoder.batch_size must be a whole number >= 1 (got {batch_size!r})")
         self.batch_size = batch_size
 
     def skip(self, ctx: Context) -> bool:
@@ -30,30 +29,17 @@ class AudioEncoder:
 
     def __call__(self, ctx: Context) -> Context:
         lm, family, m = ctx.lm, ctx.lm.family, ctx.metrics
-        token = family.audio_token_id(lm)
-        features = ctx.model_inputs["input_features"]
-        feature_mask = ctx.model_inputs["feature_attention_mask"]
-        slots = (ctx.input_ids[0] == token).nonzero().flatten().tolist()
-        counts = family.audio_token_counts(lm, feature_mask)  # placeholders per clip, in prompt order
-        m.count("audio_tokens", len(slots))
-        # What Prefill will keep of the cache (it always recomputes at least the last token):
-        # clips whose every slot lies before that are not encoded again.
-        kept = min(ctx.cache.common_prefix(ctx.token_keys), ctx.input_ids.shape[1] - 1)
-        ends = torch.tensor(counts).cumsum(0).tolist()
-        todo = [j for j, end in enumerate(ends) if end > 0 and slots[end - 1] >= kept]
-        seconds = sum(_seconds(*ctx.request.audios[j]) for j in todo)
-        m.count("audio_seconds", float(seconds))
+        spans = family.audio_spans(ctx)  # one placeholder run per clip, in prompt order
+        m.count("audio_tokens", sum(end - start for start, end in spans))
+        prompt_embeds(ctx)
+        todo = uncached_items(ctx, spans)
+        m.count("audio_seconds", float(sum(_seconds(*ctx.request.audios[j]) for j in todo)))
         if not todo:
-            if ctx.inputs_embeds is None:
-                ctx.inputs_embeds = lm.model.get_input_embeddings()(ctx.input_ids)
             return ctx
-        embeds = family.encode_audio(lm, features[todo], feature_mask[todo], batch_size=self.batch_size)
-        if len(todo) < len(counts):  # cached clips' slots get zeros: Prefill never reads them
-            full = embeds.new_zeros((len(slots), embeds.shape[-1]))
-            rows = torch.cat([torch.arange(ends[j] - counts[j], ends[j]) for j in todo])
-            full[rows.to(full.device)] = embeds
-            embeds = full
-        scatter_media(ctx, token, embeds)
+        features = ctx.model_inputs["input_features"][todo]
+        feature_mask = ctx.model_inputs["feature_attention_mask"][todo]
+        embeds = family.encode_audio(lm, features, feature_mask, batch_size=self.batch_size)
+        merge_media(ctx, spans, todo, embeds)
         return ctx
 
 

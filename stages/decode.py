@@ -104,8 +104,10 @@ class DecodeLoop:
         compile_mode: str | None = None,
         compile_backend: str = "inductor",
     ) -> None:
-        if check_every is not None and (isinstance(check_every, bool) or int(check_every) < 1):
-            raise ValueError(f"decode.check_every must be >= 1 (got {check_every!r})")
+        if check_every is not None and (
+            isinstance(check_every, bool) or int(check_every) != check_every or check_every < 1
+        ):
+            raise ValueError(f"decode.check_every must be a whole number >= 1 (got {check_every!r})")
         self.sampler = sampler if sampler is not None else Sampler()
         self.compile = bool(compile)
         self.check_every = None if check_every is None else int(check_every)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.context import Context
+from pipeline.errors import UserError
 from pipeline.memory import check_kv_fits
 
 
@@ -14,14 +15,16 @@ class Prefill:
     """
 
     def __init__(self, chunk_size: int | None = None) -> None:
-        if chunk_size is not None and chunk_size < 1:
-            raise ValueError(f"prefill.chunk_size must be >= 1 (got {chunk_size})")
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"prefill.chunk_size must be a whole number >= 1 (got {chunk_size!r})")
         self.chunk_size = chunk_size
 
     @torch.inference_mode()  # as in Pipeline.run, also when driven by hand (static caches need it)
     def __call__(self, ctx: Context) -> Context:
         lm, cache, m = ctx.lm, ctx.cache, ctx.metrics
         total = ctx.input_ids.shape[1]
+        if total == 0:
+            raise UserError("the prompt has no tokens: there is nothing to prefill")
         start = cache.reuse(ctx.token_keys)
         # Stop now, with the numbers, if prompt + max_new_tokens of cache cannot fit (pipeline/memory.py).
         check_kv_fits(lm, cache, total, ctx.request.max_new_tokens)

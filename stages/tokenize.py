@@ -1,10 +1,9 @@
 """Tokenize: messages -> the model's own chat template -> input ids (and processor outputs)."""
 from __future__ import annotations
 
-import os
-
 from pipeline.context import Context, Request
 from pipeline.errors import UserError
+from pipeline.families.base import media_name
 
 
 def build_messages(request: Request, family, default_prompt: str | None = None) -> list[dict]:
@@ -26,11 +25,7 @@ def build_messages(request: Request, family, default_prompt: str | None = None) 
 
 def _sources(items: list, kind: str) -> str:
     """The media's file names for an error message (paths, or PIL images tagged with info["source"])."""
-    names = []
-    for item in items:
-        source = item if isinstance(item, (str, os.PathLike)) else getattr(item, "info", {}).get("source")
-        names.append(str(source) if source else f"{kind} {len(names) + 1}")
-    return ", ".join(names)
+    return ", ".join(media_name(item, kind, i) for i, item in enumerate(items))
 
 
 class Tokenize:
@@ -63,6 +58,8 @@ class Tokenize:
         default = self.default_image_prompt if req.images else self.default_audio_prompt if req.audios else None
         messages = build_messages(req, lm.family, default)
         template_owner = lm.processor if lm.processor is not None else lm.tokenizer
+        if getattr(template_owner, "chat_template", "present") is None:
+            raise UserError(f"{lm.path} has no chat template: this program needs a chat (instruct) model")
         extra = {} if req.thinking is None else {"enable_thinking": bool(req.thinking)}
         text = template_owner.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         if lm.processor is not None:

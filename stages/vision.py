@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.context import Context
-from pipeline.families.base import scatter_media
+from pipeline.families.base import merge_media, prompt_embeds, uncached_items
 from pipeline.families.qwen2_vl import image_spans
 
 
@@ -28,32 +28,19 @@ class VisionEncoder:
         lm, m = ctx.lm, ctx.metrics
         grid = ctx.model_inputs["image_grid_thw"]
         spans = image_spans(ctx)
-        token_id = int(lm.config.image_token_id)
         m.set("image_tokens", sum(end - start for start, end in spans))
-        # What Prefill will keep from the cache (it always recomputes at least the last token).
-        reused = min(ctx.cache.common_prefix(ctx.token_keys), ctx.input_ids.shape[1] - 1)
-        todo = [k for k, (_, end) in enumerate(spans) if end > reused]
-        if ctx.inputs_embeds is None:
-            ctx.inputs_embeds = lm.model.get_input_embeddings()(ctx.input_ids)
         m.set("megapixels", 0.0)
+        prompt_embeds(ctx)
+        todo = uncached_items(ctx, spans)
         if not todo:
             return ctx
         pixel_values, sub_grid = self._select(ctx.model_inputs["pixel_values"], grid, todo)
-        visual = lm.model.model.visual
-        device = next(visual.parameters()).device
+        device = next(lm.model.model.visual.parameters()).device
         features = lm.model.model.get_image_features(pixel_values.to(device), sub_grid.to(device)).pooler_output
         patch = int(lm.config.vision_config.patch_size)
         m.set("megapixels", float(sub_grid[:, 1:].prod(-1).sum()) * patch * patch / 1e6)
-        # scatter_media fills every placeholder at once: cached images keep what is already there.
-        mask = ctx.input_ids[0] == token_id
-        embeds = ctx.inputs_embeds[0, mask].clone()
-        offset = 0
-        for k, (start, end) in enumerate(spans):
-            n = end - start
-            if k in todo:
-                embeds[offset : offset + n] = features[todo.index(k)].to(embeds.device, embeds.dtype)
-            offset += n
-        scatter_media(ctx, token_id, embeds)
+        embeds = features if isinstance(features, torch.Tensor) else torch.cat(features, dim=0)  # per-image tuple
+        merge_media(ctx, spans, todo, embeds)
         return ctx
 
     @staticmethod
@@ -61,7 +48,6 @@ class VisionEncoder:
         """The patch rows and grid of the images in ``keep`` (rows are concatenated per image)."""
         if len(keep) == grid.shape[0]:
             return pixel_values, grid
-        rows = grid.prod(-1).tolist()
-        starts = [sum(rows[:k]) for k in range(len(rows))]
-        parts = [pixel_values[starts[k] : starts[k] + rows[k]] for k in keep]
+        ends = grid.prod(-1).cumsum(0).tolist()
+        parts = [pixel_values[(ends[k - 1] if k else 0) : ends[k]] for k in keep]
         return torch.cat(parts, dim=0), grid[keep]

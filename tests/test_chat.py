@@ -212,6 +212,21 @@ def test_shared_prefix_on_a_warm_cache(pipe):
     assert [r.token_ids for r in results] == [pipe.run(r).token_ids for r in requests]
 
 
+def test_shared_prefix_reports_a_failing_request_and_answers_the_rest(pipe):
+    """A request that fails at run time (here max_new_tokens=0, caught in the decode stage) is
+    reported through on_error; the others still equal fresh runs."""
+    prompts = ("Red or blue?", "Red or pink?", "Red or green?")
+    requests = [Request(prompt=p, max_new_tokens=0 if i == 1 else N) for i, p in enumerate(prompts)]
+    errors: list[tuple[int, str]] = []
+    results = run_shared_prefix(pipe, requests, on_error=lambda i, err: errors.append((i, str(err))))
+    assert [i for i, _ in errors] == [1] and "max_new_tokens" in errors[0][1]
+    assert results[1] is None
+    for i in (0, 2):
+        assert results[i].token_ids == pipe.run(requests[i]).token_ids
+    with pytest.raises(UserError):  # without on_error the error propagates
+        run_shared_prefix(pipe, requests)
+
+
 # --- media identity ----------------------------------------------------------------------------
 def test_cache_never_matches_a_different_image_of_the_same_size():
     """KVCache level: media positions carry content hashes, so equal ids with other pixels differ."""

@@ -335,7 +335,7 @@ def test_stereo_44k_to_mono_16k(tmp_path):
 def test_split_audio():
     wave = torch.arange(65 * 100, dtype=torch.float32)
     chunks = split_audio(wave, 100, 30)
-    assert [c.numel() for c in chunks] == [3000, 3000, 500]
+    assert [c.numel() for c in chunks] == [2167, 2167, 2166]  # equal chunks: no tiny tail
     assert torch.equal(torch.cat(chunks), wave)
     assert split_audio(torch.zeros(0), 100, 30) == []
     assert len(split_audio(torch.zeros(3000), 100, 30)) == 1

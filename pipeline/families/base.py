@@ -1,9 +1,13 @@
-"""What every family shares: plain 1-D positions, no media. Multimodal families override hooks."""
+"""What every family shares: plain 1-D positions, no media. Multimodal families override hooks;
+the media helpers at the end (placeholder spans, cache keys, merging) serve every media encoder."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Hashable
+import os
+from typing import TYPE_CHECKING, Any, Hashable, Sequence
 
 import torch
+
+from pipeline.errors import UserError
 
 if TYPE_CHECKING:
     from pipeline.context import Context
@@ -58,15 +62,72 @@ class TextFamily(Family):
     pass
 
 
-def scatter_media(ctx: "Context", token_id: int, embeds: torch.Tensor) -> None:
-    """Write media embeddings into the prompt embeddings at the placeholder positions.
+def media_name(item: Any, kind: str, index: int) -> str:
+    """How to name a media item in a message: its file when known (a path, or ``info["source"]``
+    on a PIL image), else its kind and rank."""
+    if isinstance(item, (str, os.PathLike)):
+        return str(item)
+    info = getattr(item, "info", None)
+    source = info.get("source") if isinstance(info, dict) else None
+    return str(source) if source else f"{kind} {index + 1}"
 
-    Creates ``ctx.inputs_embeds`` from the token embeddings on first use, so vision and audio
-    encoders can both contribute to one prompt.
+
+def placeholder_spans(ids: torch.Tensor, token_id: int, sizes: Sequence[int], kind: str) -> list[tuple[int, int]]:
+    """[start, end) of each media item's placeholder run in the prompt ``ids`` (1-D), in item order.
+
+    ``sizes`` is how many placeholder tokens each item expands to, so two adjacent items are
+    still told apart.
     """
+    positions = (ids == token_id).nonzero().view(-1).tolist()
+    if len(positions) != sum(sizes):
+        raise UserError(f"the prompt has {len(positions)} {kind} tokens but its {kind} inputs need {sum(sizes)}")
+    spans: list[tuple[int, int]] = []
+    k = 0
+    for size in sizes:
+        spans.append((positions[k], positions[k + size - 1] + 1))
+        k += size
+    return spans
+
+
+def media_keys(ids: list[int], spans: Sequence[tuple[int, int]], hashes: Sequence[str]) -> list[Hashable]:
+    """Per-position cache keys: the token ids, except ``(token_id, content_hash, index in the item)``
+    over each media item's placeholder span, so two different items never match."""
+    keys: list[Hashable] = list(ids)
+    for (start, end), digest in zip(spans, hashes):
+        for j in range(start, end):
+            keys[j] = (ids[j], digest, j - start)
+    return keys
+
+
+def prompt_embeds(ctx: "Context") -> torch.Tensor:
+    """``ctx.inputs_embeds``, made from the token embeddings on first use, so that vision and
+    audio encoders can both contribute to one prompt."""
     if ctx.inputs_embeds is None:
         ctx.inputs_embeds = ctx.lm.model.get_input_embeddings()(ctx.input_ids)
-    mask = ctx.input_ids[0] == token_id
-    if int(mask.sum()) != embeds.shape[0]:
-        raise ValueError(f"{int(mask.sum())} placeholder tokens but {embeds.shape[0]} media embeddings")
-    ctx.inputs_embeds[0, mask] = embeds.to(ctx.inputs_embeds.device, ctx.inputs_embeds.dtype)
+    return ctx.inputs_embeds
+
+
+def uncached_items(ctx: "Context", spans: Sequence[tuple[int, int]]) -> list[int]:
+    """Indices of the media items an encoder must encode: those with a placeholder past what
+    Prefill will keep from the KV cache (``KVCache.reuse`` always leaves the last token to compute).
+    The others' embeddings would never be read."""
+    kept = min(ctx.cache.common_prefix(ctx.token_keys), ctx.input_ids.shape[1] - 1)
+    return [k for k, (_, end) in enumerate(spans) if end > kept]
+
+
+def merge_media(ctx: "Context", spans: Sequence[tuple[int, int]], items: Sequence[int], embeds: torch.Tensor) -> None:
+    """Write media embeddings over their placeholders in the prompt embeddings.
+
+    ``embeds`` holds the rows of ``items`` (indices into ``spans``), concatenated in that order.
+    The other items' placeholders keep what they hold: they come from the KV cache.
+    """
+    target = prompt_embeds(ctx)
+    need = sum(spans[k][1] - spans[k][0] for k in items)
+    if embeds.shape[0] != need:
+        raise ValueError(f"{need} placeholder tokens but {embeds.shape[0]} media embeddings")
+    embeds = embeds.to(target.device, target.dtype)
+    offset = 0
+    for k in items:
+        start, end = spans[k]
+        target[0, start:end] = embeds[offset : offset + end - start]
+        offset += end - start

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 
 from pipeline.errors import UserError
-from pipeline.families.base import Family
+from pipeline.families.base import Family, media_keys, placeholder_spans
 from pipeline.media import content_hash, load_audio
+from pipeline.media.audio import resample, split_audio
 
 if TYPE_CHECKING:
     from pipeline.context import Context, Request
@@ -87,8 +88,7 @@ class Qwen2AudioFamily(Family):
                         f"{label}: {seconds:.1f} s of audio is longer than the encoder's {window_s:g} s window "
                         f"(set media.long_audio=split to feed it as {k} chunks)"
                     )
-                # Equal chunks rather than full windows plus a remainder: no tail too short to encode.
-                parts = [p.contiguous() for p in torch.tensor_split(wave, k)]
+                parts = split_audio(wave, rate, window_s)
             audios += [(p, rate) for p in parts]
             chunks_per_item.append(len(parts))
         messages = request.messages
@@ -126,25 +126,17 @@ class Qwen2AudioFamily(Family):
         _, out = tower._get_feat_extract_output_lengths(feature_attention_mask.sum(-1))
         return [int(n) for n in out.tolist()]
 
+    def audio_spans(self, ctx: "Context") -> list[tuple[int, int]]:
+        """[start, end) of each clip's ``<|AUDIO|>`` run in the prompt, in clip order."""
+        if not ctx.request.audios:
+            return []
+        counts = self.audio_token_counts(ctx.lm, ctx.model_inputs["feature_attention_mask"])
+        return placeholder_spans(ctx.input_ids[0], self.audio_token_id(ctx.lm), counts, "audio")
+
     def token_keys(self, ctx: "Context") -> list[Hashable]:
         """Token ids, except ``(id, content_hash, index)`` at audio slots: different clips never match."""
-        ids = ctx.input_ids[0].tolist()
-        if not ctx.request.audios:
-            return ids
-        token = self.audio_token_id(ctx.lm)
-        counts = self.audio_token_counts(ctx.lm, ctx.model_inputs["feature_attention_mask"])
         hashes = [content_hash((w, r)) for w, r in ctx.request.audios]
-        keys: list[Hashable] = []
-        item = index = 0
-        for t in ids:
-            if t != token:
-                keys.append(t)
-                continue
-            keys.append((t, hashes[item], index))
-            index += 1
-            if index == counts[item]:
-                item, index = item + 1, 0
-        return keys
+        return media_keys(ctx.input_ids[0].tolist(), self.audio_spans(ctx), hashes)
 
     # --- the encoder ----------------------------------------------------------------------
     def encode_audio(
@@ -211,11 +203,7 @@ def _waveform(item: Any, rate: int, i: int) -> tuple[torch.Tensor, str]:
     wave = wave.detach().to("cpu", torch.float32).contiguous()
     if not bool(torch.isfinite(wave).all()):
         raise UserError(f"{label}: audio contains NaN or infinite samples")
-    if source_rate != rate:
-        import torchaudio.functional as AF  # DSP only; slow to import, so only when needed
-
-        wave = AF.resample(wave, source_rate, rate).contiguous()
-    return wave, label
+    return resample(wave, source_rate, rate), label
 
 
 def _expand_audio_items(messages: list[dict], chunks_per_item: list[int]) -> list[dict]:

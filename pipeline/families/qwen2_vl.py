@@ -23,7 +23,7 @@ import torch
 from PIL import Image
 
 from pipeline.errors import UserError
-from pipeline.families.base import Family
+from pipeline.families.base import Family, media_keys, media_name, placeholder_spans
 from pipeline.media import content_hash, load_image, to_rgb
 
 if TYPE_CHECKING:
@@ -31,14 +31,6 @@ if TYPE_CHECKING:
 
 IMAGE_PAD = "<|image_pad|>"
 ROPE_DELTAS = "rope_deltas"  # key in KVCache.state
-
-
-def image_name(image: Any, index: int) -> str:
-    """How to name an image in a message: its file when known (``info["source"]``), else its rank."""
-    if isinstance(image, (str, os.PathLike)):
-        return str(image)
-    source = getattr(image, "info", {}).get("source") if isinstance(image, Image.Image) else None
-    return str(source) if source else f"image {index + 1}"
 
 
 def load_images(images: list[Any]) -> list[Image.Image]:
@@ -83,7 +75,7 @@ class Qwen2VLFamily(Family):
                 out = dict(lm.processor(text=[text], images=images or None, return_tensors="pt"))
         except ValueError as err:  # e.g. an aspect ratio beyond 200:1, which smart_resize refuses
             names = ", ".join(
-                f"{image_name(src, i)} ({im.size[0]}x{im.size[1]})"
+                f"{media_name(src, 'image', i)} ({im.size[0]}x{im.size[1]})"
                 for i, (src, im) in enumerate(zip(request.images, images))
             )
             raise UserError(f"{names}: the image processor refused it: {' '.join(str(err).split())}") from None
@@ -92,14 +84,7 @@ class Qwen2VLFamily(Family):
 
     def token_keys(self, ctx: "Context") -> list[Hashable]:
         """Token ids, except image positions: ``(image_token_id, content hash, index in that image)``."""
-        ids = ctx.input_ids[0].tolist()
-        hashes = ctx.model_inputs.get("image_hashes") or []
-        spans = image_spans(ctx)
-        keys: list[Hashable] = list(ids)
-        for (start, end), digest in zip(spans, hashes):
-            for j in range(start, end):
-                keys[j] = (ids[j], digest, j - start)
-        return keys
+        return media_keys(ctx.input_ids[0].tolist(), image_spans(ctx), ctx.model_inputs.get("image_hashes") or [])
 
     # --- positions --------------------------------------------------------------------------
     def prompt_positions(self, ctx: "Context", start: int) -> torch.Tensor:
@@ -162,13 +147,4 @@ def image_spans(ctx: "Context") -> list[tuple[int, int]]:
         return []
     merge = int(ctx.lm.config.vision_config.spatial_merge_size)
     sizes = (grid.prod(-1) // merge**2).tolist()
-    token = Qwen2VLFamily.image_token_id(ctx)
-    positions = (ctx.input_ids[0] == token).nonzero().view(-1).tolist()
-    if len(positions) != sum(sizes):
-        raise UserError(f"the prompt has {len(positions)} image tokens but its images need {sum(sizes)}")
-    spans: list[tuple[int, int]] = []
-    k = 0
-    for size in sizes:
-        spans.append((positions[k], positions[k + size - 1] + 1))
-        k += size
-    return spans
+    return placeholder_spans(ctx.input_ids[0], Qwen2VLFamily.image_token_id(ctx), sizes, "image")

@@ -8,6 +8,8 @@ torchaudio is used only for DSP (resampling), and imported only when needed.
 
 from __future__ import annotations
 
+import math
+
 import os
 
 import numpy as np
@@ -47,19 +49,24 @@ def load_audio(path: str | os.PathLike, target_rate: int) -> tuple[torch.Tensor,
     wave = torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))
     if not bool(torch.isfinite(wave).all()):
         raise UserError(f"{path}: audio contains NaN or infinite samples")
-    duration_s = data.shape[0] / rate
-    if rate != target_rate:
-        import torchaudio.functional as AF  # DSP only; slow to import, so only when needed
+    return resample(wave, rate, target_rate), data.shape[0] / rate
 
-        wave = AF.resample(wave, rate, target_rate).contiguous()
-    return wave, duration_s
+
+def resample(wave: torch.Tensor, rate: int, target_rate: int) -> torch.Tensor:
+    """``wave`` (1-D float) from ``rate`` to ``target_rate`` Hz; unchanged when they agree."""
+    if rate == target_rate:
+        return wave
+    import torchaudio.functional as AF  # DSP only; slow to import, so only when needed
+
+    return AF.resample(wave, rate, target_rate).contiguous()
 
 
 def split_audio(wave: torch.Tensor, rate: int, window_s: float) -> list[torch.Tensor]:
-    """Cut ``wave`` (1-D) into consecutive chunks of at most ``window_s`` seconds.
+    """Cut ``wave`` (1-D) into the fewest equal chunks of at most ``window_s`` seconds.
 
-    For encoders with a fixed input window (Qwen2-Audio / Whisper: 30 s). Every chunk but
-    the last is exactly ``round(window_s * rate)`` samples; an empty wave gives ``[]``.
+    For encoders with a fixed input window (Qwen2-Audio / Whisper: 30 s). Equal chunks rather
+    than full windows plus a remainder, so no tail is too short to encode; concatenated, the
+    chunks are the wave again. An empty wave gives ``[]``.
     """
     if wave.dim() != 1:
         raise ValueError(f"split_audio expects a 1-D waveform, got shape {tuple(wave.shape)}")
@@ -68,7 +75,7 @@ def split_audio(wave: torch.Tensor, rate: int, window_s: float) -> list[torch.Te
         raise ValueError(f"window of {window_s} s at {rate} Hz is shorter than one sample")
     if wave.numel() == 0:
         return []
-    return list(torch.split(wave, n))
+    return [p.contiguous() for p in torch.tensor_split(wave, math.ceil(wave.numel() / n))]
 
 
 def _describe_libsndfile_error(path, e: sf.LibsndfileError) -> str:

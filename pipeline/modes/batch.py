@@ -51,7 +51,7 @@ RESULTS = "results.jsonl"
 SUMMARY = "summary.json"
 PART_GLOB = "results.part*.jsonl"
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
-# Per-item settings a JSONL line may carry, with the check each value must pass.
+# Per-item settings a JSONL line may carry (each checked by _setting).
 ITEM_SETTINGS = ("max_new_tokens", "system_prompt", "ignore_eos", "stop", "thinking")
 ITEM_KEYS = ("id", "prompt", "images", "audios") + ITEM_SETTINGS
 
@@ -147,9 +147,9 @@ def _setting(where: str, key: str, value: Any) -> Any:
     if key == "max_new_tokens":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{where}: max_new_tokens must be a whole number >= 1 (got {value!r})")
-    elif key in ("ignore_eos",):
+    elif key == "ignore_eos":
         if not isinstance(value, bool):
-            raise UserError(f"{where}: {key} must be true or false (got {value!r})")
+            raise UserError(f"{where}: ignore_eos must be true or false (got {value!r})")
     elif key == "thinking":
         if value is not None and not isinstance(value, bool):
             raise UserError(f"{where}: thinking must be true, false or null (got {value!r})")
@@ -267,19 +267,20 @@ def run_items(
         return
     from pipeline.prefix import run_shared_prefix
 
-    ready: list[tuple[Item, Request]] = []
+    ready: list[tuple[Item, Request, list]] = []
     for item in items:  # load and tokenize first: a bad item must not break the shared prefix
         try:
             request = item_request(cfg, item)
-            pipe.tokenize(request)
-            ready.append((item, request))
+            ready.append((item, request, pipe.tokenize(request).token_keys))
         except UserError as err:
             on_record(error_record(item, str(err)))
     if ready:
         run_shared_prefix(
             pipe,
-            [r for _, r in ready],
+            [r for _, r, _ in ready],
             on_result=lambda i, result: on_record(success_record(ready[i][0], result)),
+            on_error=lambda i, err: on_record(error_record(ready[i][0], str(err))),
+            keys=[k for _, _, k in ready],  # tokenized above: the shared length needs no second pass
         )
 
 

@@ -34,7 +34,7 @@ from pipeline.context import Request
 from pipeline.errors import UserError
 from pipeline.loading import LoadedModel
 from pipeline.metrics import synchronize
-from pipeline.outputs import run_dir, write_csv, write_json, write_text
+from pipeline.outputs import run_dir, save_figure, write_csv, write_json, write_text
 from pipeline.pipeline import Pipeline
 from stages import DecodeLoop, Prefill, Sampler
 
@@ -351,8 +351,7 @@ def plot(rows: list[Row], path: Path, title: str) -> Path:
         if with_hf:
             ax.legend()
     fig.suptitle(title)
-    fig.savefig(path, dpi=110)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def main(cfg: DictConfig) -> None:

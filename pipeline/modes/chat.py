@@ -11,7 +11,7 @@ from typing import Callable, TextIO
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.assemble import input_paths, load_from_cfg, pipeline_from_cfg
+from pipeline.assemble import input_paths, load_from_cfg, max_image_pixels, pipeline_from_cfg, request_from_cfg
 from pipeline.chat import ChatSession
 from pipeline.errors import UserError
 from pipeline.metrics import format_table
@@ -168,28 +168,25 @@ class Repl:
 
 
 def main(cfg: DictConfig) -> None:
-    if int(cfg.max_new_tokens) < 1:
-        raise UserError(f"max_new_tokens must be >= 1 (got {cfg.max_new_tokens})")
-    if cfg.prompt is not None and not str(cfg.prompt).strip():
-        raise UserError("the prompt is empty: give prompt=TEXT or leave it out")
-    stop = cfg.get("stop")
-    if OmegaConf.is_config(stop):
-        stop = OmegaConf.to_container(stop, resolve=True)
-    stop = [stop] if isinstance(stop, str) else [str(s) for s in (stop or [])]
+    # The run's settings fail here, before the model loads; input= media are attached below,
+    # once the model is known (attach checks the model has an encoder for them).
+    settings = request_from_cfg(OmegaConf.merge(cfg, {"input": None}), prompt=None)
+    pixel_guard = max_image_pixels(cfg)
     lm = load_from_cfg(cfg)
     session = ChatSession(
         pipeline_from_cfg(cfg, lm),
-        system_prompt=cfg.system_prompt,
-        max_new_tokens=int(cfg.max_new_tokens),
-        ignore_eos=bool(cfg.ignore_eos),
-        stop=stop,
-        thinking=cfg.thinking,
+        system_prompt=settings.system_prompt,
+        max_new_tokens=settings.max_new_tokens,
+        ignore_eos=settings.ignore_eos,
+        stop=settings.stop,
+        thinking=settings.thinking,
         log_path=run_dir() / "chat.jsonl",
+        max_image_pixels=pixel_guard,
     )
     for path in input_paths(cfg):  # input=PATH: media for the first message
         session.attach(path)
     repl = Repl(session, stream=bool(cfg.stream))
     repl.note(f"chat with {lm.path} ({lm.family.name}); /help for commands, Ctrl-D or /exit to quit")
-    if cfg.prompt is not None and not repl.send(str(cfg.prompt)):
-        return
+    if cfg.prompt is not None:
+        repl.send(str(cfg.prompt))
     repl.loop()

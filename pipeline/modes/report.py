@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pipeline.errors import UserError
-from pipeline.outputs import write_csv, write_text
+from pipeline.outputs import save_figure, write_csv, write_text
 
 METRICS: tuple[str, ...] = (
     "ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s", "peak_memory_bytes", "weights_bytes", "quant",
@@ -176,10 +176,8 @@ def plot(columns: list[str], rows: list[dict[str, Any]], path: Path, title: str)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=100)
+    save_figure(fig, path)
     plt.close(fig)
-    tmp.replace(path)
 
 
 def main(cfg: DictConfig) -> None:
