@@ -9,7 +9,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.context import Request
-from pipeline.errors import UserError
+from pipeline.errors import UserError, whole_number
 from pipeline.loading import LoadedModel, load_model
 from pipeline.pipeline import Pipeline
 
@@ -47,18 +47,12 @@ def quant_from_cfg(cfg: DictConfig) -> dict:
     return quant
 
 
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"{name} must be a whole number >= 1 (got {value!r})")
-    return value
-
-
 def processor_kwargs(cfg: DictConfig) -> dict | None:
     """model.processor without its null entries (null = keep the model's own setting), checked."""
     kwargs = {k: v for k, v in (_plain(cfg.model.get("processor")) or {}).items() if v is not None}
     for key in ("min_pixels", "max_pixels"):
         if key in kwargs:
-            _positive_int(f"model.processor.{key}", kwargs[key])
+            whole_number(f"model.processor.{key}", kwargs[key])
     if kwargs.get("min_pixels", 0) > kwargs.get("max_pixels", float("inf")):
         raise UserError(
             f"model.processor.min_pixels ({kwargs['min_pixels']}) is above max_pixels ({kwargs['max_pixels']})"
@@ -71,7 +65,7 @@ def max_image_pixels(cfg: DictConfig) -> int:
     from pipeline.media import DEFAULT_MAX_PIXELS
 
     value = OmegaConf.select(cfg, "media.max_image_pixels", default=DEFAULT_MAX_PIXELS)
-    return _positive_int("media.max_image_pixels", value)
+    return whole_number("media.max_image_pixels", value)
 
 
 def load_from_cfg(cfg: DictConfig) -> LoadedModel:
@@ -112,7 +106,7 @@ def pipeline_from_cfg(cfg: DictConfig, lm: LoadedModel, stages: dict[str, Any] |
         lm,
         stages if stages is not None else stages_from_cfg(cfg),
         kv_static=bool(OmegaConf.select(cfg, "kv.static", default=False)),
-        kv_max_len=_positive_int("kv.max_len", kv_max_len),
+        kv_max_len=whole_number("kv.max_len", kv_max_len),
     )
     if OmegaConf.select(cfg, "decode.compile", default=False):
         print("mm-pipeline: warming up (compiling the decode step)...", file=sys.stderr)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from pipeline.context import Context, Request
-from pipeline.errors import UserError
+from pipeline.errors import UserError, whole_number
 from pipeline.kv_cache import KVCache
 from pipeline.pipeline import Pipeline
 
@@ -307,8 +307,7 @@ def evaluate(
     on_prediction: Callable[[Prediction], None] | None = None,
 ) -> list[Prediction]:
     """Answer every question in order on one cache, so each reuses the prefix the last one left."""
-    if shots < 0:
-        raise UserError(f"ceval.shots must be >= 0 (got {shots})")
+    whole_number("ceval.shots", shots, 0)
     scorer = scoring_pipeline(pipe)
     letter_ids = letter_token_ids(pipe.lm.tokenizer)
     cache = cache if cache is not None else pipe.new_cache()

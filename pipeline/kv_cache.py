@@ -21,6 +21,16 @@ from transformers import DynamicCache, StaticCache
 from pipeline.errors import UserError
 
 
+def shared_prefix_length(*sequences: Sequence[Hashable]) -> int:
+    """How many leading items all the sequences share (cache keys: ids, media hashes)."""
+    if not sequences:
+        return 0
+    first, n = sequences[0], min(len(s) for s in sequences)
+    for other in sequences[1:]:
+        n = next((i for i in range(n) if other[i] != first[i]), n)
+    return n
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """A mark to come back to: the length and what the cache held up to it."""
@@ -103,11 +113,7 @@ class KVCache:
         self.keys.extend(keys)
 
     def common_prefix(self, keys: Sequence[Hashable]) -> int:
-        n = min(len(self.keys), len(keys))
-        i = 0
-        while i < n and self.keys[i] == keys[i]:
-            i += 1
-        return i
+        return shared_prefix_length(self.keys, keys)
 
     def reuse(self, keys: Sequence[Hashable]) -> int:
         """Keep the longest cached prefix of ``keys``, drop the rest; return how many are kept.

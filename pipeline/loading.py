@@ -163,7 +163,7 @@ _NAMED_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 def _check_device(device: Any, what: str) -> None:
     """A device_map value: an int GPU index, cpu, disk, cuda[:N], mps; CUDA only where there is one."""
     if isinstance(device, int) and not isinstance(device, bool):
-        name = f"cuda:{device}"
+        name = _device_name(device)
     elif isinstance(device, str):
         name = device
     else:
@@ -307,7 +307,7 @@ def load_model(
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
-        raise UserError(f"cannot load model {path!r}: {str(err).splitlines()[0]}") from None
+        raise UserError(f"cannot load model {path!r}: {_load_error(err)}") from None
     family = family_for_config(config)
     torch_dtype = resolve_dtype(dtype, device_map)
     if quantization_config is None and quant is not None:

@@ -5,22 +5,13 @@ from typing import Callable, Sequence
 
 from pipeline.context import Request, Result
 from pipeline.errors import UserError
-from pipeline.kv_cache import KVCache
+from pipeline.kv_cache import KVCache, shared_prefix_length
 from pipeline.pipeline import Pipeline
-
-
-def _common_length(keys: Sequence[Sequence]) -> int:
-    """How many leading keys every sequence of ``keys`` shares."""
-    n = min(len(k) for k in keys)
-    first = keys[0]
-    for other in keys[1:]:
-        n = next((i for i in range(n) if other[i] != first[i]), n)
-    return n
 
 
 def common_prefix_length(pipe: Pipeline, requests: Sequence[Request]) -> int:
     """Tokens (media hashes included) that every request's rendered prompt starts with."""
-    return _common_length([pipe.tokenize(r).token_keys for r in requests])
+    return shared_prefix_length(*[pipe.tokenize(r).token_keys for r in requests])
 
 
 def run_shared_prefix(
@@ -41,7 +32,7 @@ def run_shared_prefix(
     if not requests:
         return []
     cache = cache if cache is not None else pipe.new_cache()
-    shared = _common_length(keys) if keys is not None else common_prefix_length(pipe, requests)
+    shared = shared_prefix_length(*keys) if keys is not None else common_prefix_length(pipe, requests)
     results: list[Result] = []
     snapshot = None
     for i, request in enumerate(requests):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.context import Context
+from pipeline.errors import whole_number
 from pipeline.families.base import merge_media, prompt_embeds, uncached_items
 
 
@@ -20,9 +21,9 @@ class AudioEncoder:
     """
 
     def __init__(self, batch_size: int | None = None) -> None:
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-            raise ValueError(f"audio_encoder.batch_size must be a whole number >= 1 (got {batch_size!r})")
-        self.batch_size = batch_size
+        self.batch_size = (
+            None if batch_size is None else whole_number("audio_encoder.batch_size", batch_size, error=ValueError)
+        )
 
     def skip(self, ctx: Context) -> bool:
         return not ctx.request.audios

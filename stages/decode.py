@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from pipeline.context import Context
-from pipeline.errors import UserError
+from pipeline.errors import UserError, whole_number
 from stages.sampler import Sampler
 
 
@@ -104,13 +104,11 @@ class DecodeLoop:
         compile_mode: str | None = None,
         compile_backend: str = "inductor",
     ) -> None:
-        if check_every is not None and (
-            isinstance(check_every, bool) or int(check_every) != check_every or check_every < 1
-        ):
-            raise ValueError(f"decode.check_every must be a whole number >= 1 (got {check_every!r})")
         self.sampler = sampler if sampler is not None else Sampler()
         self.compile = bool(compile)
-        self.check_every = None if check_every is None else int(check_every)
+        self.check_every = (
+            None if check_every is None else whole_number("decode.check_every", check_every, error=ValueError)
+        )
         self.compile_mode = compile_mode
         self.compile_backend = compile_backend
         self._compiled: tuple[Any, Callable] | None = None  # (model, its compiled step)

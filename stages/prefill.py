@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.context import Context
-from pipeline.errors import UserError
+from pipeline.errors import UserError, whole_number
 from pipeline.memory import check_kv_fits
 
 
@@ -15,9 +15,9 @@ class Prefill:
     """
 
     def __init__(self, chunk_size: int | None = None) -> None:
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"prefill.chunk_size must be a whole number >= 1 (got {chunk_size!r})")
-        self.chunk_size = chunk_size
+        self.chunk_size = (
+            None if chunk_size is None else whole_number("prefill.chunk_size", chunk_size, error=ValueError)
+        )
 
     @torch.inference_mode()  # as in Pipeline.run, also when driven by hand (static caches need it)
     def __call__(self, ctx: Context) -> Context:

@@ -52,6 +52,15 @@ def fallbacks(record: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in record if issubclass(w.category, FastPathFallback)]
 
 
+def run_twice(pipe: Pipeline, ids: list[int]):
+    """Two runs of the same prompt and the fallback warnings they raised (one is allowed, once)."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        a = run_ids(pipe, ids)
+        b = run_ids(pipe, ids)
+    return a, b, fallbacks(record)
+
+
 # --- static cache, deferred checks ----------------------------------------------------------
 
 def test_static_cache_with_deferred_checks_equals_plain_and_generate(lm, prompt):
@@ -138,11 +147,7 @@ def test_inductor_compiled_step_smallest_shapes(lm, prompt):
 
 def test_dynamic_cache_falls_back_with_one_warning(lm, prompt):
     pipe = pipe_of(lm, static=False, compile=True, compile_backend="aot_eager")
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        a = run_ids(pipe, prompt)
-        b = run_ids(pipe, prompt)
-    messages = fallbacks(record)
+    a, b, messages = run_twice(pipe, prompt)
     assert len(messages) == 1 and "kv.static=true" in messages[0]
     assert a.generated == b.generated == oracle(lm, prompt)
     assert a.metrics.to_dict()["decode_compiled"] is False
@@ -153,11 +158,7 @@ def test_compile_error_falls_back_with_one_warning(lm, prompt):
         raise RuntimeError("this backend cannot compile anything")
 
     pipe = pipe_of(lm, static=True, compile=True, compile_backend=broken_backend)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        a = run_ids(pipe, prompt)
-        b = run_ids(pipe, prompt)
-    messages = fallbacks(record)
+    a, b, messages = run_twice(pipe, prompt)
     assert len(messages) == 1 and "torch.compile failed" in messages[0]
     assert a.generated == b.generated == oracle(lm, prompt)
     assert a.cache.length == a.cache.cache_length() == len(prompt) + N - 1
@@ -167,11 +168,7 @@ def test_nf4_fast_path_falls_back_with_one_warning(load_tiny, prompt):
     lm4 = load_tiny("qwen3", quant="nf4")
     assert lm4.quant == "nf4"
     pipe = pipe_of(lm4, static=True, compile=True)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        a = run_ids(pipe, prompt)
-        b = run_ids(pipe, prompt)
-    messages = fallbacks(record)
+    a, b, messages = run_twice(pipe, prompt)
     assert len(messages) == 1 and "nf4" in messages[0]
     assert a.generated == b.generated == run_ids(pipe_of(lm4), prompt).generated == oracle(lm4, prompt)
 

@@ -6,7 +6,7 @@ import torch
 
 from conftest import generate_oracle
 from pipeline import Pipeline, Request
-from stages import DecodeLoop, Prefill, Sampler, Tokenize
+from stages import AudioEncoder, DecodeLoop, Prefill, Sampler, Tokenize
 
 FAMILIES = ["qwen3", "llama"]
 N = 12
@@ -120,3 +120,17 @@ def test_metrics_contract(load_tiny):
     assert m["kv_cache_bytes"] > 0 and m["peak_memory_bytes"] > 0 and m["weights_bytes"] > 0
     assert m["bandwidth_gb_s"] > 0
     assert m["quant"] == "none"
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda v: Prefill(chunk_size=v), "prefill.chunk_size"),
+        (lambda v: DecodeLoop(check_every=v), "decode.check_every"),
+        (lambda v: AudioEncoder(batch_size=v), "audio_encoder.batch_size"),
+    ],
+)
+@pytest.mark.parametrize("value", [0, 1.5, True])
+def test_stage_settings_must_be_whole_numbers(make, name, value):
+    with pytest.raises(ValueError, match=f"{name} must be an integer >= 1"):
+        make(value)

@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from pipeline.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg
 from pipeline.context import Request, Result
-from pipeline.errors import UserError
+from pipeline.errors import UserError, whole_number
 from pipeline.outputs import append_jsonl, run_dir, write_json, write_jsonl
 
 # Test hook: hard-exit (os._exit, no cleanup) after this many items were journaled by this
@@ -145,8 +145,10 @@ def _paths(where: str, base: Path, obj: dict, key: str) -> list[str]:
 def _setting(where: str, key: str, value: Any) -> Any:
     """A per-item setting checked and normalised to what Request takes."""
     if key == "max_new_tokens":
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{where}: max_new_tokens must be a whole number >= 1 (got {value!r})")
+        try:
+            whole_number("max_new_tokens", value)
+        except UserError as err:
+            raise UserError(f"{where}: {err}") from None
     elif key == "ignore_eos":
         if not isinstance(value, bool):
             raise UserError(f"{where}: ignore_eos must be true or false (got {value!r})")

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from pipeline.assemble import load_from_cfg, pipeline_from_cfg
 from pipeline.context import Request
-from pipeline.errors import UserError
+from pipeline.errors import UserError, whole_number
 from pipeline.loading import LoadedModel
 from pipeline.metrics import synchronize
 from pipeline.outputs import run_dir, save_figure, write_csv, write_json, write_text
@@ -56,12 +56,6 @@ class BenchSettings:
     @property
     def cells(self) -> list[tuple[int, int]]:
         return [(p, g) for p in self.prompt_lengths for g in self.gen_lengths]
-
-
-def _int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UserError(f"{name} must be an integer >= {minimum} (got {value!r})")
-    return value
 
 
 def _lengths(name: str, value: Any) -> tuple[int, ...]:
@@ -90,9 +84,9 @@ def settings_from_cfg(cfg: DictConfig) -> BenchSettings:
     return BenchSettings(
         prompt_lengths=_lengths("bench.prompt_lengths", b.get("prompt_lengths")),
         gen_lengths=_lengths("bench.gen_lengths", b.get("gen_lengths")),
-        repetitions=_int("bench.repetitions", b.get("repetitions"), 1),
-        warmup=_int("bench.warmup", b.get("warmup"), 0),
-        seed=_int("bench.seed", b.get("seed"), 0),
+        repetitions=whole_number("bench.repetitions", b.get("repetitions"), 1),
+        warmup=whole_number("bench.warmup", b.get("warmup"), 0),
+        seed=whole_number("bench.seed", b.get("seed"), 0),
         baseline=baseline,
     )
 

@@ -14,16 +14,13 @@ from tqdm import tqdm
 
 from pipeline import ceval
 from pipeline.assemble import load_from_cfg, stages_from_cfg
-from pipeline.errors import UserError
+from pipeline.errors import UserError, whole_number
 from pipeline.outputs import run_dir, write_csv, write_json
 from pipeline.pipeline import Pipeline
 
 
 def _shots(cfg: DictConfig) -> int:
-    value = cfg.ceval.get("shots", 5)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise UserError(f"ceval.shots must be an integer >= 0 (got {value!r})")
-    return value
+    return whole_number("ceval.shots", cfg.ceval.get("shots", 5), 0)
 
 
 def main(cfg: DictConfig) -> None:
