@@ -97,16 +97,36 @@ def stages_from_cfg(cfg: DictConfig) -> dict[str, Any]:
     return stages
 
 
+def kv_memory(cfg: DictConfig) -> float | int | str:
+    """kv.memory checked: auto, a number of bytes, or a fraction of free memory in (0, 1]."""
+    value = _plain(OmegaConf.select(cfg, "kv.memory", default="auto"))
+    if value is None or value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
+        isinstance(value, float) and value > 1
+    ):
+        raise UserError(f"kv.memory must be auto, a number of bytes, or a fraction in (0, 1] (got {value!r})")
+    return value
+
+
+def max_seqs(cfg: DictConfig) -> int | None:
+    value = OmegaConf.select(cfg, "engine.max_seqs", default=None)
+    return None if value is None else whole_number("engine.max_seqs", value)
+
+
 def pipeline_from_cfg(cfg: DictConfig, lm: LoadedModel, stages: dict[str, Any] | None = None) -> Pipeline:
     """The stage chain (``stages``, or built from cfg.stages) on a KV cache of the configured kind;
     with ``decode.compile`` it is warmed up (the decode step compiled) here, before the first
     request, so TTFT never includes it."""
-    kv_max_len = OmegaConf.select(cfg, "kv.max_len", default=4096)
     pipe = Pipeline(
         lm,
         stages if stages is not None else stages_from_cfg(cfg),
-        kv_static=bool(OmegaConf.select(cfg, "kv.static", default=False)),
-        kv_max_len=whole_number("kv.max_len", kv_max_len),
+        kv_memory=kv_memory(cfg),
+        kv_block_size=whole_number("kv.block_size", OmegaConf.select(cfg, "kv.block_size", default=16)),
+        max_seqs=max_seqs(cfg),
+        max_batch_tokens=whole_number(
+            "engine.max_batch_tokens", OmegaConf.select(cfg, "engine.max_batch_tokens", default=2048)
+        ),
     )
     if OmegaConf.select(cfg, "decode.compile", default=False):
         print("mm-pipeline: warming up (compiling the decode step)...", file=sys.stderr)

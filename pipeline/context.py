@@ -24,6 +24,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     thinking: bool | None = None  # passed to the template as enable_thinking when set
     id: str | None = None
+    sampler: Any = None  # this request's sampler (e.g. its own temperature and seed); None: the pipeline's
 
 
 @dataclass

@@ -1,14 +1,19 @@
-"""One KV cache shared by prefill and decode, which remembers what it holds so it can be reused.
+"""KVCache: one sequence's view of the paged KV pool (a block table), which remembers what it holds.
 
-It wraps a transformers ``Cache`` and keeps, per cached position, a hashable key: the token id,
-or for media placeholders ``(token_id, content_hash, index)``, so that two different images with
-the same number of placeholder tokens can never match.
+Per cached position it keeps a hashable key: the token id, or for media placeholders
+``(token_id, content_hash, index)``, so that two different images with the same number of
+placeholder tokens can never match. Its operations are block operations on the shared pool
+(``pipeline.paged.BlockPool``):
 
-Static caches (``KVCache(config, static=True, max_cache_len=N)``) pre-allocate N positions once,
-so the decode step has fixed shapes and fixed addresses (what ``torch.compile`` and CUDA graphs
-need). transformers' ``StaticCache`` cannot crop; here rollback rewinds each layer's write
-position instead: entries past the length stay in memory but are masked out (the causal mask
-is built from the write position) and are overwritten by the next tokens.
+- ``reuse(keys)``: keep the longest prefix it already holds, then attach full blocks other
+  requests left in the pool's prefix cache; Prefill computes only the rest.
+- ``rollback(n)``: drop the blocks past ``n`` (a block shared with another sequence or kept in
+  the prefix cache is copied before it is written again: copy on write).
+- ``snapshot()`` / ``restore(s)``: marks to branch several continuations from one prefix.
+- ``fork()``: a second live sequence sharing this one's blocks.
+
+Blocks are reserved (``reserve``) before a forward writes them and recorded (``append``) once it
+has; full blocks then enter the prefix cache. Dropping a KVCache returns its blocks.
 """
 from __future__ import annotations
 
@@ -16,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
 import torch
-from transformers import DynamicCache, StaticCache
 
 from pipeline.errors import UserError
+from pipeline.paged import BlockPool, OutOfBlocks
 
 
 def shared_prefix_length(*sequences: Sequence[Hashable]) -> int:
@@ -41,31 +46,25 @@ class Snapshot:
 
 
 class KVCache:
-    """Reuse (longest matching prefix), rollback (crop), snapshot/restore, size in bytes.
+    """A block table on a ``BlockPool``: reuse, rollback, snapshot/restore, fork, size in bytes."""
 
-    ``static=True`` pre-allocates ``max_cache_len`` positions (a transformers ``StaticCache``);
-    a request that needs more is refused with a ``UserError`` (see ``ensure_capacity``).
-    """
-
-    def __init__(
-        self,
-        config: Any | None = None,
-        cache: Any | None = None,
-        *,
-        static: bool = False,
-        max_cache_len: int | None = None,
-    ) -> None:
-        self.config = config
-        if static and cache is None:
-            if not max_cache_len or max_cache_len < 1:
-                raise ValueError(f"a static KV cache needs max_cache_len >= 1 (got {max_cache_len!r})")
-            with torch.inference_mode():  # like every tensor the stages make: no guard mismatch later
-                cache = StaticCache(config=config, max_cache_len=int(max_cache_len))
-        self.cache = cache if cache is not None else DynamicCache(config=config)
+    def __init__(self, pool: BlockPool) -> None:
+        if not isinstance(pool, BlockPool):
+            raise TypeError(f"KVCache needs a BlockPool (Pipeline.new_cache() makes one), got {type(pool).__name__}")
+        self.pool = pool
+        self.blocks: list[int] = []
         self.keys: list[Hashable] = []
+        self._digests: list[int] = []  # chain hash of each full block, in order
         # Position state a family needs to continue (e.g. Qwen2-VL rope_deltas); reset with the cache.
         self.state: dict[str, Any] = {}
 
+    def __del__(self) -> None:
+        try:
+            self._release_from(0)
+        except Exception:  # interpreter shutdown: the pool may be gone already
+            pass
+
+    # --- size -------------------------------------------------------------------------------
     @property
     def length(self) -> int:
         return len(self.keys)
@@ -74,100 +73,108 @@ class KVCache:
         return self.length
 
     @property
-    def is_static(self) -> bool:
-        """Pre-allocated (transformers ``StaticCache``): fixed shapes, rollback by rewinding."""
-        return isinstance(self.cache, StaticCache)
-
-    @property
-    def capacity(self) -> int | None:
-        """Positions a static cache can hold (None: a dynamic cache grows as needed)."""
-        if not self.is_static:
-            return None
-        return min(int(layer.max_cache_len) for layer in self.cache.layers)
-
-    def ensure_capacity(self, needed: int) -> None:
-        """Refuse, before any work, a request that would write past a static cache's end.
-
-        Why: an out-of-range write into a pre-allocated cache is an index error on CPU and a
-        device-side assert (a dead CUDA context) on GPU.
-        """
-        capacity = self.capacity
-        if capacity is not None and needed > capacity:
-            raise UserError(
-                f"the static KV cache holds {capacity} tokens but this request needs {needed} "
-                f"(prompt + max_new_tokens - 1): raise kv.max_len or lower max_new_tokens"
-            )
+    def block_size(self) -> int:
+        return self.pool.block_size
 
     @property
     def nbytes(self) -> int:
-        """Bytes of keys and values held in memory: for a static cache, the whole pre-allocation."""
-        total = 0
-        for layer in getattr(self.cache, "layers", []):
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if t is not None and hasattr(t, "numel"):
-                    total += t.numel() * t.element_size()
-        return total
+        """Bytes of the blocks this sequence holds (shared blocks count in full for each holder)."""
+        return len(self.blocks) * self.pool.block_bytes
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one sequence can hold: the whole pool."""
+        return self.pool.capacity_tokens
+
+    def ensure_capacity(self, needed: int) -> None:
+        """Refuse, before any work, a request that could never fit in the pool."""
+        if needed > self.capacity:
+            raise UserError(
+                f"this request needs {needed} tokens of KV cache (prompt + max_new_tokens - 1) but the whole "
+                f"pool holds {self.capacity} ({self.pool.num_blocks - 1} blocks of {self.block_size}): "
+                "raise kv.memory or lower max_new_tokens"
+            )
+
+    # --- writing ----------------------------------------------------------------------------
+    def reserve(self, n: int) -> torch.Tensor:
+        """Slots for the next ``n`` positions (blocks allocated, a shared partial block copied).
+
+        Raises ``OutOfBlocks`` with nothing changed when the pool cannot give them.
+        """
+        bs = self.block_size
+        partial = bool(self.length % bs) and bool(self.blocks)
+        cow = partial and self.pool.refs[self.blocks[-1]] > 1  # shared (a fork, a prefix hit)
+        new: list[int] = []
+        try:
+            for _ in range(-(-(self.length + n) // bs) - len(self.blocks) + cow):
+                new.append(self.pool.allocate())
+        except OutOfBlocks:
+            for block in new:
+                self.pool.release(block)
+            raise
+        if cow:  # copy on write: the other holders keep the original
+            copy = new.pop(0)
+            self.pool.copy_block(self.blocks[-1], copy)
+            self.pool.release(self.blocks[-1])
+            self.blocks[-1] = copy
+        elif partial:
+            self.pool.unregister(self.blocks[-1])  # ours alone: its cached content is about to change
+        self.blocks.extend(new)
+        positions = torch.arange(self.length, self.length + n)
+        table = torch.tensor(self.blocks)
+        return table[positions // bs] * bs + positions % bs
 
     def append(self, keys: Sequence[Hashable]) -> None:
-        """Record what the model just wrote into the cache (prefill or decode did the writing)."""
+        """Record what the model just wrote into the reserved slots; full blocks enter the prefix cache."""
         self.keys.extend(keys)
+        bs = self.block_size
+        for i in range(len(self._digests), self.length // bs):
+            parent = self._digests[-1] if self._digests else None
+            self._digests.append(self.pool.register(self.blocks[i], parent, tuple(self.keys[i * bs : (i + 1) * bs])))
 
+    # --- reuse and rollback -----------------------------------------------------------------
     def common_prefix(self, keys: Sequence[Hashable]) -> int:
         return shared_prefix_length(self.keys, keys)
 
     def reuse(self, keys: Sequence[Hashable]) -> int:
-        """Keep the longest cached prefix of ``keys``, drop the rest; return how many are kept.
+        """Keep the longest cached prefix of ``keys`` (this sequence's own, then full blocks from
+        the pool's prefix cache); return how many tokens are kept.
 
         At least one token is always left to compute, because prefill must produce logits.
         """
-        n = max(0, min(self.common_prefix(keys), len(keys) - 1))
-        self.rollback(n)
-        return n
+        limit = len(keys) - 1
+        self.rollback(max(0, min(self.common_prefix(keys), limit)))
+        bs = self.block_size
+        while self.length % bs == 0 and self.length + bs <= limit:
+            chunk = tuple(keys[self.length : self.length + bs])
+            parent = self._digests[-1] if self._digests else None
+            block = self.pool.lookup(parent, chunk)
+            if block is None:
+                break
+            self.blocks.append(block)
+            self.keys.extend(chunk)
+            self._digests.append(self.pool.digest_of(block))
+        return self.length
 
     def rollback(self, n: int) -> None:
         """Return to length ``n`` (drop everything after it)."""
         if n < 0 or n > self.length:
             raise ValueError(f"cannot roll back to {n}: the cache holds {self.length} tokens")
-        if n == self.length:
-            return
         if n == 0:
             self.clear()
             return
-        self._truncate(n)
         del self.keys[n:]
+        del self._digests[n // self.block_size :]
+        self.trim()
 
     def trim(self) -> None:
-        """Drop what the model wrote past the recorded keys (a decode loop that ran ahead of its
-        EOS check), so that the cache holds exactly ``keys`` again."""
-        if self.keys:
-            self._truncate(self.length)  # per layer: a no-op where nothing ran ahead
-        else:
-            self.clear()
+        """Return blocks past the recorded keys (reserved for a forward that did not finish)."""
+        self._release_from(-(-self.length // self.block_size))
 
-    def _truncate(self, n: int) -> None:
-        """Make the underlying cache hold its first ``n`` positions (0 < n <= what it holds)."""
-        if not self.is_static:
-            # Layer by layer: a forward interrupted by Ctrl-C can leave later layers shorter.
-            for layer in self.cache.layers:
-                extra = int(layer.get_seq_length()) - n
-                if extra > 0:
-                    layer.crop(-extra)
-            return
-        for layer in self.cache.layers:
-            if not layer.is_initialized:
-                continue
-            if getattr(layer, "is_sliding", False):
-                if layer.get_seq_length() != n:  # a host int on sliding layers: no sync
-                    raise UserError(  # a setting the user can change, not a programming error
-                        "cannot roll back a static cache with sliding-window layers "
-                        "(its ring buffer has overwritten older positions): use kv.static=false"
-                    )
-                continue
-            with torch.inference_mode():  # the tensors were made under inference mode
-                layer.cumulative_length.fill_(n)  # in place: compiled graphs hold its address
-
-    def cache_length(self) -> int:
-        return int(self.cache.get_seq_length()) if self.keys else 0
+    def _release_from(self, index: int) -> None:
+        for block in self.blocks[index:]:
+            self.pool.release(block)
+        del self.blocks[index:]
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self.length, tuple(self.keys), dict(self.state))
@@ -179,11 +186,20 @@ class KVCache:
         self.rollback(snap.length)
         self.state = dict(snap.state)
 
+    def fork(self) -> "KVCache":
+        """A second sequence holding the same blocks (no copy; a shared partial block is copied
+        by whichever sequence writes into it first)."""
+        other = KVCache(self.pool)
+        for block in self.blocks:
+            self.pool.hold(block)
+        other.blocks = list(self.blocks)
+        other.keys = list(self.keys)
+        other._digests = list(self._digests)
+        other.state = dict(self.state)
+        return other
+
     def clear(self) -> None:
-        if self.is_static:
-            with torch.inference_mode():  # the tensors were made under inference mode
-                self.cache.reset()  # in place: keeps the allocation and the addresses compiled code uses
-        else:
-            self.cache = DynamicCache(config=self.config)
+        self._release_from(0)
         self.keys.clear()
+        self._digests.clear()
         self.state.clear()

@@ -152,6 +152,10 @@ class Metrics:
             read = c.get("decode_weights_bytes", weights)  # what a decode step reads (no encoders)
             out["decode_weights_bytes"] = int(read)
             out["bandwidth_gb_s"] = (read + kv_mean) * tok_s / 1e9 if tok_s else None
+        if "queue_s" in c:  # engine: submission -> first scheduled (ttft_s counts from submission)
+            out["queue_s"] = c["queue_s"]
+        if "preemptions" in c:  # engine: times the request's blocks were taken back and recomputed
+            out["preemptions"] = int(c["preemptions"])
         if "warmup_s" in c:  # one-off compile/tuning before the first request: never part of ttft_s
             out["warmup_s"] = c["warmup_s"]
         out.update(self.info)

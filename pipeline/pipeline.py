@@ -1,29 +1,53 @@
-"""Pipeline: runs stages in order over one Context and times each the same way."""
+"""Pipeline: the stages of one inference, run for many requests at once by one engine."""
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
 from pipeline.context import Context, Request, Result
+from pipeline.engine import Engine, Handle, Sequence as EngineSequence
 from pipeline.kv_cache import KVCache
 from pipeline.loading import LoadedModel
 from pipeline.metrics import Metrics, decode_weight_bytes, synchronize
+from pipeline.paged import BlockPool, pool_for
 
 Stage = Callable[[Context], Any]
+ENGINE_STAGES = ("prefill", "decode")  # run by the engine, batched with other requests
+
+
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared(lm: LoadedModel, key: tuple, make: Callable[[], Any]) -> Any:
+    """One object per loaded model and key (pools, engines), kept on the model object."""
+    with _SHARED_LOCK:
+        table = lm.__dict__.setdefault("_mm_shared", {})
+        if key not in table:
+            table[key] = make()
+        return table[key]
+
+
+def default_max_seqs(device: torch.device | str) -> int:
+    """Sequences in flight by default: 32 on a GPU, 8 on a CPU."""
+    return 32 if torch.device(device).type == "cuda" else 8
 
 
 class Pipeline:
     """An ordered, named chain of stages. Names become metric keys (``stages.<name>.seconds``).
 
-    A stage may define ``skip(ctx) -> bool`` (e.g. the vision encoder on a text-only prompt);
-    skipped stages record nothing.
+    Stages before ``prefill`` (tokenize, the media encoders, your own) run once per request
+    when the engine admits it; ``prefill`` and ``decode`` are the engine's batched steps,
+    configured by those stage objects (chunk size, sampler); stages after ``decode`` run when
+    the request ends. A stage may define ``skip(ctx) -> bool``; skipped stages record nothing.
 
-    ``kv_static=True`` makes ``new_cache()`` pre-allocate ``kv_max_len`` positions (what the
-    compiled decode step needs). Runs given no cache then share one such cache, cleared at the
-    start of each run, so compiled code (and CUDA graphs) keep the same addresses; pass your
-    own ``new_cache()`` to keep a conversation.
+    Every run goes through one engine (``pipeline.engine``), so any number of threads may call
+    ``run`` at once and each gets the answer it would get alone. ``kv_memory`` / ``kv_block_size``
+    size the paged KV pool (``pipeline.paged.pool_for``); ``max_seqs`` / ``max_batch_tokens``
+    bound the engine's batches.
     """
 
     def __init__(
@@ -31,51 +55,133 @@ class Pipeline:
         lm: LoadedModel,
         stages: Mapping[str, Stage],
         *,
-        kv_static: bool = False,
-        kv_max_len: int = 4096,
+        kv_memory: float | int | str | None = None,
+        kv_block_size: int = 16,
+        max_seqs: int | None = None,
+        max_batch_tokens: int = 2048,
     ) -> None:
         self.lm = lm
         self.stages = dict(stages)
-        self.kv_static = bool(kv_static)
-        self.kv_max_len = int(kv_max_len)
+        self.kv_memory = kv_memory
+        self.kv_block_size = kv_block_size
+        self.max_seqs = max_seqs if max_seqs is not None else default_max_seqs(lm.device)
+        self.max_batch_tokens = max_batch_tokens
         self.warmup_s: float | None = None  # time spent in warmup(), reported apart from ttft_s
-        self._shared_cache: KVCache | None = None
+        self._pool: BlockPool | None = None
+        self._engine: Engine | None = None
         self._decode_weights: int | None = None  # bytes a decode step reads (metrics.decode_weight_bytes)
 
+    # --- the shared pool and engine -----------------------------------------------------------
+    @property
+    def pool(self) -> BlockPool:
+        """The model's KV pool for these settings: pipelines on one model with the same ``kv_memory``
+        and ``kv_block_size`` share it, and so share its prefix cache."""
+        if self._pool is None:
+            key = ("pool", self.kv_memory, self.kv_block_size)
+            self._pool = _shared(self.lm, key, lambda: pool_for(self.lm, self.kv_memory, self.kv_block_size))
+        return self._pool
+
+    @property
+    def engine(self) -> Engine:
+        """The engine for this pool and these batch limits (shared like the pool)."""
+        if self._engine is None:
+            pool = self.pool
+            compiled = getattr(self.stages.get("decode"), "compiled", None)
+            key = ("engine", id(pool), self.max_seqs, self.max_batch_tokens, id(compiled))
+            self._engine = _shared(self.lm, key, lambda: Engine(
+                self.lm, pool, max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens, compiled=compiled
+            ))
+        return self._engine
+
+    def with_stages(self, stages: Mapping[str, Stage]) -> "Pipeline":
+        """Another stage chain on the same model, pool and engine (e.g. prefill only, for scoring)."""
+        other = Pipeline(self.lm, stages, kv_memory=self.kv_memory, kv_block_size=self.kv_block_size,
+                         max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens)
+        other._pool, other._engine, other.warmup_s = self.pool, self.engine, self.warmup_s
+        return other
+
     def new_cache(self) -> KVCache:
-        return KVCache(self.lm.config, static=self.kv_static, max_cache_len=self.kv_max_len)
+        """An empty sequence on this pipeline's pool (a conversation keeps one across turns)."""
+        return KVCache(self.pool)
 
-    def _fresh_cache(self) -> KVCache:
-        """An empty cache for a run that brought none (static: the shared one, cleared)."""
-        if not self.kv_static:
-            return self.new_cache()
-        if self._shared_cache is None:
-            self._shared_cache = self.new_cache()
-        self._shared_cache.clear()
-        return self._shared_cache
+    # --- running ------------------------------------------------------------------------------
+    def submit(
+        self,
+        request: Request,
+        cache: KVCache | None = None,
+        on_text: Callable[[str], None] | None = None,
+        *,
+        ids: Sequence[int] | None = None,
+        result: bool = True,
+    ) -> Handle:
+        """Queue a request; returns at once. ``handle.result()`` gives the Result (the Context
+        with ``result=False``); iterating the handle gives token ids as they come.
 
-    @torch.inference_mode()
-    def warmup(self, prompt_tokens: int = 16, new_tokens: int | None = None) -> float:
-        """Compile and run prefill + decode once on a throwaway prompt (MNN's "tuning"), so that
-        the first real request pays no compile time; returns the seconds, also kept in
-        ``warmup_s`` and reported in each result's metrics, never in ``ttft_s``.
-
-        Decode runs enough steps for CUDA graphs to be recorded and replayed (2 x check_every + 2).
+        ``ids``: raw prompt ids (no template, no media): the stages before prefill are skipped.
+        With no ``cache`` the request gets its own, whose blocks go back to the pool (full ones
+        into the prefix cache) when it ends.
         """
-        t0 = time.perf_counter()
+        if cache is not None and cache.pool is not self.pool:
+            raise ValueError("this KVCache belongs to another KV pool: make it with this pipeline's new_cache()")
+        ctx = self.context(request, cache, on_text)
+        front = {k: v for k, v in self._front().items()} if ids is None else {}
+        if ids is not None:
+            ctx.input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.lm.device)
+            ctx.token_keys = list(ids)
+        names = list(self.stages)
+        after = {k: self.stages[k] for k in names[names.index("decode") + 1 :]} if "decode" in self.stages else {}
         decode = self.stages.get("decode")
-        every = getattr(decode, "check_every", None) or 8
-        n = new_tokens or 2 * every + 2
+        prefill = self.stages.get("prefill")
+        from pipeline.engine import fork_sampler
+        from stages.sampler import Sampler
+
+        sampler = request.sampler or (getattr(decode, "sampler", None) if decode is not None else None)
+        seq = EngineSequence(
+            ctx,
+            sampler=fork_sampler(sampler if sampler is not None else Sampler()),
+            front=front,
+            after=after,
+            prefill_only=decode is None,
+            release=cache is None and result,
+            chunk_size=getattr(prefill, "chunk_size", None),
+            finalize=self.result if result else None,
+        )
+        ctx.metrics.start()
+        return self.engine.submit(seq)
+
+    def _front(self) -> dict[str, Stage]:
+        names = list(self.stages)
+        end = next((i for i, n in enumerate(names) if n in ENGINE_STAGES), len(names))
+        return {n: self.stages[n] for n in names[:end]}
+
+    @staticmethod
+    def wait(handle: Handle) -> Any:
+        """``handle.result()``; Ctrl-C cancels the request (its blocks are freed) and re-raises."""
+        try:
+            return handle.result()
+        except KeyboardInterrupt:
+            handle.cancel()
+            handle._done.wait()
+            raise
+
+    def warmup(self, prompt_tokens: int = 16, new_tokens: int = 18) -> float:
+        """Run a throwaway batch of two and then of one, so that the first real request pays no
+        one-off cost (compiling both decode graphs, allocator growth); reported as ``warmup_s``,
+        never in ``ttft_s``."""
+        t0 = time.perf_counter()
         text = " ".join(["warm"] * prompt_tokens)
         ids = self.lm.tokenizer(text, add_special_tokens=False)["input_ids"][:prompt_tokens] or [0]
-        ctx = self.run_ids(ids, Request(max_new_tokens=n, ignore_eos=True))
-        ctx.cache.clear()
+        handles = [
+            self.submit(Request(max_new_tokens=n, ignore_eos=True), ids=ids)
+            for n in ((new_tokens, new_tokens // 2) if self.max_seqs > 1 else (new_tokens,))
+        ]
+        for handle in handles:
+            self.wait(handle).cache.clear()
         synchronize(self.lm.device)
         seconds = time.perf_counter() - t0
         self.warmup_s = (self.warmup_s or 0.0) + seconds
         return seconds
 
-    @torch.inference_mode()
     def run(
         self,
         request: Request,
@@ -83,9 +189,8 @@ class Pipeline:
         on_text: Callable[[str], None] | None = None,
     ) -> Result:
         """Run one request. Pass the same ``cache`` again to reuse what it already holds."""
-        return self.result(self.run_context(request, cache, on_text))
+        return self.wait(self.submit(request, cache, on_text))
 
-    @torch.inference_mode()
     def run_context(
         self,
         request: Request,
@@ -94,9 +199,8 @@ class Pipeline:
     ) -> Context:
         """Like ``run`` but returns the whole Context, for recipes that need more than the Result
         (e.g. C-Eval scores prefill's next-token logits)."""
-        return self._run_stages(self.context(request, cache, on_text), self.stages)
+        return self.wait(self.submit(request, cache, on_text, result=False))
 
-    @torch.inference_mode()
     def run_ids(
         self,
         ids: Sequence[int],
@@ -106,28 +210,50 @@ class Pipeline:
     ) -> Context:
         """Run the stages after tokenization on raw prompt ids (no chat template, no media):
         synthetic benchmark prompts, cache experiments, tests."""
-        ctx = self.context(request, cache, on_text)
-        ctx.input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.lm.device)
-        ctx.token_keys = list(ids)
-        return self._run_stages(ctx, {k: v for k, v in self.stages.items() if k != "tokenize"})
+        return self.wait(self.submit(request, cache, on_text, ids=ids, result=False))
 
-    @staticmethod
-    def _run_stages(ctx: Context, stages: Mapping[str, Stage]) -> Context:
-        """Run stages in order, each timed the same way (device-synchronised span)."""
-        ctx.metrics.start()
-        for name, stage in stages.items():
-            skip = getattr(stage, "skip", None)
-            if skip is not None and skip(ctx):
-                continue
-            with ctx.metrics.span(name):
-                stage(ctx)
-        ctx.metrics.end()
-        return ctx
+    def run_many(
+        self, requests: Iterable[tuple[Hashable, Request]], *, result: bool = True, window: int | None = None
+    ) -> Iterator[tuple[Hashable, Any]]:
+        """Run many requests concurrently; yields ``(key, Result | Context | exception)`` as each ends.
+
+        At most ``window`` requests are queued at once (default: 4 x max_seqs), so a huge input
+        stays cheap. Leaving the loop early (an exception, Ctrl-C, ``break``) cancels the rest.
+        """
+        window = window or 4 * self.max_seqs
+        finished: queue.Queue = queue.Queue()
+        pending: dict[Handle, Hashable] = {}
+        source = iter(requests)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(pending) < window:
+                    item = next(source, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    key, request = item
+                    handle = self.submit(request, result=result)
+                    pending[handle] = key
+                    handle.add_done_callback(finished.put)
+                if not pending:
+                    return
+                handle = finished.get()
+                key = pending.pop(handle)
+                try:
+                    yield key, handle.result()
+                except Exception as err:
+                    yield key, err
+        finally:
+            for handle in pending:
+                handle.cancel()
+            for handle in pending:
+                handle._done.wait()
 
     @torch.inference_mode()
     def tokenize(self, request: Request) -> Context:
         """Only the tokenize stage: the ids and cache keys a request renders to."""
-        ctx = self.context(request)
+        ctx = self.context(request, KVCache(self.pool))
         self.stages["tokenize"](ctx)
         return ctx
 
@@ -138,7 +264,7 @@ class Pipeline:
         return Context(
             request=request,
             lm=self.lm,
-            cache=cache if cache is not None else self._fresh_cache(),
+            cache=cache if cache is not None else self.new_cache(),
             metrics=Metrics(self.lm.device),
             on_text=on_text,
         )

@@ -10,6 +10,7 @@ argmax(p / q) is a sample from p, and nothing has to come back to the host.
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 
@@ -77,6 +78,13 @@ class Sampler:
             f"Sampler(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
             f"min_p={self.min_p}, repetition_penalty={self.repetition_penalty}, seed={self.seed})"
         )
+
+    def fork(self) -> "Sampler":
+        """The same settings with a generator of its own, seeded afresh: one per sequence, so
+        a seeded request draws the same tokens alone or in any batch."""
+        other = copy.copy(self)
+        other._generators = {}
+        return other
 
     def reset(self) -> None:
         """Reseed, so that the same seed yields the same tokens again (seed=None: no-op)."""

@@ -53,8 +53,8 @@ def generate_oracle(lm, input_ids: torch.Tensor, max_new_tokens: int, ignore_eos
         max_new_tokens=max_new_tokens,
         pad_token_id=lm.tokenizer.pad_token_id or 0,
     )
-    if ignore_eos:
-        kwargs.update(min_new_tokens=max_new_tokens)
+    if ignore_eos:  # EOS is kept and generation goes on, as the pipeline does (not masked out)
+        kwargs.update(eos_token_id=None)
     with torch.inference_mode():
         out = lm.model.generate(**kwargs, **inputs)
     return out[0, input_ids.shape[1]:].tolist()

@@ -173,7 +173,7 @@ def test_long_clip_refused_when_asked(lm):
 
 def test_cache_reuse_skips_the_encoder_and_keeps_tokens_exact(lm):
     pipe = make_pipe(lm)
-    cache = KVCache(lm.config)
+    cache = pipe.new_cache()
     first = pipe.run(Request(prompt="Again?", audios=[(tone(440, 1.0), RATE)], max_new_tokens=N), cache)
     again = pipe.run(Request(prompt="Again?", audios=[(tone(440, 1.0), RATE)], max_new_tokens=N), cache)
     assert again.token_ids == first.token_ids
@@ -193,7 +193,8 @@ def test_follow_up_turn_encodes_only_the_new_clip(lm):
     def user(text: str) -> dict:
         return {"role": "user", "content": [{"type": "audio", "audio": "clip.wav"}, {"type": "text", "text": text}]}
 
-    pipe, cache = make_pipe(lm), KVCache(lm.config)
+    pipe = make_pipe(lm)
+    cache = pipe.new_cache()
     first = pipe.run(Request(messages=[user("First?")], audios=[(a, RATE)], max_new_tokens=N), cache)
     history = [user("First?"), {"role": "assistant", "content": first.text}, user("And this one?")]
     follow = Request(messages=history, audios=[(a, RATE), (b, RATE)], max_new_tokens=N)

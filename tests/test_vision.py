@@ -116,7 +116,7 @@ def test_encoder_alone_equals_the_embeddings_the_model_merges(load_tiny, family)
 def test_rope_deltas_live_in_the_cache_not_the_model(load_tiny):
     lm = load_tiny("qwen2-vl")
     pipe = make_pipe(lm)
-    image_cache, text_cache = KVCache(lm.config), KVCache(lm.config)
+    image_cache, text_cache = pipe.new_cache(), pipe.new_cache()
     ask(pipe, [A], cache=image_cache)
     ask(pipe, [], cache=text_cache)
     ctx = pipe.tokenize(Request(prompt=PROMPT, images=[A]))
@@ -135,7 +135,7 @@ def test_rope_deltas_live_in_the_cache_not_the_model(load_tiny):
 def test_same_size_other_image_is_never_reused(load_tiny):
     lm = load_tiny("qwen2-vl")
     pipe = make_pipe(lm)
-    cache = KVCache(lm.config)
+    cache = pipe.new_cache()
     first = ask(pipe, [A], cache=cache)
     second = ask(pipe, [B], cache=cache)
     assert first.prompt_ids == second.prompt_ids  # same ids: only the content hash tells them apart
@@ -148,7 +148,7 @@ def test_same_size_other_image_is_never_reused(load_tiny):
 def test_same_image_again_skips_the_encoder_and_equals_fresh(load_tiny):
     lm = load_tiny("qwen2.5-vl")
     pipe = make_pipe(lm)
-    cache = KVCache(lm.config)
+    cache = pipe.new_cache()
     ask(pipe, [A], cache=cache)
     again = ask(pipe, [A], cache=cache, text="And the colours?")
     last_image_pos = len(again.prompt_ids) - 1 - again.prompt_ids[::-1].index(lm.config.image_token_id)
@@ -160,7 +160,7 @@ def test_same_image_again_skips_the_encoder_and_equals_fresh(load_tiny):
 def test_follow_up_with_a_new_image_encodes_only_the_new_one(load_tiny):
     lm = load_tiny("qwen2-vl")
     pipe = make_pipe(lm)
-    cache = KVCache(lm.config)
+    cache = pipe.new_cache()
     turn1 = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
     first = pipe.run(Request(messages=turn1, images=[A], max_new_tokens=N, ignore_eos=True), cache=cache)
     turn2 = turn1 + [

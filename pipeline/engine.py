@@ -1,0 +1,599 @@
+"""Engine: many requests in flight over one paged KV pool (continuous batching).
+
+    engine = pipe.engine                       # or Engine(lm, pool, ...)
+    handle = engine.submit(ctx)                # from any thread
+    for token_id in handle: ...                # tokens as they come
+    result = handle.result()                   # or handle.cancel()
+
+Design notes:
+
+- One scheduler loop (a daemon thread, started on first submit) runs model steps. Each step
+  feeds **one token for every decoding sequence plus prefill chunks of waiting ones**, packed
+  into one forward (``pipeline.paged.forward``) under a token budget (``max_batch_tokens``),
+  at most ``max_seqs`` sequences in flight; a finished sequence's place goes to the next
+  waiting request at the next step. A single request is a batch of one through the same code:
+  ``Pipeline.run``, the ``Prefill`` / ``DecodeLoop`` stages driven by hand and every mode use it.
+- Admission runs a request's front stages (tokenize, vision and audio encoders) on the engine
+  thread, attaching prefix-cache blocks as soon as the prompt's cache keys are known, so the
+  encoders skip media whose positions are already cached.
+- Out of blocks: a sequence that cannot grow preempts the most recently admitted sequence not
+  yet scheduled in this step (it may be itself): its blocks are returned and it waits at the
+  head of the queue; on readmission it recomputes prompt + tokens so far (mostly prefix-cache
+  hits) and continues with the same sampler state, so its output does not change.
+- Sampling is per sequence: each has its own sampler copy (settings and seeded generator), so
+  a seeded request draws the same tokens alone or in any batch. Plain greedy rows are argmaxed
+  together.
+- Errors: a request's own bad input fails that request alone (its handle raises); a failed
+  forward fails the sequences in that step and the engine goes on with the rest.
+"""
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence as Seq
+
+import torch
+
+from pipeline.context import Context
+from pipeline.errors import UserError
+from pipeline.metrics import synchronize
+from pipeline.paged import BlockPool, Chunk, OutOfBlocks, forward
+
+
+IDLE_S = 10.0  # seconds an idle engine thread waits for work before it exits
+
+
+class Cancelled(Exception):
+    """The request was cancelled from its handle before it finished."""
+
+
+class TextStream:
+    """Incremental detokenisation: emits only text that is complete (no half UTF-8 characters)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            self.text = text
+
+
+def holdback(text: str, stops: Seq[str]) -> int:
+    """Length of the longest tail of ``text`` that could still grow into a stop string."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best
+
+
+def fork_sampler(sampler: Any) -> Any:
+    """A per-sequence copy: same settings, its own random generator (seeded afresh)."""
+    if hasattr(sampler, "fork"):
+        return sampler.fork()
+    return copy.copy(sampler)
+
+
+# --- one request in flight ------------------------------------------------------------------
+@dataclass(eq=False)
+class Sequence:
+    """A request's state in the engine: its context, sampler, positions and the tokens so far.
+
+    ``prefill_only``: stop after the prompt, leaving ``ctx.logits`` (C-Eval, the Prefill stage).
+    ``front``: stages to run at admission (tokenize, encoders); ``after``: stages run once done.
+    ``release``: return the cache's blocks when done (the caller keeps no handle on it).
+    """
+
+    ctx: Context
+    sampler: Any
+    front: Mapping[str, Callable] = field(default_factory=dict)
+    after: Mapping[str, Callable] = field(default_factory=dict)
+    prefill_only: bool = False
+    release: bool = False
+    chunk_size: int | None = None
+    finalize: Callable[[Context], Any] | None = None
+    handle: "Handle | None" = None
+    # filled at admission
+    prepared: bool = False
+    keys: list = field(default_factory=list)  # cache keys of prompt + generated tokens
+    positions: torch.Tensor | None = None  # [rows, prompt] position rows of the prompt
+    offsets: torch.Tensor | None = None  # [rows]: position rows of token p >= prompt are offsets + p
+    history: torch.Tensor | None = None  # [1, prompt + max_new] ids for the repetition penalty (-1: not yet)
+    stream: TextStream | None = None
+    stops: list[str] = field(default_factory=list)
+    eos: frozenset = frozenset()
+    emitted: int = 0
+    pending: torch.Tensor | None = None  # logits to sample from before the next forward
+    cancelled: bool = False
+    done: bool = False
+    started: bool = False  # admitted at least once (queue_s recorded)
+
+    @property
+    def cache(self) -> Any:
+        return self.ctx.cache
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.ctx.input_ids.shape[1])
+
+    @property
+    def known(self) -> int:
+        """Prompt + generated tokens; the cache holds all but the last generated one while decoding."""
+        return self.prompt_len + len(self.ctx.generated)
+
+    def prepare(self) -> None:
+        """Front stages, prefix reuse, positions: everything before the first forward (engine thread)."""
+        ctx = self.ctx
+        reused = None
+        for name, stage in self.front.items():
+            if ctx.token_keys is not None and reused is None:
+                reused = ctx.cache.reuse(ctx.token_keys)
+            skip = getattr(stage, "skip", None)
+            if skip is not None and skip(ctx):
+                continue
+            with ctx.metrics.span(name):
+                stage(ctx)
+        if ctx.input_ids is None or ctx.input_ids.shape[1] == 0:
+            raise UserError("the prompt has no tokens: there is nothing to prefill")
+        req = ctx.request
+        if not self.prefill_only and req.max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1 (got {req.max_new_tokens})")
+        total = self.prompt_len
+        ctx.cache.ensure_capacity(total + (0 if self.prefill_only else req.max_new_tokens - 1))
+        family, m = ctx.lm.family, ctx.metrics
+        if self.pending is None:  # not prefilled yet: keep what the cache (and the prefix cache) holds
+            start = reused if reused is not None else ctx.cache.reuse(ctx.token_keys)
+            m.set("prompt_tokens", total)
+            m.set("kv_reused_tokens", start)
+            m.set("prefill_tokens", 0)
+        elif ctx.cache.length != total or ctx.cache.keys != list(ctx.token_keys):
+            raise ValueError("DecodeLoop needs the context Prefill just ran on (the cache must hold exactly the prompt)")
+        pos = family.prompt_positions(ctx, 0)
+        self.positions = pos.reshape(-1, pos.shape[-1]).cpu()
+        self.offsets = family.decode_positions(ctx, 0).reshape(-1).cpu()
+        self.keys = list(ctx.token_keys) + list(ctx.generated)
+        if not self.prefill_only:
+            ids = torch.full((1, total + req.max_new_tokens), -1, dtype=torch.long, device=ctx.input_ids.device)
+            ids[:, :total] = ctx.input_ids
+            self.history = ids
+            self.stops = [s for s in req.stop if s]
+            self.eos = frozenset() if req.ignore_eos else frozenset(ctx.lm.eos_token_ids)
+            if ctx.on_text is not None or self.stops:
+                self.stream = TextStream(ctx.lm.tokenizer)
+        ctx.finish_reason = None
+        self.prepared = True
+
+    def next_chunk(self, budget: int) -> tuple[int, int]:
+        """[begin, end) of the tokens to feed next within ``budget`` (end == begin: nothing)."""
+        begin = self.cache.length
+        todo = self.known - begin
+        if todo > 1 or begin < self.prompt_len:  # prefill (or recompute after preemption)
+            todo = min(todo, self.chunk_size or todo)
+        return begin, begin + max(0, min(todo, budget))
+
+    def chunk(self, begin: int, end: int, slots: torch.Tensor) -> Chunk:
+        ctx, prompt = self.ctx, self.prompt_len
+        gen = ctx.generated
+        mid = min(end, prompt)
+        ids = ctx.input_ids[0, begin:mid].cpu() if mid > begin else torch.empty(0, dtype=torch.long)
+        if end > mid:
+            ids = torch.cat([ids, torch.tensor(gen[max(begin, prompt) - prompt : end - prompt])])
+        parts = []
+        if mid > begin:
+            parts.append(self.positions[:, begin:mid])
+        if end > mid:
+            parts.append(self.offsets.unsqueeze(1) + torch.arange(max(begin, prompt), end))
+        embeds = None
+        if ctx.inputs_embeds is not None and mid > begin:
+            embeds = ctx.inputs_embeds[0, begin:mid]
+        return Chunk(
+            table=list(self.cache.blocks), start=begin, ids=ids, positions=torch.cat(parts, dim=1),
+            slots=slots, embeds=embeds, logits=end == self.known,
+        )
+
+    # --- tokens ---------------------------------------------------------------------------
+    def accept(self, token_id: int) -> bool:
+        """Host side of one new token: record, stream, stop checks. True when the sequence ends."""
+        ctx = self.ctx
+        if not ctx.generated:
+            ctx.metrics.first_token()
+        self.history[0, self.prompt_len + len(ctx.generated)] = token_id
+        ctx.generated.append(token_id)
+        self.keys.append(token_id)
+        if self.handle is not None:
+            self.handle._push(token_id)
+        if self.stream is not None:
+            self.stream.push(token_id)
+            if self.stops and any(s in self.stream.text for s in self.stops):
+                ctx.finish_reason = "stop"
+                return True
+            self.emit(self.stream.text, holdback(self.stream.text, self.stops))
+        if token_id in self.eos:
+            ctx.finish_reason = "eos"
+            return True
+        if len(ctx.generated) >= ctx.request.max_new_tokens:
+            ctx.finish_reason = "length"
+            return True
+        return False
+
+    def emit(self, text: str, hold: int) -> None:
+        """Stream text[emitted : len(text) - hold]."""
+        upto = len(text) - hold
+        if self.ctx.on_text is not None and upto > self.emitted:
+            self.ctx.on_text(text[self.emitted : upto])
+        self.emitted = max(self.emitted, upto)
+
+    def wrap_up(self) -> None:
+        """Final text (cut before a stop string), the rest of the stream, counters."""
+        ctx, m = self.ctx, self.ctx.metrics
+        if self.prefill_only:
+            return
+        ctx.text = ctx.lm.tokenizer.decode(ctx.generated, skip_special_tokens=True)
+        if ctx.finish_reason == "stop":
+            ctx.text = ctx.text[: min(ctx.text.find(s) for s in self.stops if s in ctx.text)]
+        self.emit(ctx.text, 0)
+        m.set("decode_tokens", max(0, len(ctx.generated) - 1))
+        m.set("generated_tokens", len(ctx.generated))
+
+
+# --- handles --------------------------------------------------------------------------------
+class Handle:
+    """What ``submit`` returns: iterate for token ids as they come; ``result()`` waits for the end."""
+
+    def __init__(self, engine: "Engine", seq: Sequence) -> None:
+        self._engine = engine
+        self._seq = seq
+        self._done = threading.Event()
+        self._tokens: queue.Queue = queue.Queue()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[["Handle"], None]] = []
+        self._lock = threading.Lock()
+
+    def _push(self, token_id: int) -> None:
+        self._tokens.put(token_id)
+
+    def _finish(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+        with self._lock:
+            self._done.set()
+            callbacks = list(self._callbacks)
+        self._tokens.put(None)
+        for fn in callbacks:
+            fn(self)
+
+    def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
+        """Call ``fn(handle)`` when the request ends (at once if it has); runs on the engine thread."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    @property
+    def context(self) -> Context:
+        return self._seq.ctx
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Stop the request; its blocks are returned at the engine's next step."""
+        self._seq.cancelled = True
+        self._engine._wake()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The finished request (a Result, or the Context for context runs); raises its error."""
+        if not self._done.wait(timeout):
+            raise TimeoutError("the request is still running")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            token = self._tokens.get()
+            if token is None:
+                if self._error is not None and not isinstance(self._error, Cancelled):
+                    raise self._error
+                return
+            yield token
+
+
+# --- the engine ------------------------------------------------------------------------------
+class Engine:
+    """The scheduler: waiting and running sequences, one packed forward per step.
+
+    ``max_seqs``: sequences in flight. ``max_batch_tokens``: tokens per forward (decode tokens
+    first, prefill chunks fill the rest). ``compiled``: a ``CompiledStep`` for decode-only steps.
+    """
+
+    def __init__(
+        self, lm: Any, pool: BlockPool, *, max_seqs: int = 8, max_batch_tokens: int = 2048, compiled: Any = None
+    ) -> None:
+        from pipeline.errors import whole_number
+
+        self.lm = lm
+        self.pool = pool
+        self.compiled = compiled  # a CompiledStep for decode-only steps (decode.compile), or None
+        self.max_seqs = whole_number("engine.max_seqs", max_seqs)
+        self.max_batch_tokens = whole_number("engine.max_batch_tokens", max_batch_tokens)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._inbox: list[Sequence] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.counters = {"steps": 0, "tokens_in": 0, "tokens_out": 0, "preemptions": 0, "requests": 0}
+        self.busy_s = 0.0
+
+    # --- submitting ---------------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> Handle:
+        """Queue a sequence for the engine thread (started on first use); returns its handle."""
+        handle = Handle(self, seq)
+        seq.handle = handle
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._inbox.append(seq)
+            self.counters["requests"] += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="mm-pipeline-engine", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return handle
+
+    def run(self, seqs: Seq[Sequence]) -> None:
+        """Run sequences to the end on the calling thread (the stages driven by hand)."""
+        for seq in seqs:
+            seq.handle = Handle(self, seq)
+            self.waiting.append(seq)
+        with torch.inference_mode():
+            while not all(s.done for s in seqs):
+                self.step()
+        for seq in seqs:
+            seq.handle.result()  # raise the first error
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        """The engine thread: steps while there is work; exits after ``IDLE_S`` without any
+        (the next submit starts a new one), so an unused engine holds no thread."""
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    if not (self._inbox or self.waiting or self.running or self._closed):
+                        self._cond.wait(IDLE_S)
+                    if not (self._inbox or self.waiting or self.running):
+                        self._thread = None
+                        return
+                self.step()
+
+    def stats(self) -> dict:
+        """Engine figures: sequences, blocks, prefix-cache hit rate, preemptions, tokens in/out."""
+        pool = self.pool
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting) + len(self._inbox),
+            "kv_blocks_used": pool.used_blocks,
+            "kv_blocks_free": pool.free_blocks,
+            "kv_blocks_total": pool.num_blocks - 1,
+            "prefix_cache_hit_rate": pool.hits / pool.lookups if pool.lookups else None,
+            **self.counters,
+            "busy_s": self.busy_s,
+        }
+
+    # --- one step -----------------------------------------------------------------------------
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        with self._cond:
+            self.waiting.extend(self._inbox)
+            self._inbox.clear()
+        plan: list[tuple[Sequence, Chunk]] = []
+        try:
+            self._drop_cancelled()
+            self._admit()
+            self._sample_pending()
+            plan = self._schedule()
+            if plan:
+                self._run(plan)
+        except BaseException as err:  # a failed step (Ctrl-C in a hook too): fail its sequences, serve the rest
+            for seq in [s for s, _ in plan] or list(self.running):
+                self._fail(seq, err)
+        self.busy_s += time.perf_counter() - t0
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in (*self.waiting, *self.running) if s.cancelled]:
+            self._fail(seq, Cancelled("cancelled"))
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_seqs:
+            seq = self.waiting[0]
+            if not seq.prepared:
+                try:
+                    seq.prepare()
+                except BaseException as err:
+                    self._fail(seq, err)
+                    continue
+            elif seq.cache.length == 0:  # readmitted after preemption: recompute, prefix cache first
+                seq.cache.reuse(seq.keys[: seq.known])
+            if not seq.started:
+                seq.started = True
+                m = seq.ctx.metrics
+                m.set("queue_s", time.perf_counter() - m.t_start)
+            # Its prompt's blocks, plus headroom for the running ones to grow (else it is admitted
+            # only to be preempted at the next block boundary).
+            need = -(-(seq.known - seq.cache.length) // self.pool.block_size) + 1 + len(self.running) // 8
+            if self.running and self.pool.free_blocks < need:
+                return  # new requests wait for blocks to come back
+            self.waiting.popleft()
+            self.running.append(seq)
+
+    def _sample_pending(self) -> None:
+        """Sequences handed over with prefill logits (DecodeLoop by hand) choose their first token."""
+        for seq in [s for s in self.running if s.pending is not None]:
+            logits, seq.pending = seq.pending, None
+            self._choose([seq], logits.reshape(1, -1))
+
+    def _schedule(self) -> list[tuple[Sequence, Chunk]]:
+        """Chunks for this step: decode tokens first, then prefill chunks, under the token budget."""
+        budget = self.max_batch_tokens
+        order = sorted(self.running, key=lambda s: s.cache.length < s.prompt_len or s.known - s.cache.length > 1)
+        plan: list[tuple[Sequence, Chunk]] = []
+        scheduled: set[int] = set()
+        for seq in order:
+            if seq not in self.running or seq.done:
+                continue  # preempted earlier in this loop
+            begin, end = seq.next_chunk(budget)
+            if end <= begin:
+                continue
+            while True:
+                try:
+                    slots = seq.cache.reserve(end - begin)
+                    break
+                except OutOfBlocks:
+                    victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+            if seq not in self.running:
+                continue
+            plan.append((seq, seq.chunk(begin, end, slots)))
+            scheduled.add(id(seq))
+            budget -= end - begin
+            if budget <= 0:
+                break
+        if not plan and self.running and not self.waiting:
+            raise RuntimeError("engine stalled: running sequences but nothing to schedule")
+        return plan
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it recomputes later from the head of the queue."""
+        self.running.remove(seq)
+        seq.cache.clear()
+        self.waiting.appendleft(seq)
+        self.counters["preemptions"] += 1
+        seq.ctx.metrics.count("preemptions")
+        if not self.running and self.pool.free_blocks == 0:
+            self._fail(seq, UserError("the KV pool is full of blocks held by other caches: raise kv.memory"))
+
+    def _run(self, plan: list[tuple[Sequence, Chunk]]) -> None:
+        device = self.lm.device
+        t0 = time.perf_counter()
+        chunks = [c for _, c in plan]
+        compiled = self.compiled is not None and all(c.count == 1 for c in chunks)
+        logits = (self.compiled if compiled else forward)(self.lm, self.pool, chunks)
+        compiled = compiled and self.compiled.why_not(self.lm) is None
+        synchronize(device)
+        seconds = time.perf_counter() - t0
+        self.counters["steps"] += 1
+        self.counters["tokens_in"] += sum(c.count for _, c in plan)
+        ready = []
+        for seq, chunk in plan:
+            end = chunk.start + chunk.count
+            seq.cache.append(seq.keys[chunk.start : end])
+            m = seq.ctx.metrics
+            if chunk.start < seq.prompt_len or chunk.count > 1:
+                m.add_span("prefill", seconds, 1)
+                m.count("prefill_tokens", chunk.count)
+            else:
+                m.add_span("decode", seconds, 1)
+                m.info["decode_compiled"] = compiled or bool(m.info.get("decode_compiled"))
+            if chunk.logits:
+                ready.append(seq)
+        rows = logits[: len(ready)]
+        done_prefill = [s for s in ready if s.prefill_only]
+        for seq, row in zip(ready, rows):
+            if seq.prefill_only:
+                seq.ctx.logits = row.unsqueeze(0)
+        for seq in done_prefill:
+            self._finish(seq)
+        sampling = [(s, r) for s, r in zip(ready, rows) if not s.prefill_only]
+        if sampling:
+            self._choose([s for s, _ in sampling], torch.stack([r for _, r in sampling]))
+
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token per sequence (plain greedy rows together), then the host-side checks."""
+        from stages.sampler import Sampler
+
+        t0 = time.perf_counter()
+        tokens: list[torch.Tensor | None] = [None] * len(seqs)
+        plain = [i for i, s in enumerate(seqs) if isinstance(s.sampler, Sampler) and s.sampler.greedy
+                 and s.sampler.repetition_penalty == 1.0]
+        if plain:
+            chosen = logits[plain].argmax(dim=-1)
+            for j, i in enumerate(plain):
+                tokens[i] = chosen[j]
+        for i, seq in enumerate(seqs):
+            if tokens[i] is None:
+                tokens[i] = seq.sampler(logits[i : i + 1], seq.history).reshape(-1)[0]
+        values = torch.stack(tokens).tolist()  # the one host sync of the step
+        seconds = time.perf_counter() - t0
+        self.counters["tokens_out"] += len(values)
+        for seq, token_id in zip(seqs, values):
+            seq.ctx.metrics.add_span("sample", seconds, 1)
+            try:
+                done = seq.accept(int(token_id))
+            except BaseException as err:  # its streaming callback raised (Ctrl-C in a chat): that request ends
+                self._fail(seq, err)
+                continue
+            if done:
+                self._finish(seq)
+
+    # --- ends ---------------------------------------------------------------------------------
+    def _remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.done = True
+
+    def _finish(self, seq: Sequence) -> None:
+        self._remove(seq)
+        ctx = seq.ctx
+        try:
+            seq.wrap_up()
+            ctx.cache.trim()
+            ctx.metrics.set("kv_cache_bytes", ctx.cache.nbytes)
+            for name, stage in seq.after.items():
+                with ctx.metrics.span(name):
+                    stage(ctx)
+            ctx.metrics.end()
+            value = seq.finalize(ctx) if seq.finalize is not None else ctx
+        except BaseException as err:
+            self._fail(seq, err)
+            return
+        if seq.release:
+            ctx.cache.clear()
+        seq.handle._finish(value)
+
+    def _fail(self, seq: Sequence, err: BaseException) -> None:
+        self._remove(seq)
+        try:
+            if seq.release:
+                seq.ctx.cache.clear()
+            else:
+                seq.ctx.cache.trim()
+        except Exception:
+            seq.ctx.cache.clear()
+        if seq.handle is not None:
+            seq.handle._finish(error=err)

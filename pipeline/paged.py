@@ -1,0 +1,431 @@
+"""The paged KV pool and the one forward pass every prefill and decode goes through.
+
+Keys and values live in a pool of fixed-size blocks (``block_size`` positions each, every
+decoder layer, keys and values). A sequence is a block table (``KVCache``); many sequences
+share the pool, and full blocks are kept in a **prefix cache** keyed by a hash chain of their
+cache keys (token ids, media content hashes), so a later request whose prompt starts the same
+way attaches those blocks instead of computing them. Blocks are reference-counted: a block
+can belong to several sequences at once (forks, prefix hits); an unreferenced cached block
+stays until the pool needs it (least recently used first).
+
+The forward pass (``forward``) packs the new tokens of every sequence into one row, as
+transformers' continuous batching does, and runs the model once with our attention function
+registered in transformers' attention-function registry (``mm_paged``). Every linear layer
+sees the packed tokens; attention writes each token's key/value into its slot and attends,
+per sequence, over that sequence's blocks (decode rows batched together, prefill chunks
+batched together, each padded to its group's longest; padding reads a zeroed null block and
+is masked out). Positions are passed explicitly, so Qwen2-VL's 3-D rope rows and merged
+image/audio embeddings go through unchanged. Called on anything but a paged batch, the
+function is the model's own attention (``generate()`` on the same model is unaffected).
+
+Why our own kernel-free attention instead of transformers' ``PagedAttentionCache``: that one
+owns its scheduler state and knows neither 3-D positions nor ``inputs_embeds``; this file is
+the few hundred lines that do, on plain ``scaled_dot_product_attention``.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from pipeline.errors import UserError
+from pipeline.memory import cache_devices, free_bytes, kv_bytes, text_config
+
+ATTENTION = "mm_paged"
+NULL_BLOCK = 0  # never handed out: padding reads it (zeros), nothing writes it
+
+
+class OutOfBlocks(Exception):
+    """The pool has no free or evictable block left (the engine preempts or waits)."""
+
+
+# --- the pool ---------------------------------------------------------------------------------
+@dataclass
+class _Cached:
+    """A full block in the prefix cache: the chain hash, its parent's, and its own keys (checked
+    on every hit, so a hash collision can never hand out the wrong keys)."""
+
+    digest: int
+    parent: int | None
+    keys: tuple
+
+
+class BlockPool:
+    """Fixed-size KV blocks for every decoder layer, reference-counted, with an LRU prefix cache.
+
+    Thread-safe: allocation and reference counts are guarded by one lock (sequences of several
+    threads may share the pool; the engine runs the forwards).
+    """
+
+    def __init__(self, config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device]) -> None:
+        text = text_config(config)
+        kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+        if kinds - {"full_attention"}:
+            raise UserError(
+                f"the paged KV cache handles full-attention layers only; this model has {sorted(kinds)} layers"
+            )
+        if num_blocks < 2:
+            raise UserError(f"kv.memory holds {num_blocks} block(s) of {block_size} tokens: at least 2 are needed")
+        heads = int(text.num_attention_heads)
+        self.kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        self.layers = int(text.num_hidden_layers)
+        self.block_size = int(block_size)
+        self.num_blocks = int(num_blocks)
+        self.dtype = dtype
+        self.devices = list(devices)
+        # Per layer, keys and values as [slots, kv_heads, head_dim]; allocated on first use, on the
+        # layer's own device (accelerate may spread layers over several).
+        self._kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.layers
+        self.lock = threading.RLock()
+        self.refs = [0] * self.num_blocks
+        self._free = list(range(self.num_blocks - 1, NULL_BLOCK, -1))  # pop() gives low ids first
+        self._by_digest: dict[int, int] = {}  # chain hash -> block
+        self._cached: dict[int, _Cached] = {}  # block -> what it holds (full, registered blocks)
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, LRU first
+        self.hits = 0  # prefix-cache lookups that attached a block
+        self.lookups = 0
+
+    # sizes ----------------------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layers * self.block_size * self.kv_heads * self.head_dim * size
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens one sequence could hold with the whole pool to itself."""
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def used_blocks(self) -> int:
+        with self.lock:
+            return sum(1 for r in self.refs[1:] if r > 0)
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks that can be handed out now (free, or cached and unreferenced)."""
+        with self.lock:
+            return len(self._free) + len(self._evictable)
+
+    def layer_kv(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self._kv[layer]
+        if kv is None:
+            slots = self.num_blocks * self.block_size
+            shape = (slots, self.kv_heads, self.head_dim)
+            # torch.empty: pages are touched only as blocks fill (no upfront cost on CPU).
+            k = torch.empty(shape, dtype=self.dtype, device=device)
+            v = torch.empty(shape, dtype=self.dtype, device=device)
+            k[: self.block_size].zero_()  # the null block: padding reads it, so no NaN can leak in
+            v[: self.block_size].zero_()
+            kv = self._kv[layer] = (k, v)
+        return kv
+
+    # blocks ---------------------------------------------------------------------------------
+    def allocate(self) -> int:
+        """A block for one sequence (reference count 1): a free one, else the least recently used
+        cached block nobody holds (it leaves the prefix cache)."""
+        with self.lock:
+            if self._free:
+                block = self._free.pop()
+            elif self._evictable:
+                block, _ = self._evictable.popitem(last=False)
+                self._forget(block)
+            else:
+                raise OutOfBlocks
+            self.refs[block] = 1
+            return block
+
+    def hold(self, block: int) -> None:
+        with self.lock:
+            if self.refs[block] == 0:
+                self._evictable.pop(block, None)
+            self.refs[block] += 1
+
+    def release(self, block: int) -> None:
+        with self.lock:
+            self.refs[block] -= 1
+            if self.refs[block] > 0:
+                return
+            if block in self._cached:
+                self._evictable[block] = None  # most recently used last
+            else:
+                self._free.append(block)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy on write: ``dst`` gets ``src``'s keys and values in every layer."""
+        n = self.block_size
+        for kv in self._kv:
+            if kv is not None:
+                for t in kv:
+                    t[dst * n : (dst + 1) * n] = t[src * n : (src + 1) * n]
+
+    # prefix cache ---------------------------------------------------------------------------
+    @staticmethod
+    def chain(parent: int | None, keys: tuple) -> int:
+        return hash((parent, keys))
+
+    def register(self, block: int, parent: int | None, keys: tuple) -> int:
+        """Record a full block's content in the prefix cache; returns its chain hash."""
+        digest = self.chain(parent, keys)
+        with self.lock:
+            if block in self._cached:
+                return self._cached[block].digest
+            if digest not in self._by_digest:  # an identical block already cached stays the one found
+                self._by_digest[digest] = block
+            self._cached[block] = _Cached(digest, parent, keys)
+        return digest
+
+    def unregister(self, block: int) -> None:
+        """Take a block out of the prefix cache before its content changes (a rollback then a write)."""
+        with self.lock:
+            if block in self._cached:
+                self._forget(block)
+
+    def _forget(self, block: int) -> None:
+        entry = self._cached.pop(block)
+        if self._by_digest.get(entry.digest) == block:
+            del self._by_digest[entry.digest]
+
+    def lookup(self, parent: int | None, keys: tuple) -> int | None:
+        """The cached block holding ``keys`` after the chain ``parent`` (held for the caller), or None."""
+        with self.lock:
+            self.lookups += 1
+            block = self._by_digest.get(self.chain(parent, keys))
+            if block is None:
+                return None
+            entry = self._cached[block]
+            if entry.parent != parent or entry.keys != keys:
+                return None
+            self.hits += 1
+            self.hold(block)
+            return block
+
+    def digest_of(self, block: int) -> int | None:
+        entry = self._cached.get(block)
+        return entry.digest if entry is not None else None
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached block nobody holds (e.g. between benchmark runs)."""
+        with self.lock:
+            for block in list(self._evictable):
+                self._forget(block)
+                self._free.append(block)
+            self._evictable.clear()
+
+
+def pool_for(lm: Any, memory: float | int | str | None = None, block_size: int = 16) -> BlockPool:
+    """A pool sized by ``memory``: bytes (an int), a fraction of what is free now (a float in
+    (0, 1]), or ``auto`` / None: 80% of free CUDA memory, or on CPU 25% of available RAM up to
+    2 GiB (the pool is allocated lazily, so an unused part costs nothing)."""
+    from pipeline.errors import whole_number
+
+    block_size = whole_number("kv.block_size", block_size)
+    devices = cache_devices(lm)
+    device = next((d for d in devices if d.type == "cuda"), devices[0] if devices else torch.device("cpu"))
+    dtype = _kv_dtype(lm)
+    block_bytes = kv_bytes(lm.config, block_size, dtype)
+    free, _ = free_bytes(device, lm)
+    if memory is None or memory == "auto":
+        nbytes = int(0.8 * free) if device.type == "cuda" else min(int(0.25 * free), 2 << 30)
+    elif isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0:
+        raise UserError(f"kv.memory must be auto, a number of bytes, or a fraction in (0, 1] (got {memory!r})")
+    elif isinstance(memory, float) and memory <= 1:
+        nbytes = int(memory * free)
+    else:
+        nbytes = int(memory)
+    return BlockPool(lm.config, max(nbytes // block_bytes, 0) + 1, block_size, dtype, devices)
+
+
+def _kv_dtype(lm: Any) -> torch.dtype:
+    """Keys and values come out in the compute dtype (bf16/fp16 under 4-bit weights too)."""
+    dtype = getattr(lm.model, "dtype", torch.float32)
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        dtype = torch.float32
+    quant = getattr(getattr(lm.model, "config", None), "quantization_config", None)
+    compute = getattr(quant, "bnb_4bit_compute_dtype", None)
+    return compute if isinstance(compute, torch.dtype) else dtype
+
+
+# --- one packed forward -----------------------------------------------------------------------
+@dataclass
+class Chunk:
+    """New tokens of one sequence for one forward: ``count`` tokens from cache position ``start``.
+
+    ``ids`` [count]; ``embeds`` [n <= count, hidden]: merged media embeddings of the first n
+    tokens (the prompt part; tokens generated after it, recomputed after a preemption, use ``ids``); ``positions``
+    [rows, count]. ``slots`` [count]: where their keys/values go (from ``KVCache.reserve``).
+    """
+
+    table: list[int]  # the sequence's block table after reserving these tokens
+    start: int
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    embeds: torch.Tensor | None = None
+    logits: bool = True  # keep the last token's logits
+
+    @property
+    def count(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@dataclass
+class PagedBatch:
+    """What attention needs for one packed forward, built once and shared by every layer."""
+
+    pool: BlockPool
+    slots: torch.Tensor  # [T] write slot of each packed token
+    groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    # per group: query index [B, q] into the packed tokens, key slots [B, K], mask [B, 1, q, K],
+    # and the flat positions (in [B*q]) of real queries with their packed token index
+
+
+def _group(chunks: Sequence[Chunk], offsets: Sequence[int], block_size: int, device: torch.device) -> tuple:
+    """Padded query / key indices and the mask of a set of chunks attended together."""
+    q = max(c.count for c in chunks)
+    blocks = max(-(-(c.start + c.count) // block_size) for c in chunks)
+    q_index, tables, q_pos, k_len = [], [], [], []
+    for c, off in zip(chunks, offsets):
+        q_index.append([off + min(i, c.count - 1) for i in range(q)])
+        q_pos.append([c.start + min(i, c.count - 1) for i in range(q)])
+        tables.append(c.table[:blocks] + [NULL_BLOCK] * (blocks - min(len(c.table), blocks)))
+        k_len.append(c.start + c.count)
+    q_index_t = torch.tensor(q_index, device=device)
+    table = torch.tensor(tables, device=device)
+    k_slots = (table.unsqueeze(-1) * block_size + torch.arange(block_size, device=device)).flatten(1)
+    k_pos = torch.arange(k_slots.shape[1], device=device)
+    qp = torch.tensor(q_pos, device=device).unsqueeze(-1)
+    mask = (k_pos <= qp) & (k_pos < torch.tensor(k_len, device=device).view(-1, 1, 1))
+    real = torch.tensor([[i < c.count for i in range(q)] for c in chunks], device=device).flatten()
+    return q_index_t, k_slots, mask.unsqueeze(1), real
+
+
+def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device) -> PagedBatch:
+    offsets, total = [], 0
+    for c in chunks:
+        offsets.append(total)
+        total += c.count
+    slots = torch.cat([c.slots for c in chunks]).to(device)
+    decode = [i for i, c in enumerate(chunks) if c.count == 1]
+    prefill = [i for i, c in enumerate(chunks) if c.count > 1]
+    groups = []
+    for members in (decode, prefill):
+        if members:
+            groups.append(_group([chunks[i] for i in members], [offsets[i] for i in members], pool.block_size, device))
+    return PagedBatch(pool, slots, groups)
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Write the packed tokens' keys/values into their slots, then attend per sequence.
+
+    ``query`` [1, heads, T, D], ``key``/``value`` [1, kv_heads, T, D] (the new tokens only).
+    Anything but a paged batch goes to the model's own attention function.
+    """
+    batch: PagedBatch | None = kwargs.pop("paged", None)
+    if batch is None:
+        original = getattr(module.config, "_mm_paged_original", None) or "sdpa"
+        fn = ALL_ATTENTION_FUNCTIONS.get_interface(original, None)
+        if fn is None:
+            from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+        return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    k_pool, v_pool = batch.pool.layer_kv(module.layer_idx, key.device)
+    k_pool.index_copy_(0, batch.slots, key[0].transpose(0, 1).to(k_pool.dtype))
+    v_pool.index_copy_(0, batch.slots, value[0].transpose(0, 1).to(v_pool.dtype))
+    heads, tokens, dim = query.shape[1], query.shape[2], query.shape[3]
+    out = query.new_empty(tokens, heads, dim)
+    flat_q = query[0].transpose(0, 1)  # [T, heads, D]
+    for q_index, k_slots, mask, real in batch.groups:
+        b, q = q_index.shape
+        qs = flat_q[q_index].transpose(1, 2)  # [B, heads, q, D]
+        ks = k_pool[k_slots].transpose(1, 2).to(qs.dtype)  # [B, kv_heads, K, D]
+        vs = v_pool[k_slots].transpose(1, 2).to(qs.dtype)
+        o = scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=ks.shape[1] != heads
+        )  # [B, heads, q, D]
+        o = o.transpose(1, 2).reshape(b * q, heads, dim)
+        out[q_index.flatten()[real]] = o[real]
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION, paged_attention)
+AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def attach(model: torch.nn.Module) -> None:
+    """Route the language model's attention through ``paged_attention`` (idempotent). Outside
+    paged forwards it calls the implementation the model had, so nothing else changes."""
+    text = text_config(model.config)
+    current = text._attn_implementation
+    if current == ATTENTION:
+        return
+    text._mm_paged_original = current or "sdpa"
+    text._attn_implementation = ATTENTION
+
+
+def forward(lm: Any, pool: BlockPool, chunks: Sequence[Chunk], run: Any = None) -> torch.Tensor:
+    """One model pass over the packed chunks; returns next-token logits [n, V], one row per
+    chunk with ``logits=True``, in chunk order. ``run``: what calls the model (``run_model``,
+    or its compiled version)."""
+    model = lm.model
+    attach(model)
+    device = lm.device
+    ids = torch.cat([c.ids for c in chunks]).to(device).unsqueeze(0)
+    positions = torch.cat([c.positions for c in chunks], dim=-1).to(device)
+    positions = positions.unsqueeze(1) if positions.shape[0] > 1 else positions  # [rows, 1, T] or [1, T]
+    embeds = None
+    if any(c.embeds is not None for c in chunks):
+        embeds = model.get_input_embeddings()(ids)
+        off = 0
+        for c in chunks:
+            if c.embeds is not None:  # merged media rows cover the chunk's prompt part (a prefix of it)
+                embeds[0, off : off + len(c.embeds)] = c.embeds.to(embeds.device, embeds.dtype)
+            off += c.count
+    keep, off = [], 0
+    for c in chunks:
+        off += c.count
+        if c.logits:
+            keep.append(off - 1)
+    index = torch.tensor(keep or [off - 1], device=device)
+    logits = (run or run_model)(model, ids, embeds, positions, index, build_batch(pool, chunks, device))
+    return logits[index] if logits.shape[0] == off and off != len(index) else logits  # no logits_to_keep support
+
+
+_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
+def run_model(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    embeds: torch.Tensor | None,
+    positions: torch.Tensor,
+    index: torch.Tensor,
+    batch: PagedBatch,
+) -> torch.Tensor:
+    """The model call itself, tensors in and logits out: the unit ``torch.compile`` sees."""
+    inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
+    out = model(
+        **inputs,
+        position_ids=positions,
+        attention_mask=_NO_MASK,  # any 4-D mask is passed through as is; paged attention reads the batch
+        use_cache=False,
+        logits_to_keep=index,
+        paged=batch,
+    )
+    return out.logits[0]
