@@ -258,12 +258,12 @@ def letter_scores(logits: torch.Tensor, letter_ids: Sequence[Sequence[int]]) -> 
 
 
 def scoring_pipeline(pipe: Pipeline) -> Pipeline:
-    """The same pipeline cut after prefill: one forward per question, no decoding."""
+    """The same pipeline cut after prefill (same model, pool and engine): one prefill per question, no decoding."""
     names = list(pipe.stages)
     if "prefill" not in names:
         raise ValueError("the pipeline has no 'prefill' stage to score with")
     keep = names[: names.index("prefill") + 1]
-    return Pipeline(pipe.lm, {name: pipe.stages[name] for name in keep})
+    return pipe.with_stages({name: pipe.stages[name] for name in keep})
 
 
 def _score(
@@ -306,15 +306,18 @@ def evaluate(
     cache: KVCache | None = None,
     on_prediction: Callable[[Prediction], None] | None = None,
 ) -> list[Prediction]:
-    """Answer every question in order on one cache, so each reuses the prefix the last one left."""
+    """Answer every question; returns predictions in input order (``on_prediction`` sees them as they end).
+
+    Without ``cache``: per subject, the first question runs alone, which leaves the instruction
+    and few-shot prefix in the prefix cache; the others are then prefilled concurrently by the
+    engine, each computing only its own suffix. With ``cache``: one question after another on it.
+    """
     whole_number("ceval.shots", shots, 0)
     scorer = scoring_pipeline(pipe)
     letter_ids = letter_token_ids(pipe.lm.tokenizer)
-    cache = cache if cache is not None else pipe.new_cache()
-    out: list[Prediction] = []
-    for q in questions:
-        examples = shots_for(dev, q.subject, shots)
-        ctx, scores = _score(scorer, q, examples, instruction, thinking, cache, letter_ids)
+
+    def predict(q: Question, ctx: Context) -> Prediction:
+        scores = letter_scores(ctx.logits, letter_ids)
         m = ctx.metrics.to_dict()
         pred = Prediction(
             question=q,
@@ -325,10 +328,30 @@ def evaluate(
             kv_reused_tokens=m["kv_reused_tokens"],
             seconds=m["total_s"] or 0.0,
         )
-        out.append(pred)
         if on_prediction is not None:
             on_prediction(pred)
-    return out
+        return pred
+
+    def request(q: Question):
+        return make_request(q, shots_for(dev, q.subject, shots), instruction, thinking)
+
+    if cache is not None:
+        return [predict(q, scorer.run_context(request(q), cache=cache)) for q in questions]
+    out: list[Prediction | None] = [None] * len(questions)
+    by_subject: dict[str, list[int]] = {}
+    for i, q in enumerate(questions):
+        by_subject.setdefault(q.subject, []).append(i)
+    for indices in by_subject.values():
+        first, rest = indices[0], indices[1:]
+        ctx = scorer.run_context(request(questions[first]))
+        out[first] = predict(questions[first], ctx)
+        ctx.cache.clear()  # its full blocks stay in the prefix cache for the others
+        for i, ctx in scorer.run_many(((i, request(questions[i])) for i in rest), result=False):
+            if isinstance(ctx, BaseException):
+                raise ctx
+            out[i] = predict(questions[i], ctx)
+            ctx.cache.clear()
+    return out  # type: ignore[return-value]
 
 
 def _score_counts(preds: Sequence[Prediction]) -> dict:

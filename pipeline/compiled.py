@@ -28,6 +28,11 @@ class CompiledStep:
     """A compiled ``paged.forward`` for decode-only steps, falling back to eager on failure."""
 
     def __init__(self, backend: str = "inductor", mode: str | None = None) -> None:
+        if not torch.cuda.is_available() and hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
+            # What dynamo's fake tensors do on first use where CUDA is absent, done here on the
+            # creating thread: done first on an engine thread, a later compile on another
+            # thread segfaults (torch 2.11 CUDA wheels on a CPU-only machine).
+            torch._C._ensureCUDADeviceGuardSet()
         self.backend = backend
         self.mode = mode if backend == "inductor" else None  # modes are inductor options
         self.broken: str | None = None  # why compiling failed, once it did
@@ -54,7 +59,7 @@ class CompiledStep:
             self.fallback(reason)
             return forward(lm, pool, chunks)
         if self._fn is None:
-            self._fn = torch.compile(run_model, backend=self.backend, mode=self.mode, dynamic=True)
+            self._fn = torch.compile(run_model, backend=self.backend, mode=self.mode, dynamic=None)
         try:
             return forward(lm, pool, chunks, run=self._fn)
         except Exception as err:  # dynamo/inductor raise many types; all mean "cannot compile this"

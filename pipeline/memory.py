@@ -1,8 +1,8 @@
-"""Will the KV cache fit? The arithmetic, done before prefill allocates anything.
+"""KV-cache arithmetic and free memory: what sizes the paged KV pool before anything is allocated.
 
-Why: a long prompt with a large ``max_new_tokens`` can need more cache than the device has
-left after the weights. Without a check the run dies mid-decode (CUDA OOM, or the kernel's
-OOM killer on CPU) after minutes of work; with it, the run stops at once with the numbers.
+Why: a pool larger than what the device has left after the weights dies later (CUDA OOM, or the
+kernel's OOM killer on CPU, where the pool's pages are touched only as it fills); checked up
+front, the run stops at once with the numbers.
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def free_bytes(device: torch.device, lm: Any) -> tuple[int, str]:
         if index in budgets:
             left = budgets[index] - int(torch.cuda.memory_allocated(index))
             if left < free:
-                return max(left, 0), f"model.max_memory[{index}]={_fmt(budgets[index])} minus allocated"
+                return max(left, 0), f"model.max_memory[{index}]={fmt_bytes(budgets[index])} minus allocated"
         return free, f"free on cuda:{index}"
     free = available_ram()
     key = device.type
@@ -107,39 +107,11 @@ def free_bytes(device: torch.device, lm: Any) -> tuple[int, str]:
         weights = sum((getattr(lm, "placement", None) or {}).get(key, {}).values())
         left = budgets[key] - weights
         if left < free:
-            return max(left, 0), f"model.max_memory['{key}']={_fmt(budgets[key])} minus {_fmt(weights)} of weights"
+            return max(left, 0), f"model.max_memory['{key}']={fmt_bytes(budgets[key])} minus {fmt_bytes(weights)} of weights"
     return free, "available RAM"
 
 
-def check_kv_fits(lm: Any, cache: Any, prompt_tokens: int, max_new_tokens: int) -> int:
-    """Raise a one-line UserError when the cache for prompt + max_new_tokens cannot fit.
-
-    What is already cached is already allocated, so only the growth must fit. Returns the
-    bytes the full cache will take.
-    """
-    tokens = prompt_tokens + max_new_tokens
-    dtype = getattr(lm.model, "dtype", torch.float32)
-    per_layer = kv_bytes_per_layer(lm.config, tokens, dtype)
-    devices = cache_devices(lm)
-    held = int(getattr(cache, "nbytes", 0) or 0)
-    total = sum(per_layer)
-    need: dict[torch.device, int] = {}
-    for dev, nbytes in zip(devices, per_layer):
-        if dev.type != "meta":
-            need[dev] = need.get(dev, 0) + nbytes
-    for dev, nbytes in need.items():
-        growth = max(0, nbytes - round(held * nbytes / total)) if total else 0
-        free, source = free_bytes(dev, lm)
-        if growth > free:
-            raise UserError(
-                f"the KV cache for {prompt_tokens} prompt + {max_new_tokens} new tokens needs {_fmt(growth)} "
-                f"({growth:,} bytes) more on {dev} but only {_fmt(free)} ({free:,} bytes) is free ({source}): "
-                "lower max_new_tokens, shorten the prompt, or raise model.max_memory"
-            )
-    return total
-
-
-def _fmt(n: int) -> str:
+def fmt_bytes(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"

@@ -36,7 +36,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pipeline.errors import UserError
-from pipeline.memory import cache_devices, free_bytes, kv_bytes, text_config
+from pipeline.memory import cache_devices, fmt_bytes, free_bytes, kv_bytes, text_config
 
 ATTENTION = "mm_paged"
 NULL_BLOCK = 0  # never handed out: padding reads it (zeros), nothing writes it
@@ -72,7 +72,7 @@ class BlockPool:
                 f"the paged KV cache handles full-attention layers only; this model has {sorted(kinds)} layers"
             )
         if num_blocks < 2:
-            raise UserError(f"kv.memory holds {num_blocks} block(s) of {block_size} tokens: at least 2 are needed")
+            raise ValueError(f"a pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         heads = int(text.num_attention_heads)
         self.kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
         self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
@@ -224,7 +224,9 @@ class BlockPool:
 def pool_for(lm: Any, memory: float | int | str | None = None, block_size: int = 16) -> BlockPool:
     """A pool sized by ``memory``: bytes (an int), a fraction of what is free now (a float in
     (0, 1]), or ``auto`` / None: 80% of free CUDA memory, or on CPU 25% of available RAM up to
-    2 GiB (the pool is allocated lazily, so an unused part costs nothing)."""
+    2 GiB (the pool is allocated lazily, so an unused part costs nothing). Free memory honours
+    ``model.max_memory``; a pool that does not fit, or holds fewer than two blocks, is refused
+    with the numbers."""
     from pipeline.errors import whole_number
 
     block_size = whole_number("kv.block_size", block_size)
@@ -232,16 +234,29 @@ def pool_for(lm: Any, memory: float | int | str | None = None, block_size: int =
     device = next((d for d in devices if d.type == "cuda"), devices[0] if devices else torch.device("cpu"))
     dtype = _kv_dtype(lm)
     block_bytes = kv_bytes(lm.config, block_size, dtype)
-    free, _ = free_bytes(device, lm)
+    free, source = free_bytes(device, lm)
     if memory is None or memory == "auto":
         nbytes = int(0.8 * free) if device.type == "cuda" else min(int(0.25 * free), 2 << 30)
+        asked = f"kv.memory=auto ({'80' if device.type == 'cuda' else '25'}% of {fmt_bytes(free)} free, {source})"
     elif isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0:
         raise UserError(f"kv.memory must be auto, a number of bytes, or a fraction in (0, 1] (got {memory!r})")
     elif isinstance(memory, float) and memory <= 1:
         nbytes = int(memory * free)
+        asked = f"kv.memory={memory} of {fmt_bytes(free)} free ({source})"
     else:
         nbytes = int(memory)
-    return BlockPool(lm.config, max(nbytes // block_bytes, 0) + 1, block_size, dtype, devices)
+        asked = f"kv.memory={nbytes:,} bytes"
+        if nbytes > free:
+            raise UserError(
+                f"{asked} is more than the {fmt_bytes(free)} ({free:,} bytes) free on {device} ({source}): lower kv.memory"
+            )
+    blocks = nbytes // block_bytes
+    if blocks < 1:
+        raise UserError(
+            f"{asked} gives {fmt_bytes(nbytes)}: not even one KV block of {block_size} tokens "
+            f"({block_bytes:,} bytes): raise kv.memory or model.max_memory"
+        )
+    return BlockPool(lm.config, blocks + 1, block_size, dtype, devices)  # + the null block
 
 
 def _kv_dtype(lm: Any) -> torch.dtype:

@@ -172,7 +172,7 @@ class Pipeline:
         text = " ".join(["warm"] * prompt_tokens)
         ids = self.lm.tokenizer(text, add_special_tokens=False)["input_ids"][:prompt_tokens] or [0]
         handles = [
-            self.submit(Request(max_new_tokens=n, ignore_eos=True), ids=ids)
+            self.submit(Request(max_new_tokens=n, ignore_eos=True), ids=ids, result=False)
             for n in ((new_tokens, new_tokens // 2) if self.max_seqs > 1 else (new_tokens,))
         ]
         for handle in handles:

@@ -41,7 +41,20 @@ def load_tiny(tiny_dir):
             loaded[key] = load_model(str(tiny_dir(family)), **kwargs)
         return loaded[key]
 
+    get.loaded = loaded
     return get
+
+
+@pytest.fixture(autouse=True)
+def fresh_prefix_cache(load_tiny):
+    """Each test starts as a new process would: no prefix-cache blocks left by earlier tests
+    (blocks still held by live caches stay), so its ``kv_reused_tokens`` are its own."""
+    from pipeline.paged import BlockPool
+
+    for lm in load_tiny.loaded.values():
+        for obj in lm.__dict__.get("_mm_shared", {}).values():
+            if isinstance(obj, BlockPool):
+                obj.clear_prefix_cache()
 
 
 def generate_oracle(lm, input_ids: torch.Tensor, max_new_tokens: int, ignore_eos: bool = False, **inputs) -> list[int]:

@@ -199,6 +199,8 @@ def test_follow_up_turn_encodes_only_the_new_clip(lm):
     history = [user("First?"), {"role": "assistant", "content": first.text}, user("And this one?")]
     follow = Request(messages=history, audios=[(a, RATE), (b, RATE)], max_new_tokens=N)
     second = pipe.run(follow, cache)
+    cache.clear()
+    pipe.pool.clear_prefix_cache()  # nothing cached: the fresh run encodes both clips
     fresh = pipe.run(follow)
     assert second.token_ids == fresh.token_ids
     assert second.metrics["audio_seconds"] == pytest.approx(0.8)  # clip a came from the cache

@@ -6,10 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from conftest import run_cli
 from pipeline import Pipeline, UserError
+from pipeline.memory import kv_bytes
 from pipeline.modes import bench
 from pipeline.modes.bench import BenchSettings, settings_from_cfg
 
@@ -29,13 +31,13 @@ def lm(load_tiny):
 
 def test_default_grid_is_valid():
     s = settings_from_cfg(make_cfg())
-    assert s.cells == [(32, 16), (32, 64), (128, 16), (128, 64)]
+    assert s.cells == [(32, 16, 1), (32, 64, 1), (128, 16, 1), (128, 64, 1)]
     assert s.repetitions >= 1 and s.warmup >= 0 and s.baseline is None
 
 
 def test_single_length_is_a_one_cell_axis():
     s = settings_from_cfg(make_cfg("bench.prompt_lengths=16", "bench.gen_lengths=[8,8]"))
-    assert s.cells == [(16, 8)]
+    assert s.cells == [(16, 8, 1)]
 
 
 @pytest.mark.parametrize(
@@ -50,6 +52,7 @@ def test_single_length_is_a_one_cell_axis():
         ("bench.repetitions=0", "bench.repetitions must be an integer >= 1"),
         ("bench.warmup=-1", "bench.warmup must be an integer >= 0"),
         ("bench.baseline=vllm", "bench.baseline must be null or one of hf"),
+        ("bench.batch_sizes=[0]", "bench.batch_sizes has 0"),
     ],
 )
 def test_bad_grid_values_are_one_line_errors(override, message):
@@ -58,13 +61,21 @@ def test_bad_grid_values_are_one_line_errors(override, message):
     assert "\n" not in str(err.value)
 
 
-def test_grid_longer_than_the_model_or_static_cache_is_refused(lm):
+def test_grid_longer_than_the_model_or_the_kv_pool_is_refused(lm):
     limit = lm.config.max_position_embeddings
     with pytest.raises(UserError, match=f"exceed the model's {limit} positions"):
         bench.check_fits(bench.bench_pipeline(lm), BenchSettings(prompt_lengths=(limit,), gen_lengths=(1,)))
-    static = Pipeline(lm, bench.bench_pipeline(lm).stages, kv_static=True, kv_max_len=16)
-    with pytest.raises(UserError, match="exceed kv.max_len=16"):
-        bench.run_grid(static, BenchSettings(prompt_lengths=(8, 12), gen_lengths=(8,)))
+    small = Pipeline(lm, bench.bench_pipeline(lm).stages, kv_memory=2 * kv_bytes(lm.config, 16, torch.float32))
+    with pytest.raises(UserError, match="exceed the KV pool's 32"):
+        bench.run_grid(small, BenchSettings(prompt_lengths=(8, 30), gen_lengths=(8,)))
+
+
+def test_batch_axis_reports_aggregate_figures(lm):
+    rows = bench.run_grid(bench.bench_pipeline(lm), BenchSettings((6,), (4,), batch_sizes=(1, 4), repetitions=1,
+                                                                   warmup=0, baseline="hf"))
+    assert [(r.test, r.batch) for r in rows] == [("pp6+tg4", 1), ("pp6+tg4 B4", 4)]
+    for r in rows:
+        assert r.stats()["tg_tok_s"]["mean"] > 0 and r.ratios()["pptg_tok_s"] > 0
 
 
 def test_python_api_runs_a_grid_without_baseline(lm):

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 
 from conftest import generate_oracle, run_cli
 from pipeline import Pipeline, Request, UserError, load_model
-from pipeline.memory import check_kv_fits, kv_bytes
+from pipeline.memory import kv_bytes
 from pipeline.quant import quantization_config, resolve_scheme, scheme_name
 from stages import DecodeLoop, Prefill, Sampler, Tokenize
 
@@ -154,9 +154,11 @@ def test_kv_arithmetic_equals_the_real_cache(load_tiny):
     result = pipe.run(Request(prompt=PROMPT, max_new_tokens=N, ignore_eos=True), cache=cache)
     text = lm.config
     per_token = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * 4
-    # the last generated token is never fed back, so the cache holds prompt + N - 1
+    # the last generated token is never fed back, so the cache holds prompt + N - 1, in whole blocks
     held = len(result.prompt_ids) + N - 1
-    assert cache.nbytes == kv_bytes(lm.config, held, torch.float32) == per_token * held
+    tokens = -(-held // cache.block_size) * cache.block_size
+    assert cache.length == held
+    assert cache.nbytes == kv_bytes(lm.config, tokens, torch.float32) == per_token * tokens
 
 
 def test_kv_arithmetic_reads_the_text_config_of_multimodal_models():
@@ -168,37 +170,38 @@ def test_kv_arithmetic_reads_the_text_config_of_multimodal_models():
     assert kv_bytes(config, 1000, torch.bfloat16) == 28 * 2 * 128 * 2 * 2 * 1000
 
 
-def test_kv_guard_stops_before_prefill_with_the_numbers(tiny_dir):
+def test_kv_pool_is_sized_from_the_memory_budget_and_long_requests_are_refused(tiny_dir):
     probe = load_model(str(tiny_dir("qwen3")), device_map="cpu")
     weights = probe.weights_bytes
-    lm = load_model(str(tiny_dir("qwen3")), device_map="cpu", max_memory={"cpu": weights + 64 * 1024})
-    assert lm.max_memory == {"cpu": weights + 64 * 1024}
+    budget = 256 * 1024
+    lm = load_model(str(tiny_dir("qwen3")), device_map="cpu", max_memory={"cpu": weights + budget})
+    assert lm.max_memory == {"cpu": weights + budget}
     pipe = make_pipe(lm)
-    cache = pipe.new_cache()
+    block = kv_bytes(lm.config, 16, torch.float32)
+    assert pipe.pool.num_blocks - 1 == budget // 4 // block  # auto: a quarter of what the budget leaves
     with pytest.raises(UserError) as err:
-        pipe.run(Request(prompt=PROMPT, max_new_tokens=1000), cache=cache)
-    prompt = len(pipe.tokenize(Request(prompt=PROMPT)).input_ids[0])
-    need = kv_bytes(lm.config, prompt + 1000, torch.float32)
+        pipe.run(Request(prompt=PROMPT, max_new_tokens=1000))
     message = str(err.value)
+    prompt = len(pipe.tokenize(Request(prompt=PROMPT)).input_ids[0])
     assert "\n" not in message
-    assert f"{prompt} prompt + 1000 new tokens" in message
-    assert f"({need:,} bytes)" in message and f"({64 * 1024:,} bytes) is free" in message
-    assert cache.nbytes == 0  # nothing was allocated
+    assert f"needs {prompt + 999} tokens of KV cache" in message and f"holds {pipe.pool.capacity_tokens}" in message
+    assert pipe.pool.used_blocks == 0  # nothing was allocated
     # the same budget is plenty for a short answer
     assert len(pipe.run(Request(prompt=PROMPT, max_new_tokens=4, ignore_eos=True)).token_ids) == 4
 
 
-def test_kv_guard_uses_the_free_memory_of_the_device(load_tiny, monkeypatch):
-    import pipeline.memory as memory
+def test_kv_pool_uses_the_free_memory_of_the_device(load_tiny, monkeypatch):
+    import pipeline.paged as paged
 
     lm = load_tiny("qwen3")
-    monkeypatch.setattr(memory, "free_bytes", lambda device, lm: (5000, "free on test device"))
-    cache = make_pipe(lm).new_cache()
-    need = kv_bytes(lm.config, 20 + 30, torch.float32)
-    with pytest.raises(UserError, match=rf"needs .* \({need:,} bytes\) more on cpu but only .* \(5,000 bytes\)"):
-        check_kv_fits(lm, cache, 20, 30)
-    monkeypatch.setattr(memory, "free_bytes", lambda device, lm: (need, "free on test device"))
-    assert check_kv_fits(lm, cache, 20, 30) == need
+    block = kv_bytes(lm.config, 16, torch.float32)
+    monkeypatch.setattr(paged, "free_bytes", lambda device, lm: (10 * block, "free on test device"))
+    assert paged.pool_for(lm, 0.5).capacity_tokens == 5 * 16
+    assert paged.pool_for(lm, 3 * block).capacity_tokens == 3 * 16
+    with pytest.raises(UserError, match=rf"kv.memory={11 * block:,} bytes is more than .* free on cpu"):
+        paged.pool_for(lm, 11 * block)
+    with pytest.raises(UserError, match="not even one KV block"):
+        paged.pool_for(lm, 0.05)
 
 
 # --- the quant config group ---------------------------------------------------------------------

@@ -1,19 +1,21 @@
 """mode=bench: a llama-bench style grid of prefill (pp) and decode (tg) speeds, optionally vs HF generate.
 
-Every cell of ``bench.prompt_lengths`` x ``bench.gen_lengths`` is one test, ``pp{P}+tg{G}``:
-a synthetic prompt of P random vocabulary ids (fixed seed, no special tokens, no template) is
-prefilled into a fresh KV cache and G tokens are decoded greedily with EOS ignored, driving
-``Prefill`` and ``DecodeLoop`` directly on a Context. Each run yields four figures, measured the
-same way for the pipeline and for the baseline so that their ratio is fair:
+Every cell of ``bench.prompt_lengths`` x ``bench.gen_lengths`` x ``bench.batch_sizes`` is one
+test, ``pp{P}+tg{G}`` (``... B{n}`` for n > 1): n synthetic prompts of P random vocabulary ids
+(fixed seeds, one per sequence, no special tokens, no template; nothing left in the prefix
+cache from an earlier run) are submitted to the engine at once and G tokens are decoded
+greedily for each with EOS ignored (llama-batched-bench's axis). Each run yields four figures,
+measured the same way for the pipeline and for the baseline so that their ratio is fair:
 
-- ``ttft_s``      start -> first generated token chosen (prefill + first sample)
-- ``pp_tok_s``    P / ttft_s (prompt processing speed)
-- ``tg_tok_s``    (G - 1) / (end - first token) (decode speed; none when G = 1)
-- ``pptg_tok_s``  (P + G) / (end - start) (the combined pp+tg figure)
+- ``ttft_s``      start -> every sequence has its first generated token (prefill + first sample)
+- ``pp_tok_s``    n * P / ttft_s (aggregate prompt processing speed)
+- ``tg_tok_s``    n * (G - 1) / (end - ttft) (aggregate decode speed; none when G = 1)
+- ``pptg_tok_s``  n * (P + G) / (end - start) (the combined pp+tg figure)
 
 With ``bench.baseline=hf`` each repetition also runs transformers' ``model.generate()`` on the
-same model and ids (greedy, ``min_new_tokens=max_new_tokens``), alternating with the pipeline
-so that drifting clocks or thermals hit both alike; rows then carry pipeline / generate ratios.
+same model and ids (greedy, a batch of n equal-length rows, EOS not a stop: ``eos_token_id=None``
+keeps the EOS token and goes on, as ``ignore_eos`` does), alternating with the pipeline so that
+drifting clocks or thermals hit both alike; rows then carry pipeline / generate ratios.
 """
 from __future__ import annotations
 
@@ -48,14 +50,15 @@ class BenchSettings:
 
     prompt_lengths: tuple[int, ...] = (32, 128)
     gen_lengths: tuple[int, ...] = (16, 64)
+    batch_sizes: tuple[int, ...] = (1,)
     repetitions: int = 3
     warmup: int = 1
     seed: int = 0
     baseline: str | None = None
 
     @property
-    def cells(self) -> list[tuple[int, int]]:
-        return [(p, g) for p in self.prompt_lengths for g in self.gen_lengths]
+    def cells(self) -> list[tuple[int, int, int]]:
+        return [(p, g, b) for p in self.prompt_lengths for g in self.gen_lengths for b in self.batch_sizes]
 
 
 def _lengths(name: str, value: Any) -> tuple[int, ...]:
@@ -84,6 +87,7 @@ def settings_from_cfg(cfg: DictConfig) -> BenchSettings:
     return BenchSettings(
         prompt_lengths=_lengths("bench.prompt_lengths", b.get("prompt_lengths")),
         gen_lengths=_lengths("bench.gen_lengths", b.get("gen_lengths")),
+        batch_sizes=_lengths("bench.batch_sizes", b.get("batch_sizes", [1])),
         repetitions=whole_number("bench.repetitions", b.get("repetitions"), 1),
         warmup=whole_number("bench.warmup", b.get("warmup"), 0),
         seed=whole_number("bench.seed", b.get("seed"), 0),
@@ -92,13 +96,15 @@ def settings_from_cfg(cfg: DictConfig) -> BenchSettings:
 
 
 def check_fits(pipe: Pipeline, settings: BenchSettings) -> None:
-    """Refuse cells longer than the model's position range or a static cache (they would fail mid-grid)."""
+    """Refuse cells longer than the model's position range or the KV pool (they would fail mid-grid)."""
     longest = max(settings.prompt_lengths) + max(settings.gen_lengths)
     limit = getattr(pipe.lm.config.get_text_config(), "max_position_embeddings", None)
     if limit is not None and longest > limit:
         raise UserError(f"bench: {longest} tokens (prompt + generated) exceed the model's {limit} positions")
-    if pipe.kv_static and longest > pipe.kv_max_len:
-        raise UserError(f"bench: {longest} tokens (prompt + generated) exceed kv.max_len={pipe.kv_max_len}")
+    if longest > pipe.pool.capacity_tokens:
+        raise UserError(
+            f"bench: {longest} tokens (prompt + generated) exceed the KV pool's {pipe.pool.capacity_tokens}: raise kv.memory"
+        )
 
 
 def bench_pipeline(lm: LoadedModel) -> Pipeline:
@@ -119,24 +125,32 @@ def synthetic_prompt(lm: LoadedModel, length: int, seed: int) -> list[int]:
     return allowed[torch.randint(len(allowed), (length,), generator=g)].tolist()
 
 
-def _figures(prompt: int, gen: int, ttft: float, total: float) -> dict[str, float | None]:
+def _figures(prompt: int, gen: int, ttft: float, total: float, batch: int = 1) -> dict[str, float | None]:
     decode_s = total - ttft
     return {
         "ttft_s": ttft,
-        "pp_tok_s": prompt / ttft if ttft > 0 else None,
-        "tg_tok_s": (gen - 1) / decode_s if gen > 1 and decode_s > 0 else None,
-        "pptg_tok_s": (prompt + gen) / total if total > 0 else None,
+        "pp_tok_s": batch * prompt / ttft if ttft > 0 else None,
+        "tg_tok_s": batch * (gen - 1) / decode_s if gen > 1 and decode_s > 0 else None,
+        "pptg_tok_s": batch * (prompt + gen) / total if total > 0 else None,
     }
 
 
-def time_pipeline(pipe: Pipeline, ids: list[int], gen: int) -> dict:
-    """One run of the pipeline's prefill + decode stages on raw ids and an empty cache:
-    the bench figures plus the pipeline's own metrics."""
-    ctx = pipe.run_ids(ids, Request(max_new_tokens=gen, ignore_eos=True))
-    m = pipe.result(ctx).metrics
-    if len(ctx.generated) != gen:
-        raise RuntimeError(f"the decode stage produced {len(ctx.generated)} tokens instead of {gen}")
-    out = _figures(len(ids), gen, m["ttft_s"], m["total_s"])
+def time_pipeline(pipe: Pipeline, prompts: list[list[int]], gen: int) -> dict:
+    """One run: every prompt submitted to the engine at once, on an empty prefix cache; the bench
+    figures (aggregate over the batch) plus the pipeline's own metrics (of the first sequence)."""
+    pipe.pool.clear_prefix_cache()
+    handles = [pipe.submit(Request(max_new_tokens=gen, ignore_eos=True), ids=ids, result=False) for ids in prompts]
+    ctxs = [pipe.wait(h) for h in handles]
+    for ctx in ctxs:
+        if len(ctx.generated) != gen:
+            raise RuntimeError(f"the engine produced {len(ctx.generated)} tokens instead of {gen}")
+    start = min(c.metrics.t_start for c in ctxs)
+    first = max(c.metrics.t_first for c in ctxs)
+    end = max(c.metrics.t_end for c in ctxs)
+    m = pipe.result(ctxs[0]).metrics
+    for ctx in ctxs:
+        ctx.cache.clear()
+    out = _figures(len(prompts[0]), gen, first - start, end - start, len(prompts))
     for key in ("prefill_tok_s", "decode_tok_s", "sample_s", "kv_cache_bytes", "peak_memory_bytes", "bandwidth_gb_s"):
         out[key] = m.get(key)
     return out
@@ -160,9 +174,9 @@ class _FirstTokenClock:
         pass
 
 
-def time_generate(lm: LoadedModel, ids: list[int], gen: int) -> dict:
-    """One ``model.generate()`` run: greedy, EOS ignored, same ids; the same figures as the pipeline."""
-    input_ids = torch.tensor([ids], device=lm.device)
+def time_generate(lm: LoadedModel, prompts: list[list[int]], gen: int) -> dict:
+    """One ``model.generate()`` run: greedy, EOS not a stop, the same ids as one batch; the same figures."""
+    input_ids = torch.tensor(prompts, device=lm.device)
     clock = _FirstTokenClock(lm.device)
     pad = lm.tokenizer.pad_token_id
     pad = pad if pad is not None else min(lm.eos_token_ids, default=0)
@@ -174,16 +188,16 @@ def time_generate(lm: LoadedModel, ids: list[int], gen: int) -> dict:
             attention_mask=torch.ones_like(input_ids),
             do_sample=False,
             max_new_tokens=gen,
-            min_new_tokens=gen,
+            eos_token_id=None,  # as ignore_eos: EOS is an ordinary token, generation goes on
             pad_token_id=pad,
             streamer=clock,
         )
     synchronize(lm.device)
     total = time.perf_counter() - t0
-    produced = out.shape[1] - len(ids)
+    produced = out.shape[1] - len(prompts[0])
     if produced != gen or clock.t_first is None:
         raise RuntimeError(f"generate() produced {produced} tokens instead of {gen}")
-    return _figures(len(ids), gen, clock.t_first - t0, total)
+    return _figures(len(prompts[0]), gen, clock.t_first - t0, total, len(prompts))
 
 
 def _stats(samples: list[dict], key: str) -> dict:
@@ -204,6 +218,7 @@ class Row:
     test: str
     prompt_tokens: int
     gen_tokens: int
+    batch: int = 1
     pipeline: list[dict] = field(default_factory=list)
     baseline: list[dict] = field(default_factory=list)
 
@@ -223,6 +238,7 @@ class Row:
             "test": self.test,
             "prompt_tokens": self.prompt_tokens,
             "gen_tokens": self.gen_tokens,
+            "batch": self.batch,
             "pipeline": {"stats": self.stats("pipeline"), "samples": self.pipeline},
         }
         if self.baseline:
@@ -242,18 +258,19 @@ def run_grid(pipe: Pipeline, settings: BenchSettings, on_run: Callable[[], None]
         raise UserError(f"bench: the pipeline has no {' or '.join(missing)} stage")
     check_fits(pipe, settings)
     lm = pipe.lm
-    prompts = {p: synthetic_prompt(lm, p, settings.seed) for p in settings.prompt_lengths}
     rows: list[Row] = []
-    for p, g in settings.cells:
-        row = Row(f"pp{p}+tg{g}", p, g)
+    for p, g, b in settings.cells:
+        # Sequence i of every cell gets the same prompt (seed + i): the B=1 cells match the old grid.
+        prompts = [synthetic_prompt(lm, p, settings.seed + i) for i in range(b)]
+        row = Row(f"pp{p}+tg{g}" + (f" B{b}" if b > 1 else ""), p, g, b)
         for rep in range(settings.warmup + settings.repetitions):
-            sample = time_pipeline(pipe, prompts[p], g)
+            sample = time_pipeline(pipe, prompts, g)
             if rep >= settings.warmup:
                 row.pipeline.append(sample)
             if on_run is not None:
                 on_run()
             if settings.baseline == "hf":
-                sample = time_generate(lm, prompts[p], g)
+                sample = time_generate(lm, prompts, g)
                 if rep >= settings.warmup:
                     row.baseline.append(sample)
                 if on_run is not None:
@@ -296,7 +313,7 @@ def markdown_table(rows: list[Row]) -> str:
 def csv_rows(rows: list[Row]) -> list[list[Any]]:
     """One line per cell; every figure as ``<figure>_mean`` / ``<figure>_std`` (hf_ prefixed for the baseline)."""
     with_hf = any(r.baseline for r in rows)
-    header: list[str] = ["test", "prompt_tokens", "gen_tokens", "repetitions"]
+    header: list[str] = ["test", "prompt_tokens", "gen_tokens", "batch", "repetitions"]
     for key in FIGURES:
         header += [f"{key}_mean", f"{key}_std"]
     if with_hf:
@@ -305,7 +322,7 @@ def csv_rows(rows: list[Row]) -> list[list[Any]]:
         header += ["ratio_pp", "ratio_tg", "ratio_pptg"]
     out: list[list[Any]] = [header]
     for r in rows:
-        line: list[Any] = [r.test, r.prompt_tokens, r.gen_tokens, len(r.pipeline)]
+        line: list[Any] = [r.test, r.prompt_tokens, r.gen_tokens, r.batch, len(r.pipeline)]
         for which in ("pipeline", "baseline") if with_hf else ("pipeline",):
             s = r.stats(which)
             for key in FIGURES:
@@ -350,8 +367,8 @@ def plot(rows: list[Row], path: Path, title: str) -> Path:
 
 def main(cfg: DictConfig) -> None:
     settings = settings_from_cfg(cfg)  # bad grid values fail before the model loads
-    # The configured stages (prefill.chunk_size, decode.compile, kv.static are benchmarked as set),
-    # except the sampler: always greedy, like the baseline.
+    # The configured stages and engine (prefill.chunk_size, decode.compile, kv.*, engine.* are
+    # benchmarked as set), except the sampler: always greedy, like the baseline.
     cfg = OmegaConf.merge(cfg, {"stages": {"decode": {"sampler": {"_target_": "stages.Sampler"}}}})
     lm = load_from_cfg(cfg)
     pipe = pipeline_from_cfg(cfg, lm)
