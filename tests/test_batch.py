@@ -173,6 +173,7 @@ def test_batch_equals_one_by_one_runs(tmp_path, tiny_dir, load_tiny, monkeypatch
         d = summary[key]
         assert d["mean"] > 0 and d["p50"] <= d["p90"] <= d["p99"]
     assert summary["weights_bytes"] > 0 and summary["quant"] == "none" and summary["num_processes"] == 1
+    assert summary["max_seqs"] == 8 and summary["throughput_tok_s"] > 0  # the items ran concurrently
 
 
 def test_item_error_keeps_the_others_and_is_retried_on_resume(tmp_path, tiny_dir, monkeypatch):
