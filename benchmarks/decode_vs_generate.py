@@ -4,9 +4,10 @@ One model is loaded once; each repetition runs, alternating their order so that 
 clocks and thermals hit both alike, on the same prompt ids and settings (greedy, EOS ignored):
 
 - ``generate``: ``generate(max_new_tokens=1)`` and ``generate(max_new_tokens=N)`` with
-  ``min_new_tokens`` = ``max_new_tokens``. TTFT = the first; decode tok/s = (N - 1) / (t_N - t_1).
-- ``plain``: the pipeline's default path (eager step, metrics on).
-- ``fast`` (``--fast``): ``decode.compile=true`` + ``kv.static=true``, warmed up before timing.
+  ``eos_token_id=None`` (EOS is kept and generation goes on, exactly what ``ignore_eos`` means
+  for the pipeline). TTFT = the first; decode tok/s = (N - 1) / (t_N - t_1).
+- ``plain``: the pipeline's default path (the engine, eager step, metrics on).
+- ``fast`` (``--fast``): ``decode.compile=true`` (compiled decode steps), warmed up before timing.
 
 Pipeline figures are measured the same way as generate's: TTFT = request start to the first
 token chosen; decode tok/s = (N - 1) / (end - first token), sampling and bookkeeping included.
@@ -106,7 +107,7 @@ def time_generate(lm: LoadedModel, prompt: Prompt, n: int) -> tuple[float, list[
     with torch.inference_mode():
         out = lm.model.generate(
             input_ids=prompt.ids, attention_mask=torch.ones_like(prompt.ids), do_sample=False,
-            max_new_tokens=n, min_new_tokens=n, pad_token_id=lm.tokenizer.pad_token_id or 0, **kwargs,
+            max_new_tokens=n, eos_token_id=None, pad_token_id=lm.tokenizer.pad_token_id or 0, **kwargs,
         )
     synchronize(lm.device)
     return time.perf_counter() - t0, out[0, prompt.length:].tolist()
@@ -117,11 +118,13 @@ def time_pipeline(pipe: Pipeline, prompt: Prompt, n: int) -> tuple[dict, list[in
     if prompt.image is not None:
         result = pipe.run(prompt.request(n))
         return result.metrics, result.token_ids
+    pipe.pool.clear_prefix_cache()  # every repetition prefills its whole prompt
     ctx = pipe.run_ids(prompt.ids[0].tolist(), prompt.request(n))
+    ctx.cache.clear()
     return pipe.result(ctx).metrics, list(ctx.generated)
 
 
-def make_pipe(lm: LoadedModel, fast: bool, capacity: int, image: bool) -> Pipeline:
+def make_pipe(lm: LoadedModel, fast: bool, image: bool) -> Pipeline:
     stages: dict[str, Callable] = {}
     if image:
         from stages import VisionEncoder
@@ -129,7 +132,7 @@ def make_pipe(lm: LoadedModel, fast: bool, capacity: int, image: bool) -> Pipeli
         stages = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder()}
     stages["prefill"] = Prefill()
     stages["decode"] = DecodeLoop(compile=fast)
-    return Pipeline(lm, stages, kv_static=fast, kv_max_len=capacity)
+    return Pipeline(lm, stages)
 
 
 # --- main -----------------------------------------------------------------------------------
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--image", type=int, default=0, help="add one random SIZE x SIZE image (e.g. 448)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--fast", action="store_true", help="also time decode.compile=true + kv.static=true")
+    ap.add_argument("--fast", action="store_true", help="also time decode.compile=true")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--peak-gb-s", type=float, default=None, help="memory bandwidth to report a roofline %% against")
@@ -159,11 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     lm = load(args)
     prompt = Prompt(lm, args)
     image = prompt.image is not None
-    capacity = prompt.length + n + 16
-    paths: dict[str, Pipeline] = {"plain": make_pipe(lm, False, capacity, image)}
+    paths: dict[str, Pipeline] = {"plain": make_pipe(lm, False, image)}
     warmup_s = None
     if args.fast:
-        paths["fast"] = make_pipe(lm, True, capacity, image)
+        paths["fast"] = make_pipe(lm, True, image)
         warmup_s = paths["fast"].warmup()
     read_bytes = decode_weight_bytes(lm.model)
     print(f"model {lm.path}  quant={lm.quant} dtype={lm.model.dtype} device={lm.device}  "
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 m, toks = time_pipeline(paths[name], prompt, n)
                 samples[name]["ttft_s"].append(m["ttft_s"])
                 samples[name]["decode_tok_s"].append((n - 1) / (m["total_s"] - m["ttft_s"]))
-                # Bytes one decode step reads (decode weights + mean KV; static: the whole allocation).
+                # Bytes one decode step reads (decode weights + mean KV held).
                 samples[name]["bytes_per_token"].append(m["bandwidth_gb_s"] * 1e9 / m["decode_tok_s"])
             tokens.setdefault(name, toks)
             if toks != tokens[name]:

@@ -105,10 +105,11 @@ class Sequence:
     handle: "Handle | None" = None
     # filled at admission
     prepared: bool = False
-    keys: list = field(default_factory=list)  # cache keys of prompt + generated tokens
-    positions: torch.Tensor | None = None  # [rows, prompt] position rows of the prompt
-    offsets: torch.Tensor | None = None  # [rows]: position rows of token p >= prompt are offsets + p
-    history: torch.Tensor | None = None  # [1, prompt + max_new] ids for the repetition penalty (-1: not yet)
+    prompt_len: int = 0
+    ids: list[int] = field(default_factory=list)  # prompt + generated token ids
+    keys: list = field(default_factory=list)  # their cache keys (media positions carry content hashes)
+    positions: list[list[int]] = field(default_factory=list)  # [rows][prompt] position rows of the prompt
+    offsets: list[int] = field(default_factory=list)  # [rows]: token p >= prompt has positions offsets + p
     stream: TextStream | None = None
     stops: list[str] = field(default_factory=list)
     eos: frozenset = frozenset()
@@ -123,13 +124,9 @@ class Sequence:
         return self.ctx.cache
 
     @property
-    def prompt_len(self) -> int:
-        return int(self.ctx.input_ids.shape[1])
-
-    @property
     def known(self) -> int:
         """Prompt + generated tokens; the cache holds all but the last generated one while decoding."""
-        return self.prompt_len + len(self.ctx.generated)
+        return len(self.ids)
 
     def prepare(self) -> None:
         """Front stages, prefix reuse, positions: everything before the first forward (engine thread)."""
@@ -148,7 +145,7 @@ class Sequence:
         req = ctx.request
         if not self.prefill_only and req.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1 (got {req.max_new_tokens})")
-        total = self.prompt_len
+        total = self.prompt_len = int(ctx.input_ids.shape[1])
         ctx.cache.ensure_capacity(total + (0 if self.prefill_only else req.max_new_tokens - 1))
         family, m = ctx.lm.family, ctx.metrics
         if self.pending is None:  # not prefilled yet: keep what the cache (and the prefix cache) holds
@@ -159,13 +156,11 @@ class Sequence:
         elif ctx.cache.length != total or ctx.cache.keys != list(ctx.token_keys):
             raise ValueError("DecodeLoop needs the context Prefill just ran on (the cache must hold exactly the prompt)")
         pos = family.prompt_positions(ctx, 0)
-        self.positions = pos.reshape(-1, pos.shape[-1]).cpu()
-        self.offsets = family.decode_positions(ctx, 0).reshape(-1).cpu()
+        self.positions = pos.reshape(-1, pos.shape[-1]).tolist()
+        self.offsets = family.decode_positions(ctx, 0).reshape(-1).tolist()
+        self.ids = ctx.input_ids[0].tolist() + list(ctx.generated)
         self.keys = list(ctx.token_keys) + list(ctx.generated)
         if not self.prefill_only:
-            ids = torch.full((1, total + req.max_new_tokens), -1, dtype=torch.long, device=ctx.input_ids.device)
-            ids[:, :total] = ctx.input_ids
-            self.history = ids
             self.stops = [s for s in req.stop if s]
             self.eos = frozenset() if req.ignore_eos else frozenset(ctx.lm.eos_token_ids)
             if ctx.on_text is not None or self.stops:
@@ -181,25 +176,21 @@ class Sequence:
             todo = min(todo, self.chunk_size or todo)
         return begin, begin + max(0, min(todo, budget))
 
-    def chunk(self, begin: int, end: int, slots: torch.Tensor) -> Chunk:
-        ctx, prompt = self.ctx, self.prompt_len
-        gen = ctx.generated
-        mid = min(end, prompt)
-        ids = ctx.input_ids[0, begin:mid].cpu() if mid > begin else torch.empty(0, dtype=torch.long)
-        if end > mid:
-            ids = torch.cat([ids, torch.tensor(gen[max(begin, prompt) - prompt : end - prompt])])
-        parts = []
-        if mid > begin:
-            parts.append(self.positions[:, begin:mid])
-        if end > mid:
-            parts.append(self.offsets.unsqueeze(1) + torch.arange(max(begin, prompt), end))
-        embeds = None
-        if ctx.inputs_embeds is not None and mid > begin:
-            embeds = ctx.inputs_embeds[0, begin:mid]
+    def chunk(self, begin: int, end: int, slots: list[int]) -> Chunk:
+        mid = min(end, self.prompt_len)
+        positions = [row[begin:mid] for row in self.positions]
+        if end > mid:  # generated tokens (decode, or recompute after a preemption)
+            after = range(max(begin, self.prompt_len), end)
+            positions = [row + [o + p for p in after] for row, o in zip(positions, self.offsets)]
+        embeds = self.ctx.inputs_embeds
         return Chunk(
-            table=list(self.cache.blocks), start=begin, ids=ids, positions=torch.cat(parts, dim=1),
-            slots=slots, embeds=embeds, logits=end == self.known,
+            table=list(self.cache.blocks), start=begin, ids=self.ids[begin:end], positions=positions, slots=slots,
+            embeds=embeds[0, begin:mid] if embeds is not None and mid > begin else None, logits=end == self.known,
         )
+
+    def history(self) -> torch.Tensor:
+        """[1, prompt + generated] ids, for samplers that look back (repetition penalty)."""
+        return torch.tensor([self.ids], device=self.ctx.lm.device)
 
     # --- tokens ---------------------------------------------------------------------------
     def accept(self, token_id: int) -> bool:
@@ -207,8 +198,8 @@ class Sequence:
         ctx = self.ctx
         if not ctx.generated:
             ctx.metrics.first_token()
-        self.history[0, self.prompt_len + len(ctx.generated)] = token_id
         ctx.generated.append(token_id)
+        self.ids.append(token_id)
         self.keys.append(token_id)
         if self.handle is not None:
             self.handle._push(token_id)
@@ -334,7 +325,8 @@ class Engine:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.counters = {"steps": 0, "tokens_in": 0, "tokens_out": 0, "preemptions": 0, "requests": 0}
+        self.counters = {"steps": 0, "tokens_in": 0, "tokens_out": 0, "preemptions": 0, "requests": 0,
+                         "kv_blocks_peak": 0}
         self.busy_s = 0.0
 
     # --- submitting ---------------------------------------------------------------------------
@@ -439,6 +431,8 @@ class Engine:
             if not seq.started:
                 seq.started = True
                 m = seq.ctx.metrics
+                if m.t_start is None:  # driven by hand without metrics.start()
+                    m.start()
                 m.set("queue_s", time.perf_counter() - m.t_start)
             # Its prompt's blocks, plus headroom for the running ones to grow (else it is admitted
             # only to be preempted at the next block boundary).
@@ -507,6 +501,7 @@ class Engine:
         seconds = time.perf_counter() - t0
         self.counters["steps"] += 1
         self.counters["tokens_in"] += sum(c.count for _, c in plan)
+        self.counters["kv_blocks_peak"] = max(self.counters["kv_blocks_peak"], self.pool.used_blocks)
         ready = []
         for seq, chunk in plan:
             end = chunk.start + chunk.count
@@ -536,17 +531,16 @@ class Engine:
         from stages.sampler import Sampler
 
         t0 = time.perf_counter()
-        tokens: list[torch.Tensor | None] = [None] * len(seqs)
+        values: list[int | None] = [None] * len(seqs)
         plain = [i for i, s in enumerate(seqs) if isinstance(s.sampler, Sampler) and s.sampler.greedy
                  and s.sampler.repetition_penalty == 1.0]
         if plain:
-            chosen = logits[plain].argmax(dim=-1)
-            for j, i in enumerate(plain):
-                tokens[i] = chosen[j]
+            chosen = (logits if len(plain) == len(seqs) else logits[plain]).argmax(dim=-1).tolist()
+            for i, token in zip(plain, chosen):
+                values[i] = token
         for i, seq in enumerate(seqs):
-            if tokens[i] is None:
-                tokens[i] = seq.sampler(logits[i : i + 1], seq.history).reshape(-1)[0]
-        values = torch.stack(tokens).tolist()  # the one host sync of the step
+            if values[i] is None:
+                values[i] = int(seq.sampler(logits[i : i + 1], seq.history()).reshape(-1)[0])
         seconds = time.perf_counter() - t0
         self.counters["tokens_out"] += len(values)
         for seq, token_id in zip(seqs, values):

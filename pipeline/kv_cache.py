@@ -20,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
-import torch
 
 from pipeline.errors import UserError
 from pipeline.paged import BlockPool, OutOfBlocks
@@ -96,7 +95,7 @@ class KVCache:
             )
 
     # --- writing ----------------------------------------------------------------------------
-    def reserve(self, n: int) -> torch.Tensor:
+    def reserve(self, n: int) -> list[int]:
         """Slots for the next ``n`` positions (blocks allocated, a shared partial block copied).
 
         Raises ``OutOfBlocks`` with nothing changed when the pool cannot give them.
@@ -120,9 +119,8 @@ class KVCache:
         elif partial:
             self.pool.unregister(self.blocks[-1])  # ours alone: its cached content is about to change
         self.blocks.extend(new)
-        positions = torch.arange(self.length, self.length + n)
-        table = torch.tensor(self.blocks)
-        return table[positions // bs] * bs + positions % bs
+        blocks = self.blocks
+        return [blocks[p // bs] * bs + p % bs for p in range(self.length, self.length + n)]
 
     def append(self, keys: Sequence[Hashable]) -> None:
         """Record what the model just wrote into the reserved slots; full blocks enter the prefix cache."""

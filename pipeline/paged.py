@@ -92,6 +92,7 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, LRU first
         self.hits = 0  # prefix-cache lookups that attached a block
         self.lookups = 0
+        self._used = 0  # blocks with a reference count above zero
 
     # sizes ----------------------------------------------------------------------------------
     @property
@@ -106,8 +107,8 @@ class BlockPool:
 
     @property
     def used_blocks(self) -> int:
-        with self.lock:
-            return sum(1 for r in self.refs[1:] if r > 0)
+        """Blocks some sequence holds now."""
+        return self._used
 
     @property
     def free_blocks(self) -> int:
@@ -141,12 +142,14 @@ class BlockPool:
             else:
                 raise OutOfBlocks
             self.refs[block] = 1
+            self._used += 1
             return block
 
     def hold(self, block: int) -> None:
         with self.lock:
             if self.refs[block] == 0:
                 self._evictable.pop(block, None)
+                self._used += 1
             self.refs[block] += 1
 
     def release(self, block: int) -> None:
@@ -154,6 +157,7 @@ class BlockPool:
             self.refs[block] -= 1
             if self.refs[block] > 0:
                 return
+            self._used -= 1
             if block in self._cached:
                 self._evictable[block] = None  # most recently used last
             else:
@@ -274,22 +278,43 @@ def _kv_dtype(lm: Any) -> torch.dtype:
 class Chunk:
     """New tokens of one sequence for one forward: ``count`` tokens from cache position ``start``.
 
-    ``ids`` [count]; ``embeds`` [n <= count, hidden]: merged media embeddings of the first n
-    tokens (the prompt part; tokens generated after it, recomputed after a preemption, use ``ids``); ``positions``
-    [rows, count]. ``slots`` [count]: where their keys/values go (from ``KVCache.reserve``).
+    Plain lists, so that building a step costs a few tensors for the whole batch, not a few per
+    sequence: ``ids`` [count], ``positions`` [rows][count] (rows: 1, or 4 for Qwen2-VL's M-RoPE),
+    ``slots`` [count] where their keys/values go (from ``KVCache.reserve``). ``embeds``
+    [n <= count, hidden]: merged media embeddings of the first n tokens (the prompt part; tokens
+    generated after it, recomputed after a preemption, use ``ids``).
     """
 
     table: list[int]  # the sequence's block table after reserving these tokens
     start: int
-    ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
+    ids: list[int]
+    positions: list[list[int]]
+    slots: list[int]
     embeds: torch.Tensor | None = None
     logits: bool = True  # keep the last token's logits
 
     @property
     def count(self) -> int:
-        return int(self.ids.shape[0])
+        return len(self.ids)
+
+
+@dataclass
+class Group:
+    """Chunks attended together, padded to ``q`` queries and ``K`` keys each.
+
+    ``start``: where the group's queries begin in the packed tokens when they are contiguous and
+    unpadded (decode rows, or a single prefill chunk): then no gather or scatter is needed.
+    Otherwise ``q_index`` [B, q] gathers them and ``dest`` / ``src`` put the real rows back.
+    """
+
+    rows: int
+    q: int
+    k_slots: torch.Tensor  # [B, K] pool slot of every key position (padding: the null block)
+    mask: torch.Tensor  # [B, 1, q, K] causal within the sequence, up to its length
+    start: int | None
+    q_index: torch.Tensor | None = None
+    dest: torch.Tensor | None = None  # packed token index of each real query
+    src: torch.Tensor | None = None  # its row in the flattened [B * q] output
 
 
 @dataclass
@@ -298,43 +323,51 @@ class PagedBatch:
 
     pool: BlockPool
     slots: torch.Tensor  # [T] write slot of each packed token
-    groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
-    # per group: query index [B, q] into the packed tokens, key slots [B, K], mask [B, 1, q, K],
-    # and the flat positions (in [B*q]) of real queries with their packed token index
+    groups: list[Group]
 
 
-def _group(chunks: Sequence[Chunk], offsets: Sequence[int], block_size: int, device: torch.device) -> tuple:
+def _group(chunks: Sequence[Chunk], offsets: Sequence[int], block_size: int, device: torch.device) -> Group:
     """Padded query / key indices and the mask of a set of chunks attended together."""
     q = max(c.count for c in chunks)
     blocks = max(-(-(c.start + c.count) // block_size) for c in chunks)
-    q_index, tables, q_pos, k_len = [], [], [], []
-    for c, off in zip(chunks, offsets):
-        q_index.append([off + min(i, c.count - 1) for i in range(q)])
+    tables, q_pos, k_len = [], [], []
+    for c in chunks:
         q_pos.append([c.start + min(i, c.count - 1) for i in range(q)])
         tables.append(c.table[:blocks] + [NULL_BLOCK] * (blocks - min(len(c.table), blocks)))
         k_len.append(c.start + c.count)
-    q_index_t = torch.tensor(q_index, device=device)
     table = torch.tensor(tables, device=device)
     k_slots = (table.unsqueeze(-1) * block_size + torch.arange(block_size, device=device)).flatten(1)
     k_pos = torch.arange(k_slots.shape[1], device=device)
     qp = torch.tensor(q_pos, device=device).unsqueeze(-1)
-    mask = (k_pos <= qp) & (k_pos < torch.tensor(k_len, device=device).view(-1, 1, 1))
-    real = torch.tensor([[i < c.count for i in range(q)] for c in chunks], device=device).flatten()
-    return q_index_t, k_slots, mask.unsqueeze(1), real
+    mask = ((k_pos <= qp) & (k_pos < torch.tensor(k_len, device=device).view(-1, 1, 1))).unsqueeze(1)
+    contiguous = all(c.count == q for c in chunks) and all(
+        offsets[i] == offsets[0] + i * q for i in range(len(chunks))
+    )
+    if contiguous:
+        return Group(len(chunks), q, k_slots, mask, start=offsets[0])
+    q_index = [[off + min(i, c.count - 1) for i in range(q)] for c, off in zip(chunks, offsets)]
+    dest = [off + i for c, off in zip(chunks, offsets) for i in range(c.count)]
+    src = [r * q + i for r, c in enumerate(chunks) for i in range(c.count)]
+    return Group(
+        len(chunks), q, k_slots, mask, start=None, q_index=torch.tensor(q_index, device=device),
+        dest=torch.tensor(dest, device=device), src=torch.tensor(src, device=device),
+    )
 
 
 def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device) -> PagedBatch:
+    """Decode rows (one token each) form one group, prefill chunks another."""
     offsets, total = [], 0
     for c in chunks:
         offsets.append(total)
         total += c.count
-    slots = torch.cat([c.slots for c in chunks]).to(device)
+    slots = torch.tensor([i for c in chunks for i in c.slots], device=device)
     decode = [i for i, c in enumerate(chunks) if c.count == 1]
     prefill = [i for i, c in enumerate(chunks) if c.count > 1]
-    groups = []
-    for members in (decode, prefill):
-        if members:
-            groups.append(_group([chunks[i] for i in members], [offsets[i] for i in members], pool.block_size, device))
+    groups = [
+        _group([chunks[i] for i in members], [offsets[i] for i in members], pool.block_size, device)
+        for members in (decode, prefill)
+        if members
+    ]
     return PagedBatch(pool, slots, groups)
 
 
@@ -364,18 +397,33 @@ def paged_attention(
     k_pool.index_copy_(0, batch.slots, key[0].transpose(0, 1).to(k_pool.dtype))
     v_pool.index_copy_(0, batch.slots, value[0].transpose(0, 1).to(v_pool.dtype))
     heads, tokens, dim = query.shape[1], query.shape[2], query.shape[3]
-    out = query.new_empty(tokens, heads, dim)
     flat_q = query[0].transpose(0, 1)  # [T, heads, D]
-    for q_index, k_slots, mask, real in batch.groups:
-        b, q = q_index.shape
-        qs = flat_q[q_index].transpose(1, 2)  # [B, heads, q, D]
-        ks = k_pool[k_slots].transpose(1, 2).to(qs.dtype)  # [B, kv_heads, K, D]
-        vs = v_pool[k_slots].transpose(1, 2).to(qs.dtype)
-        o = scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=ks.shape[1] != heads
-        )  # [B, heads, q, D]
-        o = o.transpose(1, 2).reshape(b * q, heads, dim)
-        out[q_index.flatten()[real]] = o[real]
+    parts = []
+    for g in batch.groups:
+        if g.start is not None:
+            qs = flat_q[g.start : g.start + g.rows * g.q].reshape(g.rows, g.q, heads, dim).transpose(1, 2)
+        else:
+            qs = flat_q[g.q_index].transpose(1, 2)  # [B, heads, q, D]
+        ks = k_pool[g.k_slots].transpose(1, 2).to(qs.dtype)  # [B, kv_heads, K, D]
+        vs = v_pool[g.k_slots].transpose(1, 2).to(qs.dtype)
+        kv_heads = ks.shape[1]
+        if g.q == 1 and kv_heads != heads:
+            # One query per row: the query heads sharing a key/value head become its rows
+            # (no repeated keys, one mask for all of them).
+            o = scaled_dot_product_attention(qs.reshape(g.rows, kv_heads, heads // kv_heads, dim), ks, vs,
+                                             attn_mask=g.mask, scale=scaling)
+            o = o.reshape(g.rows, heads, 1, dim)
+        else:
+            o = scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, scale=scaling, enable_gqa=kv_heads != heads)
+        parts.append((g, o.transpose(1, 2).reshape(g.rows * g.q, heads, dim)))
+    if len(parts) == 1 and parts[0][0].start == 0 and parts[0][1].shape[0] == tokens:
+        return parts[0][1].unsqueeze(0), None  # one contiguous group: already in packed order
+    out = query.new_empty(tokens, heads, dim)
+    for g, o in parts:
+        if g.start is not None:
+            out[g.start : g.start + o.shape[0]] = o
+        else:
+            out.index_copy_(0, g.dest, o.index_select(0, g.src))
     return out.unsqueeze(0), None
 
 
@@ -394,6 +442,14 @@ def attach(model: torch.nn.Module) -> None:
     text._attn_implementation = ATTENTION
 
 
+def detach(model: torch.nn.Module) -> None:
+    """Give the model back its own attention implementation (e.g. before transformers'
+    ``generate_batch``, which accepts only its own); the next paged forward attaches again."""
+    text = text_config(model.config)
+    if text._attn_implementation == ATTENTION:
+        text._attn_implementation = text._mm_paged_original
+
+
 def forward(lm: Any, pool: BlockPool, chunks: Sequence[Chunk], run: Any = None) -> torch.Tensor:
     """One model pass over the packed chunks; returns next-token logits [n, V], one row per
     chunk with ``logits=True``, in chunk order. ``run``: what calls the model (``run_model``,
@@ -401,9 +457,10 @@ def forward(lm: Any, pool: BlockPool, chunks: Sequence[Chunk], run: Any = None) 
     model = lm.model
     attach(model)
     device = lm.device
-    ids = torch.cat([c.ids for c in chunks]).to(device).unsqueeze(0)
-    positions = torch.cat([c.positions for c in chunks], dim=-1).to(device)
-    positions = positions.unsqueeze(1) if positions.shape[0] > 1 else positions  # [rows, 1, T] or [1, T]
+    ids = torch.tensor([[i for c in chunks for i in c.ids]], device=device)
+    rows = len(chunks[0].positions)
+    positions = torch.tensor([[p for c in chunks for p in c.positions[r]] for r in range(rows)], device=device)
+    positions = positions.unsqueeze(1) if rows > 1 else positions  # [rows, 1, T] or [1, T]
     embeds = None
     if any(c.embeds is not None for c in chunks):
         embeds = model.get_input_embeddings()(ids)
