@@ -418,29 +418,46 @@ class Engine:
             self._fail(seq, Cancelled("cancelled"))
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_seqs:
-            seq = self.waiting[0]
+        """Move waiting sequences into the running set while there is room (sequences and blocks).
+
+        A sequence whose next block another running sequence is computing right now waits until
+        that prefill is done, then takes it from the prefix cache: requests that share a system
+        prompt or an image, arriving together, compute it once.
+        """
+        computing = {d for s in self.running if s.cache.length < s.prompt_len
+                     for d in s.cache.future_digests(s.keys[: s.prompt_len])}
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_seqs:
+                return
             if not seq.prepared:
                 try:
                     seq.prepare()
                 except BaseException as err:
                     self._fail(seq, err)
                     continue
-            elif seq.cache.length == 0:  # readmitted after preemption: recompute, prefix cache first
+            else:  # readmitted (preempted, or deferred): take what the prefix cache has now
+                before = seq.cache.length
                 seq.cache.reuse(seq.keys[: seq.known])
+                if not seq.started and seq.cache.length != before:
+                    seq.ctx.metrics.set("kv_reused_tokens", seq.cache.length)
+            upcoming = seq.cache.future_digests(seq.keys[: seq.prompt_len])[:1]
+            if upcoming and upcoming[0] in computing and seq.cache.length % self.pool.block_size == 0:
+                continue  # deferred: another sequence is computing its next block
+            # Its prompt's blocks, plus headroom for the running ones to grow (else it is admitted
+            # only to be preempted at the next block boundary).
+            need = -(-(seq.known - seq.cache.length) // self.pool.block_size) + 1 + len(self.running) // 8
+            if self.running and self.pool.free_blocks < need:
+                return  # new requests wait for blocks to come back
             if not seq.started:
                 seq.started = True
                 m = seq.ctx.metrics
                 if m.t_start is None:  # driven by hand without metrics.start()
                     m.start()
                 m.set("queue_s", time.perf_counter() - m.t_start)
-            # Its prompt's blocks, plus headroom for the running ones to grow (else it is admitted
-            # only to be preempted at the next block boundary).
-            need = -(-(seq.known - seq.cache.length) // self.pool.block_size) + 1 + len(self.running) // 8
-            if self.running and self.pool.free_blocks < need:
-                return  # new requests wait for blocks to come back
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.running.append(seq)
+            if seq.cache.length < seq.prompt_len:
+                computing.update(seq.cache.future_digests(seq.keys[: seq.prompt_len]))
 
     def _sample_pending(self) -> None:
         """Sequences handed over with prefill logits (DecodeLoop by hand) choose their first token."""

@@ -154,6 +154,18 @@ class KVCache:
             self._digests.append(self.pool.digest_of(block))
         return self.length
 
+    def future_digests(self, keys: Sequence[Hashable]) -> list[int]:
+        """Chain hashes of the full blocks of ``keys`` past what this cache holds in full blocks
+        (what the prefix cache will know them by once computed)."""
+        bs = self.block_size
+        first = self.length // bs
+        parent = self._digests[first - 1] if first else None
+        out = []
+        for i in range(first, len(keys) // bs):
+            parent = self.pool.chain(parent, tuple(keys[i * bs : (i + 1) * bs]))
+            out.append(parent)
+        return out
+
     def rollback(self, n: int) -> None:
         """Return to length ``n`` (drop everything after it)."""
         if n < 0 or n > self.length:

@@ -269,3 +269,21 @@ def test_engine_metrics(load_tiny):
     m = results[-1].metrics
     assert m["queue_s"] >= 0 and m["ttft_s"] >= m["queue_s"]
     assert m["generated_tokens"] == 5 and m["decode_tokens"] == 4
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(load_tiny):
+    lm = load_tiny("qwen3")
+    pipe = text_pipe(lm, kv_memory=10 << 20, max_seqs=8)
+    system = words(random.Random(5), 200)
+    requests = [Request(prompt=f"Question {i}: why?", system_prompt=system, max_new_tokens=4, ignore_eos=True)
+                for i in range(8)]
+    pipe.engine.counters["kv_blocks_peak"] = 0
+    results = [h.result(timeout=120) for h in [pipe.submit(r) for r in requests]]
+    shared = next(i for i, (a, b) in enumerate(zip(results[0].prompt_ids, results[1].prompt_ids)) if a != b)
+    prefix_blocks = shared // 16
+    assert shared >= 200
+    assert sorted(r.metrics["kv_reused_tokens"] for r in results) == [0] + [prefix_blocks * 16] * 7
+    # The prefix is held once: far fewer blocks than eight separate copies of it.
+    assert pipe.engine.counters["kv_blocks_peak"] < 8 * prefix_blocks
+    alone = text_pipe(lm, kv_memory=11 << 20, max_seqs=1)
+    assert [r.token_ids for r in results] == [alone.run(r).token_ids for r in requests]
