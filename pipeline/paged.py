@@ -93,6 +93,8 @@ class BlockPool:
         self.hits = 0  # prefix-cache lookups that attached a block
         self.lookups = 0
         self._used = 0  # blocks with a reference count above zero
+        self._fresh = bytearray(b"\x01") * self.num_blocks  # never handed out yet (memory not initialised)
+        self._dirty: list[int] = []  # handed out since the last prepare_write, still to be zeroed
 
     # sizes ----------------------------------------------------------------------------------
     @property
@@ -116,18 +118,31 @@ class BlockPool:
         with self.lock:
             return len(self._free) + len(self._evictable)
 
-    def layer_kv(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self._kv[layer]
-        if kv is None:
-            slots = self.num_blocks * self.block_size
-            shape = (slots, self.kv_heads, self.head_dim)
-            # torch.empty: pages are touched only as blocks fill (no upfront cost on CPU).
-            k = torch.empty(shape, dtype=self.dtype, device=device)
-            v = torch.empty(shape, dtype=self.dtype, device=device)
-            k[: self.block_size].zero_()  # the null block: padding reads it, so no NaN can leak in
-            v[: self.block_size].zero_()
-            kv = self._kv[layer] = (k, v)
-        return kv
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._kv[layer]
+
+    def prepare_write(self) -> None:
+        """Before a forward: allocate every layer's tensors (once, on each layer's device) and
+        zero the blocks handed out for the first time since.
+
+        Why zero: a masked-out slot still goes through the attention product, and uninitialised
+        memory can hold NaN, which a mask does not cancel (NaN * 0 is NaN). Zeroing only blocks
+        as they are first used keeps a large pool free until it fills.
+        """
+        with self.lock:
+            if self._kv[0] is None:
+                shape = (self.num_blocks * self.block_size, self.kv_heads, self.head_dim)
+                for layer, device in enumerate(self.devices or [torch.device("cpu")] * self.layers):
+                    self._kv[layer] = (torch.empty(shape, dtype=self.dtype, device=device),
+                                       torch.empty(shape, dtype=self.dtype, device=device))
+                self._dirty = [NULL_BLOCK] + self._dirty
+            if not self._dirty:
+                return
+            blocks, self._dirty = self._dirty, []
+            for kv in self._kv:  # under the lock: no forward of another engine is writing them yet
+                index = torch.tensor(blocks, device=kv[0].device)
+                for t in kv:
+                    t.view(self.num_blocks, self.block_size, self.kv_heads, self.head_dim)[index] = 0
 
     # blocks ---------------------------------------------------------------------------------
     def allocate(self) -> int:
@@ -143,6 +158,9 @@ class BlockPool:
                 raise OutOfBlocks
             self.refs[block] = 1
             self._used += 1
+            if self._fresh[block]:
+                self._fresh[block] = 0
+                self._dirty.append(block)
             return block
 
     def hold(self, block: int) -> None:
@@ -165,11 +183,11 @@ class BlockPool:
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy on write: ``dst`` gets ``src``'s keys and values in every layer."""
+        self.prepare_write()  # dst may be fresh: zero it first, so the copy is not zeroed later
         n = self.block_size
         for kv in self._kv:
-            if kv is not None:
-                for t in kv:
-                    t[dst * n : (dst + 1) * n] = t[src * n : (src + 1) * n]
+            for t in kv:
+                t[dst * n : (dst + 1) * n] = t[src * n : (src + 1) * n]
 
     # prefix cache ---------------------------------------------------------------------------
     @staticmethod
@@ -393,7 +411,7 @@ def paged_attention(
         if fn is None:
             from transformers.models.llama.modeling_llama import eager_attention_forward as fn
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    k_pool, v_pool = batch.pool.layer_kv(module.layer_idx, key.device)
+    k_pool, v_pool = batch.pool.layer_kv(module.layer_idx)
     k_pool.index_copy_(0, batch.slots, key[0].transpose(0, 1).to(k_pool.dtype))
     v_pool.index_copy_(0, batch.slots, value[0].transpose(0, 1).to(v_pool.dtype))
     heads, tokens, dim = query.shape[1], query.shape[2], query.shape[3]
@@ -475,6 +493,7 @@ def forward(lm: Any, pool: BlockPool, chunks: Sequence[Chunk], run: Any = None) 
         if c.logits:
             keep.append(off - 1)
     index = torch.tensor(keep or [off - 1], device=device)
+    pool.prepare_write()
     logits = (run or run_model)(model, ids, embeds, positions, index, build_batch(pool, chunks, device))
     return logits[index] if logits.shape[0] == off and off != len(index) else logits  # no logits_to_keep support
 

@@ -182,3 +182,25 @@ def test_prefix_cache_outlives_the_request_until_the_pool_needs_its_blocks(lm):
         h.clear()
     _, metrics, _ = run_ids(lm, long, n=2)
     assert metrics["kv_reused_tokens"] == 0  # evicted
+
+
+def test_uninitialised_pool_memory_never_reaches_the_answer(lm, prompt, monkeypatch):
+    """Masked-out slots still enter the attention product, and NaN * 0 is NaN: blocks must be
+    zeroed before first use. Here the pool's memory starts out as NaN."""
+    import pipeline.paged as paged
+
+    class NaNTorch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            return torch.empty(*args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(paged, "torch", NaNTorch())
+    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=1 << 20)
+    got = pipe.run_ids(prompt, Request(max_new_tokens=N, ignore_eos=True)).generated
+    monkeypatch.undo()
+    want = lm.model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, max_new_tokens=N, eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+    assert got == want.tolist()
