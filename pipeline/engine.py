@@ -7,14 +7,14 @@
 
 Design notes:
 
-- One scheduler loop (a daemon thread, started on first submit) runs model steps. Each step
+- One scheduler runs model steps, driven by whoever waits for a result (``Engine.drive``: one
+  thread steps at a time, so all tensor work of a single caller stays on its thread). Each step
   feeds **one token for every decoding sequence plus prefill chunks of waiting ones**, packed
   into one forward (``pipeline.paged.forward``) under a token budget (``max_batch_tokens``),
   at most ``max_seqs`` sequences in flight; a finished sequence's place goes to the next
   waiting request at the next step. A single request is a batch of one through the same code:
   ``Pipeline.run``, the ``Prefill`` / ``DecodeLoop`` stages driven by hand and every mode use it.
-- Admission runs a request's front stages (tokenize, vision and audio encoders) on the engine
-  thread, attaching prefix-cache blocks as soon as the prompt's cache keys are known, so the
+- Admission runs a request's front stages (tokenize, vision and audio encoders) in a step, attaching prefix-cache blocks as soon as the prompt's cache keys are known, so the
   encoders skip media whose positions are already cached.
 - Out of blocks: a sequence that cannot grow preempts the most recently admitted sequence not
   yet scheduled in this step (it may be itself): its blocks are returned and it waits at the
@@ -42,9 +42,6 @@ from pipeline.context import Context
 from pipeline.errors import UserError
 from pipeline.metrics import synchronize
 from pipeline.paged import BlockPool, Chunk, OutOfBlocks, forward
-
-
-IDLE_S = 10.0  # seconds an idle engine thread waits for work before it exits
 
 
 class Cancelled(Exception):
@@ -264,7 +261,7 @@ class Handle:
             fn(self)
 
     def add_done_callback(self, fn: Callable[["Handle"], None]) -> None:
-        """Call ``fn(handle)`` when the request ends (at once if it has); runs on the engine thread."""
+        """Call ``fn(handle)`` when the request ends (at once if it has), on the thread that stepped."""
         with self._lock:
             if not self._done.is_set():
                 self._callbacks.append(fn)
@@ -284,8 +281,10 @@ class Handle:
         self._engine._wake()
 
     def result(self, timeout: float | None = None) -> Any:
-        """The finished request (a Result, or the Context for context runs); raises its error."""
-        if not self._done.wait(timeout):
+        """The finished request (a Result, or the Context for context runs); raises its error.
+        Waiting drives the engine (see ``Engine.drive``)."""
+        self._engine.drive(self._done.is_set, timeout)
+        if not self._done.is_set():
             raise TimeoutError("the request is still running")
         if self._error is not None:
             raise self._error
@@ -293,6 +292,7 @@ class Handle:
 
     def __iter__(self) -> Iterator[int]:
         while True:
+            self._engine.drive(lambda: not self._tokens.empty())
             token = self._tokens.get()
             if token is None:
                 if self._error is not None and not isinstance(self._error, Cancelled):
@@ -323,62 +323,58 @@ class Engine:
         self.running: list[Sequence] = []
         self._inbox: list[Sequence] = []
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closed = False
+        self._driving = False  # a thread is inside step()
         self.counters = {"steps": 0, "tokens_in": 0, "tokens_out": 0, "preemptions": 0, "requests": 0,
                          "kv_blocks_peak": 0}
         self.busy_s = 0.0
 
-    # --- submitting ---------------------------------------------------------------------------
+    # --- submitting and driving ---------------------------------------------------------------
     def submit(self, seq: Sequence) -> Handle:
-        """Queue a sequence for the engine thread (started on first use); returns its handle."""
+        """Queue a sequence (from any thread); returns its handle at once."""
         handle = Handle(self, seq)
         seq.handle = handle
         with self._cond:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
             self._inbox.append(seq)
             self.counters["requests"] += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="mm-pipeline-engine", daemon=True)
-                self._thread.start()
-            self._cond.notify()
+            self._cond.notify_all()
         return handle
+
+    def drive(self, until: Callable[[], bool], timeout: float | None = None) -> None:
+        """Run engine steps on the calling thread until ``until()`` holds (or ``timeout`` passes).
+
+        Whoever waits for a result drives: one thread steps at a time, the others wait and take
+        over between steps. So a single caller (the CLI, a batch, a benchmark) does all tensor
+        work on its own thread, as a plain loop would; several threads share the steps. (A
+        dedicated engine thread would hand every step to another OS thread, whose CPU thread
+        pool then competes with the caller's for the same cores: measured 3-4x slower decode.)
+        """
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        while not until():
+            if deadline is not None and time.perf_counter() >= deadline:
+                return
+            with self._cond:
+                if self._driving or not (self._inbox or self.waiting or self.running):
+                    self._cond.wait(0.05)  # another thread is stepping, or our work was done by one
+                    continue
+                self._driving = True
+            try:
+                with torch.inference_mode():
+                    self.step()
+            finally:
+                with self._cond:
+                    self._driving = False
+                    self._cond.notify_all()
 
     def run(self, seqs: Seq[Sequence]) -> None:
         """Run sequences to the end on the calling thread (the stages driven by hand)."""
-        for seq in seqs:
-            seq.handle = Handle(self, seq)
-            self.waiting.append(seq)
-        with torch.inference_mode():
-            while not all(s.done for s in seqs):
-                self.step()
-        for seq in seqs:
-            seq.handle.result()  # raise the first error
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        handles = [self.submit(seq) for seq in seqs]
+        self.drive(lambda: all(h.done() for h in handles))
+        for handle in handles:
+            handle.result()  # raise the first error
 
     def _wake(self) -> None:
         with self._cond:
-            self._cond.notify()
-
-    def _loop(self) -> None:
-        """The engine thread: steps while there is work; exits after ``IDLE_S`` without any
-        (the next submit starts a new one), so an unused engine holds no thread."""
-        with torch.inference_mode():
-            while True:
-                with self._cond:
-                    if not (self._inbox or self.waiting or self.running or self._closed):
-                        self._cond.wait(IDLE_S)
-                    if not (self._inbox or self.waiting or self.running):
-                        self._thread = None
-                        return
-                self.step()
+            self._cond.notify_all()
 
     def stats(self) -> dict:
         """Engine figures: sequences, blocks, prefix-cache hit rate, preemptions, tokens in/out."""

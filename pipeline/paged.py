@@ -418,8 +418,9 @@ def paged_attention(
     flat_q = query[0].transpose(0, 1)  # [T, heads, D]
     parts = []
     for g in batch.groups:
+        rows, q = g.mask.shape[0], g.mask.shape[2]  # sizes from tensors: symbolic under torch.compile
         if g.start is not None:
-            qs = flat_q[g.start : g.start + g.rows * g.q].reshape(g.rows, g.q, heads, dim).transpose(1, 2)
+            qs = flat_q[g.start : g.start + rows * q].reshape(rows, q, heads, dim).transpose(1, 2)
         else:
             qs = flat_q[g.q_index].transpose(1, 2)  # [B, heads, q, D]
         ks = k_pool[g.k_slots].transpose(1, 2).to(qs.dtype)  # [B, kv_heads, K, D]
@@ -428,12 +429,12 @@ def paged_attention(
         if g.q == 1 and kv_heads != heads:
             # One query per row: the query heads sharing a key/value head become its rows
             # (no repeated keys, one mask for all of them).
-            o = scaled_dot_product_attention(qs.reshape(g.rows, kv_heads, heads // kv_heads, dim), ks, vs,
+            o = scaled_dot_product_attention(qs.reshape(rows, kv_heads, heads // kv_heads, dim), ks, vs,
                                              attn_mask=g.mask, scale=scaling)
-            o = o.reshape(g.rows, heads, 1, dim)
+            o = o.reshape(rows, heads, 1, dim)
         else:
             o = scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, scale=scaling, enable_gqa=kv_heads != heads)
-        parts.append((g, o.transpose(1, 2).reshape(g.rows * g.q, heads, dim)))
+        parts.append((g, o.transpose(1, 2).reshape(rows * q, heads, dim)))
     if len(parts) == 1 and parts[0][0].start == 0 and parts[0][1].shape[0] == tokens:
         return parts[0][1].unsqueeze(0), None  # one contiguous group: already in packed order
     out = query.new_empty(tokens, heads, dim)

@@ -45,7 +45,8 @@ class Pipeline:
     the request ends. A stage may define ``skip(ctx) -> bool``; skipped stages record nothing.
 
     Every run goes through one engine (``pipeline.engine``), so any number of threads may call
-    ``run`` at once and each gets the answer it would get alone. ``kv_memory`` / ``kv_block_size``
+    ``run`` at once and each gets the answer it would get alone; the waiting threads take turns
+    stepping it. ``kv_memory`` / ``kv_block_size``
     size the paged KV pool (``pipeline.paged.pool_for``); ``max_seqs`` / ``max_batch_tokens``
     bound the engine's batches.
     """
@@ -161,19 +162,21 @@ class Pipeline:
             return handle.result()
         except KeyboardInterrupt:
             handle.cancel()
-            handle._done.wait()
+            handle._engine.drive(handle.done)
             raise
 
-    def warmup(self, prompt_tokens: int = 16, new_tokens: int = 18) -> float:
-        """Run a throwaway batch of two and then of one, so that the first real request pays no
-        one-off cost (compiling both decode graphs, allocator growth); reported as ``warmup_s``,
-        never in ``ttft_s``."""
+    def warmup(self, prompt_tokens: int = 16, new_tokens: int = 36) -> float:
+        """Run a throwaway batch of three sequences that end one after another (batch sizes 3, 2
+        and 1, contexts growing past block boundaries), so that the first real request pays no
+        one-off cost: with ``decode.compile`` every graph dynamo specialises is built here.
+        Reported as ``warmup_s``, never in ``ttft_s``."""
         t0 = time.perf_counter()
         text = " ".join(["warm"] * prompt_tokens)
         ids = self.lm.tokenizer(text, add_special_tokens=False)["input_ids"][:prompt_tokens] or [0]
+        lengths = [new_tokens, new_tokens * 2 // 3, new_tokens // 3][: self.max_seqs]
         handles = [
-            self.submit(Request(max_new_tokens=n, ignore_eos=True), ids=ids, result=False)
-            for n in ((new_tokens, new_tokens // 2) if self.max_seqs > 1 else (new_tokens,))
+            self.submit(Request(max_new_tokens=n, ignore_eos=True), ids=ids[: max(1, len(ids) - i)], result=False)
+            for i, n in enumerate(lengths)
         ]
         for handle in handles:
             self.wait(handle).cache.clear()
@@ -238,6 +241,7 @@ class Pipeline:
                     handle.add_done_callback(finished.put)
                 if not pending:
                     return
+                self.engine.drive(lambda: not finished.empty())
                 handle = finished.get()
                 key = pending.pop(handle)
                 try:
@@ -247,8 +251,7 @@ class Pipeline:
         finally:
             for handle in pending:
                 handle.cancel()
-            for handle in pending:
-                handle._done.wait()
+            self.engine.drive(lambda: all(h.done() for h in pending))
 
     @torch.inference_mode()
     def tokenize(self, request: Request) -> Context:

@@ -168,9 +168,11 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(load_tiny):
     assert len({tuple(r.token_ids) for r in batched}) > 1
 
 
-def test_threads_sharing_one_pipeline_get_their_own_answers(load_tiny):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_threads_sharing_one_pipeline_get_their_own_answers(load_tiny, compiled):
     lm = load_tiny("qwen3")
-    pipe = text_pipe(lm, max_seqs=4)
+    decode = DecodeLoop(compile=True, compile_backend="aot_eager") if compiled else DecodeLoop()
+    pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": decode}, max_seqs=4, kv_memory=1 << 20)
     prompts = [f"Tell me about {w}." for w in "the sea,rivers,stones,birds,snow,fire,night,roads".split(",")]
     alone = {p: pipe.run(Request(prompt=p, max_new_tokens=12, ignore_eos=True)).token_ids for p in prompts}
     got: dict[str, list[int]] = {}
