@@ -7,7 +7,8 @@ runs, in alternating order:
 
 - ``one at a time``: the pipeline with ``engine.max_seqs=1``, requests run one after another
   (the behaviour of 0.1, through the same engine code);
-- ``engine``: the pipeline with ``engine.max_seqs=R`` (or ``--max-seqs``), every request submitted at once;
+- ``engine``: the pipeline with ``engine.max_seqs=R`` (or each of ``--max-seqs 1,16,64``),
+  every request submitted at once;
 - ``generate_batch``: ``model.generate_batch`` on the same ids, its paged cache sized for the
   workload (``--hf-blocks`` blocks of ``--hf-page`` tokens) instead of its default, which
   reserves most of the machine's memory.
@@ -23,6 +24,8 @@ then shows the KV pool's peak blocks against what contiguous per-sequence caches
     python benchmarks/engine_throughput.py                      # tiny text model, CPU
     python benchmarks/engine_throughput.py --reps 3 --compile
     python benchmarks/engine_throughput.py --shared-prefix 200 --skip-hf
+    python benchmarks/engine_throughput.py --arch qwen2-vl-2b --dtype bfloat16 --requests 256 \
+        --new-tokens 128 --max-seqs 1,16,64,128 --skip-solo --skip-hf          # GPU, random weights
 """
 from __future__ import annotations
 
@@ -44,6 +47,8 @@ from pipeline import Pipeline, Request, load_model  # noqa: E402
 from pipeline.loading import LoadedModel  # noqa: E402
 from pipeline.memory import kv_bytes  # noqa: E402
 from pipeline.paged import detach  # noqa: E402
+
+from archs import ARCHS, build_qwen2_vl_2b  # noqa: E402
 from stages import DecodeLoop, Prefill  # noqa: E402
 
 
@@ -103,12 +108,14 @@ def run_generate_batch(lm: LoadedModel, prompts: list[list[int]], gen: int, args
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a save_pretrained directory (default: the project's tiny Qwen3 text model)")
+    ap.add_argument("--arch", choices=ARCHS, help="build this architecture with random weights instead")
+    ap.add_argument("--dtype", default="auto", help="auto (float32 CPU, bfloat16 GPU) | bfloat16 | float32")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--min-prompt", type=int, default=20)
     ap.add_argument("--max-prompt", type=int, default=90)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--shared-prefix", type=int, default=0, help="tokens of a system prompt every request starts with")
-    ap.add_argument("--max-seqs", type=int, default=0, help="engine.max_seqs for the batched run (0: all requests)")
+    ap.add_argument("--max-seqs", default="0", help="engine.max_seqs of the batched run(s), e.g. 1,16,64 (0: all requests)")
     ap.add_argument("--compile", action="store_true", help="decode.compile=true for both pipeline paths (warmed up)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
@@ -119,17 +126,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
 
-    if args.model is None:
+    if args.arch:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        args.model = str(build_qwen2_vl_2b(Path(tempfile.gettempdir()) / "mm-pipeline-bench" / args.arch, device))
+    elif args.model is None:
         from pipeline.tiny import build_tiny
 
         args.model = str(build_tiny("qwen3", Path(tempfile.gettempdir()) / "mm-pipeline-bench" / "tiny-qwen3"))
-    lm = load_model(args.model)
+    lm = load_model(args.model, dtype=args.dtype)
     prompts = workload(lm, args)
     gen = args.new_tokens
     longest = max(len(p) for p in prompts) + gen
     if not args.hf_blocks:
         args.hf_blocks = args.requests * -(-longest // args.hf_page) + 8
-    paths = {"engine": pipeline(lm, args.max_seqs or args.requests, args.compile)}
+    sizes = [int(v) or args.requests for v in str(args.max_seqs).split(",")]
+    paths = {("engine" if len(sizes) == 1 else f"engine max_seqs={m}"): pipeline(lm, m, args.compile) for m in sizes}
     if not args.skip_solo:
         paths["one at a time"] = pipeline(lm, 1, args.compile)
     warmup = {name: p.warmup() for name, p in paths.items()} if args.compile else {}
@@ -139,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # One untimed round of each path: allocator, lazy imports.
     for name, pipe in paths.items():
-        run_engine(pipe, prompts[:4], 4, at_once=name == "engine")
+        run_engine(pipe, prompts[:4], 4, at_once=name.startswith("engine"))
     if not args.skip_hf:
         run_generate_batch(lm, prompts[:4], 4, args)
 
@@ -152,30 +163,32 @@ def main(argv: list[str] | None = None) -> int:
             if name == "generate_batch":
                 s, toks = run_generate_batch(lm, prompts, gen, args)
             else:
-                s, toks, counters = run_engine(paths[name], prompts, gen, at_once=name == "engine")
-                if name == "engine":
+                s, toks, counters = run_engine(paths[name], prompts, gen, at_once=name.startswith("engine"))
+                if name.startswith("engine"):
                     peak_blocks = max(peak_blocks, counters.get("kv_blocks_peak", 0))
             seconds[name].append(s)
             tokens.setdefault(name, toks)
 
     rows = []
     med = {name: statistics.median(v) for name, v in seconds.items()}
+    first = next(iter(med))
     reference = tokens.get("one at a time")
     for name, s in med.items():
-        row = {"path": name, "seconds": s, "throughput_tok_s": generated / s,
+        row = {"path": name, "seconds": s, "throughput_tok_s": generated / s, "vs_first": med[first] / s,
                "vs_one_at_a_time": med["one at a time"] / s if "one at a time" in med else None,
                "vs_generate_batch": med["generate_batch"] / s if "generate_batch" in med else None}
         if reference is not None:
             row["identical_to_one_at_a_time"] = sum(a == b for a, b in zip(tokens[name], reference))
         rows.append(row)
-    print("\n| path | wall s | tokens/s | vs one at a time | vs generate_batch | sequences identical to one at a time |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n| path | wall s | tokens/s | vs {first} | vs one at a time | vs generate_batch | "
+          "sequences identical to one at a time |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        vs = [f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("vs_one_at_a_time", "vs_generate_batch")]
+        vs = [f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("vs_first", "vs_one_at_a_time", "vs_generate_batch")]
         same = f"{r['identical_to_one_at_a_time']}/{args.requests}" if "identical_to_one_at_a_time" in r else "-"
-        print(f"| {r['path']} | {r['seconds']:.2f} | {r['throughput_tok_s']:.1f} | {vs[0]} | {vs[1]} | {same} |")
+        print(f"| {r['path']} | {r['seconds']:.2f} | {r['throughput_tok_s']:.1f} | {vs[0]} | {vs[1]} | {vs[2]} | {same} |")
 
-    pool = paths["engine"].pool
+    pool = next(iter(paths.values())).pool
     contiguous = sum(kv_bytes(lm.config, len(p) + gen - 1, lm.model.dtype) for p in prompts)
     paged = peak_blocks * pool.block_bytes
     print(f"\nKV: peak {peak_blocks} blocks of {pool.block_size} = {paged / 2**20:.2f} MiB in the pool "

@@ -169,9 +169,8 @@ def test_follow_up_with_a_new_image_encodes_only_the_new_one(load_tiny):
     ]
     follow = Request(messages=turn2, images=[A, C], max_new_tokens=N, ignore_eos=True)
     reused = pipe.run(follow, cache=cache)
-    cache.clear()
-    pipe.pool.clear_prefix_cache()  # nothing cached: the fresh run encodes both images
-    fresh = pipe.run(follow)
+    fresh_pipe = Pipeline(lm, pipe.stages, kv_memory=7 << 20)  # a pool of its own: nothing cached
+    fresh = fresh_pipe.run(follow)
     assert reused.token_ids == fresh.token_ids
     assert reused.metrics["kv_reused_tokens"] > first.prompt_ids.index(lm.config.image_token_id)
     assert 0 < reused.metrics["megapixels"] < fresh.metrics["megapixels"]
