@@ -53,17 +53,17 @@ class CompiledStep:
             self._warned = True
             warnings.warn(f"decode.compile: {reason}; decoding uncompiled", FastPathFallback, stacklevel=2)
 
-    def __call__(self, lm: Any, pool: BlockPool, chunks: Sequence[Chunk]) -> torch.Tensor:
+    def __call__(self, lm: Any, pool: BlockPool, chunks: Sequence[Chunk], device: torch.device | None = None) -> torch.Tensor:
         reason = self.why_not(lm)
         if reason is not None:
             self.fallback(reason)
-            return forward(lm, pool, chunks)
+            return forward(lm, pool, chunks, device=device)
         if self._fn is None:
             self._fn = torch.compile(run_model, backend=self.backend, mode=self.mode, dynamic=None)
         try:
-            return forward(lm, pool, chunks, run=self._fn)
+            return forward(lm, pool, chunks, run=self._fn, device=device)
         except Exception as err:  # dynamo/inductor raise many types; all mean "cannot compile this"
             first_line = (str(err).strip().splitlines() or [""])[0][:200]
             self.broken = f"torch.compile failed ({type(err).__name__}: {first_line})"
             self.fallback(self.broken)
-            return forward(lm, pool, chunks)  # the slots are rewritten: nothing half-done remains
+            return forward(lm, pool, chunks, device=device)  # the slots are rewritten: nothing half-done remains

@@ -1,7 +1,6 @@
 """Engine: many requests in flight over one paged KV pool (continuous batching).
 
-    engine = pipe.engine                       # or Engine(lm, pool, ...)
-    handle = engine.submit(ctx)                # from any thread
+    handle = pipe.submit(request)              # from any thread; Engine.submit(Sequence) below it
     for token_id in handle: ...                # tokens as they come
     result = handle.result()                   # or handle.cancel()
 
@@ -14,8 +13,10 @@ Design notes:
   at most ``max_seqs`` sequences in flight; a finished sequence's place goes to the next
   waiting request at the next step. A single request is a batch of one through the same code:
   ``Pipeline.run``, the ``Prefill`` / ``DecodeLoop`` stages driven by hand and every mode use it.
-- Admission runs a request's front stages (tokenize, vision and audio encoders) in a step, attaching prefix-cache blocks as soon as the prompt's cache keys are known, so the
-  encoders skip media whose positions are already cached.
+- Admission runs a request's front stages (tokenize, vision and audio encoders) in a step,
+  attaching prefix-cache blocks as soon as the prompt's cache keys are known, so the encoders
+  skip media whose positions are already cached. A request whose next block another running
+  sequence is computing waits for it (requests arriving together compute a shared prefix once).
 - Out of blocks: a sequence that cannot grow preempts the most recently admitted sequence not
   yet scheduled in this step (it may be itself): its blocks are returned and it waits at the
   head of the queue; on readmission it recomputes prompt + tokens so far (mostly prefix-cache
@@ -315,6 +316,7 @@ class Engine:
         from pipeline.errors import whole_number
 
         self.lm = lm
+        self.device = lm.device  # (a property that walks the parameters: read once)
         self.pool = pool
         self.compiled = compiled  # a CompiledStep for decode-only steps (decode.compile), or None
         self.max_seqs = whole_number("engine.max_seqs", max_seqs)
@@ -348,7 +350,10 @@ class Engine:
         dedicated engine thread would hand every step to another OS thread, whose CPU thread
         pool then competes with the caller's for the same cores: measured 3-4x slower decode.)
         """
-        deadline = None if timeout is None else time.perf_counter() + timeout
+        with torch.inference_mode():
+            self._drive(until, None if timeout is None else time.perf_counter() + timeout)
+
+    def _drive(self, until: Callable[[], bool], deadline: float | None) -> None:
         while not until():
             if deadline is not None and time.perf_counter() >= deadline:
                 return
@@ -358,8 +363,7 @@ class Engine:
                     continue
                 self._driving = True
             try:
-                with torch.inference_mode():
-                    self.step()
+                self.step()
             finally:
                 with self._cond:
                     self._driving = False
@@ -504,11 +508,11 @@ class Engine:
             self._fail(seq, UserError("the KV pool is full of blocks held by other caches: raise kv.memory"))
 
     def _run(self, plan: list[tuple[Sequence, Chunk]]) -> None:
-        device = self.lm.device
+        device = self.device
         t0 = time.perf_counter()
         chunks = [c for _, c in plan]
         compiled = self.compiled is not None and all(c.count == 1 for c in chunks)
-        logits = (self.compiled if compiled else forward)(self.lm, self.pool, chunks)
+        logits = (self.compiled if compiled else forward)(self.lm, self.pool, chunks, device=device)
         compiled = compiled and self.compiled.why_not(self.lm) is None
         synchronize(device)
         seconds = time.perf_counter() - t0

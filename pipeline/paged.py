@@ -469,13 +469,17 @@ def detach(model: torch.nn.Module) -> None:
         text._attn_implementation = text._mm_paged_original
 
 
-def forward(lm: Any, pool: BlockPool, chunks: Sequence[Chunk], run: Any = None) -> torch.Tensor:
+def forward(
+    lm: Any, pool: BlockPool, chunks: Sequence[Chunk], run: Any = None, device: torch.device | None = None
+) -> torch.Tensor:
     """One model pass over the packed chunks; returns next-token logits [n, V], one row per
     chunk with ``logits=True``, in chunk order. ``run``: what calls the model (``run_model``,
-    or its compiled version)."""
+    or its compiled version); ``device``: where inputs go (``lm.device``, which walks the
+    parameters: the engine passes it once known)."""
     model = lm.model
-    attach(model)
-    device = lm.device
+    if text_config(model.config)._attn_implementation != ATTENTION:
+        attach(model)
+    device = device if device is not None else lm.device
     ids = torch.tensor([[i for c in chunks for i in c.ids]], device=device)
     rows = len(chunks[0].positions)
     positions = torch.tensor([[p for c in chunks for p in c.positions[r]] for r in range(rows)], device=device)
