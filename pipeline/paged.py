@@ -60,8 +60,8 @@ class _Cached:
 class BlockPool:
     """Fixed-size KV blocks for every decoder layer, reference-counted, with an LRU prefix cache.
 
-    Thread-safe: allocation and reference counts are guarded by one lock (sequences of several
-    threads may share the pool; the engine runs the forwards).
+    Thread-safe: allocation and reference counts are guarded by one lock (caches of several
+    threads and engines may share the pool).
     """
 
     def __init__(self, config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device]) -> None:
@@ -81,8 +81,8 @@ class BlockPool:
         self.num_blocks = int(num_blocks)
         self.dtype = dtype
         self.devices = list(devices)
-        # Per layer, keys and values as [slots, kv_heads, head_dim]; allocated on first use, on the
-        # layer's own device (accelerate may spread layers over several).
+        # Per layer, keys and values as [slots, kv_heads, head_dim]; allocated before the first
+        # forward (prepare_write), on the layer's own device (accelerate may spread layers).
         self._kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.layers
         self.lock = threading.RLock()
         self.refs = [0] * self.num_blocks
