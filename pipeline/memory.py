@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from pipeline.errors import UserError
 
 
 def text_config(config: Any) -> Any:

@@ -13,8 +13,10 @@ import torch
 
 from pipeline.context import Context
 from pipeline.errors import UserError
-from pipeline.compiled import CompiledStep, FastPathFallback  # noqa: F401  (FastPathFallback: public since 0.1)
-from pipeline.engine import TextStream, fork_sampler  # noqa: F401  (TextStream: public since 0.1)
+from pipeline.compiled import CompiledStep, FastPathFallback
+from pipeline.engine import TextStream, fork_sampler
+
+__all__ = ["DecodeLoop", "FastPathFallback", "TextStream"]  # the last two: importable from here since 0.1
 from stages.sampler import Sampler
 
 

@@ -13,7 +13,7 @@ import torch
 import torchaudio.functional as AF
 
 from conftest import generate_oracle, run_cli
-from pipeline import KVCache, Pipeline, Request, UserError
+from pipeline import Pipeline, Request, UserError
 from stages import AudioEncoder, DecodeLoop, Prefill, Sampler, Tokenize
 
 N = 10

@@ -12,7 +12,7 @@ import soundfile as sf
 from PIL import Image
 
 from conftest import generate_oracle, run_cli
-from pipeline import KVCache, Pipeline, Request, UserError
+from pipeline import Pipeline, Request, UserError
 from pipeline.chat import ChatSession
 from pipeline.modes.chat import COMMANDS, Repl
 from pipeline.prefix import common_prefix_length, run_shared_prefix
