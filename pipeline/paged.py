@@ -348,16 +348,17 @@ def _group(chunks: Sequence[Chunk], offsets: Sequence[int], block_size: int, dev
     """Padded query / key indices and the mask of a set of chunks attended together."""
     q = max(c.count for c in chunks)
     blocks = max(-(-(c.start + c.count) // block_size) for c in chunks)
-    tables, q_pos, k_len = [], [], []
-    for c in chunks:
-        q_pos.append([c.start + min(i, c.count - 1) for i in range(q)])
-        tables.append(c.table[:blocks] + [NULL_BLOCK] * (blocks - min(len(c.table), blocks)))
-        k_len.append(c.start + c.count)
+    tables = [c.table[:blocks] + [NULL_BLOCK] * (blocks - min(len(c.table), blocks)) for c in chunks]
     table = torch.tensor(tables, device=device)
     k_slots = (table.unsqueeze(-1) * block_size + torch.arange(block_size, device=device)).flatten(1)
     k_pos = torch.arange(k_slots.shape[1], device=device)
-    qp = torch.tensor(q_pos, device=device).unsqueeze(-1)
-    mask = ((k_pos <= qp) & (k_pos < torch.tensor(k_len, device=device).view(-1, 1, 1))).unsqueeze(1)
+    k_len = torch.tensor([c.start + c.count for c in chunks], device=device).view(-1, 1, 1)
+    if q == 1:  # decode rows: the query is the last position, so causal = within the length
+        mask = (k_pos < k_len).unsqueeze(1)
+    else:
+        q_pos = [[c.start + min(i, c.count - 1) for i in range(q)] for c in chunks]
+        qp = torch.tensor(q_pos, device=device).unsqueeze(-1)
+        mask = ((k_pos <= qp) & (k_pos < k_len)).unsqueeze(1)
     contiguous = all(c.count == q for c in chunks) and all(
         offsets[i] == offsets[0] + i * q for i in range(len(chunks))
     )
@@ -455,10 +456,10 @@ def attach(model: torch.nn.Module) -> None:
     paged forwards it calls the implementation the model had, so nothing else changes."""
     text = text_config(model.config)
     current = text._attn_implementation
-    if current == ATTENTION:
-        return
-    text._mm_paged_original = current or "sdpa"
-    text._attn_implementation = ATTENTION
+    if current != ATTENTION:
+        text._mm_paged_original = current or "sdpa"
+        text._attn_implementation = ATTENTION
+    model.__dict__["_mm_paged_attached"] = True  # forward checks this, not the (slow) config
 
 
 def detach(model: torch.nn.Module) -> None:
@@ -467,6 +468,7 @@ def detach(model: torch.nn.Module) -> None:
     text = text_config(model.config)
     if text._attn_implementation == ATTENTION:
         text._attn_implementation = text._mm_paged_original
+    model.__dict__.pop("_mm_paged_attached", None)
 
 
 def forward(
@@ -477,7 +479,7 @@ def forward(
     or its compiled version); ``device``: where inputs go (``lm.device``, which walks the
     parameters: the engine passes it once known)."""
     model = lm.model
-    if text_config(model.config)._attn_implementation != ATTENTION:
+    if not model.__dict__.get("_mm_paged_attached"):
         attach(model)
     device = device if device is not None else lm.device
     ids = torch.tensor([[i for c in chunks for i in c.ids]], device=device)
