@@ -30,7 +30,7 @@ class CompiledStep:
     def __init__(self, backend: str = "inductor", mode: str | None = None) -> None:
         if not torch.cuda.is_available() and hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
             # What dynamo's fake tensors do on first use where CUDA is absent, done here on the
-            # creating thread: done first on an engine thread, a later compile on another
+            # creating thread: done first on a driving thread, a later compile on another
             # thread segfaults (torch 2.11 CUDA wheels on a CPU-only machine).
             torch._C._ensureCUDADeviceGuardSet()
         self.backend = backend

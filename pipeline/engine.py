@@ -127,7 +127,7 @@ class Sequence:
         return len(self.ids)
 
     def prepare(self) -> None:
-        """Front stages, prefix reuse, positions: everything before the first forward (engine thread)."""
+        """Front stages, prefix reuse, positions: everything before the first forward (in a step)."""
         ctx = self.ctx
         reused = None
         for name, stage in self.front.items():

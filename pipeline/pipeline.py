@@ -9,7 +9,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequenc
 import torch
 
 from pipeline.context import Context, Request, Result
-from pipeline.engine import Engine, Handle, Sequence as EngineSequence
+from pipeline.engine import Engine, Handle, Sequence as EngineSequence, fork_sampler
 from pipeline.kv_cache import KVCache
 from pipeline.loading import LoadedModel
 from pipeline.metrics import Metrics, decode_weight_bytes, synchronize
@@ -125,7 +125,7 @@ class Pipeline:
         if cache is not None and cache.pool is not self.pool:
             raise ValueError("this KVCache belongs to another KV pool: make it with this pipeline's new_cache()")
         ctx = self.context(request, cache, on_text)
-        front = {k: v for k, v in self._front().items()} if ids is None else {}
+        front = self._front() if ids is None else {}
         if ids is not None:
             ctx.input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.lm.device)
             ctx.token_keys = list(ids)
@@ -133,8 +133,7 @@ class Pipeline:
         after = {k: self.stages[k] for k in names[names.index("decode") + 1 :]} if "decode" in self.stages else {}
         decode = self.stages.get("decode")
         prefill = self.stages.get("prefill")
-        from pipeline.engine import fork_sampler
-        from stages.sampler import Sampler
+        from stages.sampler import Sampler  # stages import pipeline: imported here, not at the top
 
         sampler = request.sampler or (getattr(decode, "sampler", None) if decode is not None else None)
         seq = EngineSequence(
