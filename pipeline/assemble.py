@@ -98,15 +98,10 @@ def stages_from_cfg(cfg: DictConfig) -> dict[str, Any]:
 
 
 def kv_memory(cfg: DictConfig) -> float | int | str:
-    """kv.memory checked: auto, a number of bytes, or a fraction of free memory in (0, 1]."""
-    value = _plain(OmegaConf.select(cfg, "kv.memory", default="auto"))
-    if value is None or value == "auto":
-        return "auto"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
-        isinstance(value, float) and value > 1
-    ):
-        raise UserError(f"kv.memory must be auto, a number of bytes, or a fraction in (0, 1] (got {value!r})")
-    return value
+    """kv.memory checked before the model loads (``paged.kv_memory_setting``)."""
+    from pipeline.paged import kv_memory_setting
+
+    return kv_memory_setting(_plain(OmegaConf.select(cfg, "kv.memory", default="auto")))
 
 
 def max_seqs(cfg: DictConfig) -> int | None:

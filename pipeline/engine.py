@@ -188,7 +188,7 @@ class Sequence:
 
     def history(self) -> torch.Tensor:
         """[1, prompt + generated] ids, for samplers that look back (repetition penalty)."""
-        return torch.tensor([self.ids], device=self.ctx.lm.device)
+        return torch.tensor([self.ids], device=self.ctx.input_ids.device)
 
     # --- tokens ---------------------------------------------------------------------------
     def accept(self, token_id: int) -> bool:
@@ -440,7 +440,7 @@ class Engine:
                 seq.cache.reuse(seq.keys[: seq.known])
                 if not seq.started and seq.cache.length != before:
                     seq.ctx.metrics.set("kv_reused_tokens", seq.cache.length)
-            upcoming = seq.cache.future_digests(seq.keys[: seq.prompt_len])[:1]
+            upcoming = seq.cache.future_digests(seq.keys[: seq.prompt_len], limit=1)
             if upcoming and upcoming[0] in computing and seq.cache.length % self.pool.block_size == 0:
                 continue  # deferred: another sequence is computing its next block
             # Its prompt's blocks, plus headroom for the running ones to grow (else it is admitted
@@ -532,16 +532,16 @@ class Engine:
                 m.info["decode_compiled"] = compiled or bool(m.info.get("decode_compiled"))
             if chunk.logits:
                 ready.append(seq)
-        rows = logits[: len(ready)]
-        done_prefill = [s for s in ready if s.prefill_only]
-        for seq, row in zip(ready, rows):
+        sampling, rows = [], []
+        for i, seq in enumerate(ready):  # logits rows are in the order of the chunks that asked for them
             if seq.prefill_only:
-                seq.ctx.logits = row.unsqueeze(0)
-        for seq in done_prefill:
-            self._finish(seq)
-        sampling = [(s, r) for s, r in zip(ready, rows) if not s.prefill_only]
+                seq.ctx.logits = logits[i : i + 1]
+                self._finish(seq)
+            else:
+                sampling.append(seq)
+                rows.append(i)
         if sampling:
-            self._choose([s for s, _ in sampling], torch.stack([r for _, r in sampling]))
+            self._choose(sampling, logits if len(rows) == logits.shape[0] else logits[rows])
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence (plain greedy rows together), then the host-side checks."""

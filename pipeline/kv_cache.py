@@ -154,14 +154,15 @@ class KVCache:
             self._digests.append(self.pool.digest_of(block))
         return self.length
 
-    def future_digests(self, keys: Sequence[Hashable]) -> list[int]:
+    def future_digests(self, keys: Sequence[Hashable], limit: int | None = None) -> list[int]:
         """Chain hashes of the full blocks of ``keys`` past what this cache holds in full blocks
-        (what the prefix cache will know them by once computed)."""
+        (what the prefix cache will know them by once computed); the first ``limit`` of them."""
         bs = self.block_size
         first = self.length // bs
         parent = self._digests[first - 1] if first else None
         out = []
-        for i in range(first, len(keys) // bs):
+        last = len(keys) // bs if limit is None else min(len(keys) // bs, first + limit)
+        for i in range(first, last):
             parent = self.pool.chain(parent, tuple(keys[i * bs : (i + 1) * bs]))
             out.append(parent)
         return out

@@ -17,16 +17,22 @@ def text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def kv_shape(config: Any) -> tuple[int, int, int]:
+    """(decoder layers, key/value heads, head dim) of the language model."""
+    text = text_config(config)
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return int(text.num_hidden_layers), kv_heads, head_dim
+
+
 def kv_bytes_per_layer(config: Any, tokens: int, dtype: torch.dtype) -> list[int]:
     """Bytes of keys + values each decoder layer holds for ``tokens`` positions.
 
     Sliding-window layers (``layer_types`` = ``sliding_attention``) hold at most the window.
     """
     text = text_config(config)
-    heads = int(text.num_attention_heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-    layers = int(text.num_hidden_layers)
+    layers, kv_heads, head_dim = kv_shape(config)
     types = list(getattr(text, "layer_types", None) or ["full_attention"] * layers)
     window = getattr(text, "sliding_window", None)
     size = torch.empty((), dtype=dtype).element_size()

@@ -36,7 +36,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pipeline.errors import UserError
-from pipeline.memory import cache_devices, fmt_bytes, free_bytes, kv_bytes, text_config
+from pipeline.memory import cache_devices, fmt_bytes, free_bytes, kv_bytes, kv_shape, text_config
 
 ATTENTION = "mm_paged"
 NULL_BLOCK = 0  # never handed out: padding reads it (zeros), nothing writes it
@@ -73,13 +73,11 @@ class BlockPool:
             )
         if num_blocks < 2:
             raise ValueError(f"a pool needs at least 2 blocks (one is the null block), got {num_blocks}")
-        heads = int(text.num_attention_heads)
-        self.kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-        self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-        self.layers = int(text.num_hidden_layers)
+        self.layers, self.kv_heads, self.head_dim = kv_shape(config)
         self.block_size = int(block_size)
         self.num_blocks = int(num_blocks)
         self.dtype = dtype
+        self.block_bytes = kv_bytes(config, self.block_size, dtype)  # every layer, keys and values
         self.devices = list(devices)
         # Per layer, keys and values as [slots, kv_heads, head_dim]; allocated before the first
         # forward (prepare_write), on the layer's own device (accelerate may spread layers).
@@ -97,11 +95,6 @@ class BlockPool:
         self._dirty: list[int] = []  # handed out since the last prepare_write, still to be zeroed
 
     # sizes ----------------------------------------------------------------------------------
-    @property
-    def block_bytes(self) -> int:
-        size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.layers * self.block_size * self.kv_heads * self.head_dim * size
-
     @property
     def capacity_tokens(self) -> int:
         """Tokens one sequence could hold with the whole pool to itself."""
@@ -243,26 +236,36 @@ class BlockPool:
             self._evictable.clear()
 
 
+def kv_memory_setting(value: Any) -> float | int | str:
+    """``kv.memory`` checked: ``auto`` (also None), a number of bytes, or a fraction in (0, 1]."""
+    if value is None or value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
+        isinstance(value, float) and value > 1
+    ):
+        raise UserError(f"kv.memory must be auto, a number of bytes, or a fraction in (0, 1] (got {value!r})")
+    return value
+
+
 def pool_for(lm: Any, memory: float | int | str | None = None, block_size: int = 16) -> BlockPool:
-    """A pool sized by ``memory``: bytes (an int), a fraction of what is free now (a float in
-    (0, 1]), or ``auto`` / None: 80% of free CUDA memory, or on CPU 25% of available RAM up to
-    2 GiB (the pool is allocated lazily, so an unused part costs nothing). Free memory honours
-    ``model.max_memory``; a pool that does not fit, or holds fewer than two blocks, is refused
-    with the numbers."""
+    """A pool sized by ``memory`` (``kv_memory_setting``): bytes, a fraction of what is free now,
+    or ``auto``: 80% of free CUDA memory, or on CPU 25% of available RAM up to 2 GiB (blocks are
+    touched only as they are first used, so an unused part costs nothing). Free memory honours
+    ``model.max_memory``; a pool that does not fit, or has no room for one block, is refused with
+    the numbers."""
     from pipeline.errors import whole_number
 
+    memory = kv_memory_setting(memory)
     block_size = whole_number("kv.block_size", block_size)
     devices = cache_devices(lm)
     device = next((d for d in devices if d.type == "cuda"), devices[0] if devices else torch.device("cpu"))
     dtype = _kv_dtype(lm)
     block_bytes = kv_bytes(lm.config, block_size, dtype)
     free, source = free_bytes(device, lm)
-    if memory is None or memory == "auto":
+    if memory == "auto":
         nbytes = int(0.8 * free) if device.type == "cuda" else min(int(0.25 * free), 2 << 30)
         asked = f"kv.memory=auto ({'80' if device.type == 'cuda' else '25'}% of {fmt_bytes(free)} free, {source})"
-    elif isinstance(memory, bool) or not isinstance(memory, (int, float)) or memory <= 0:
-        raise UserError(f"kv.memory must be auto, a number of bytes, or a fraction in (0, 1] (got {memory!r})")
-    elif isinstance(memory, float) and memory <= 1:
+    elif isinstance(memory, float):
         nbytes = int(memory * free)
         asked = f"kv.memory={memory} of {fmt_bytes(free)} free ({source})"
     else:

@@ -127,7 +127,7 @@ class Pipeline:
         ctx = self.context(request, cache, on_text)
         front = self._front() if ids is None else {}
         if ids is not None:
-            ctx.input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.lm.device)
+            ctx.input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.engine.device)
             ctx.token_keys = list(ids)
         names = list(self.stages)
         after = {k: self.stages[k] for k in names[names.index("decode") + 1 :]} if "decode" in self.stages else {}

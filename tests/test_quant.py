@@ -202,6 +202,8 @@ def test_kv_pool_uses_the_free_memory_of_the_device(load_tiny, monkeypatch):
         paged.pool_for(lm, 11 * block)
     with pytest.raises(UserError, match="not even one KV block"):
         paged.pool_for(lm, 0.05)
+    with pytest.raises(UserError, match="kv.memory must be auto, a number of bytes, or a fraction"):
+        paged.pool_for(lm, 2.5)  # the same check as the CLI's kv.memory
 
 
 # --- the quant config group ---------------------------------------------------------------------

@@ -443,11 +443,10 @@ def main(cfg: DictConfig) -> None:
     if pending:
         from tqdm import tqdm
 
-        pending_ids = {item.id for item in pending}
         place_on_rank(cfg, state)
         lm = load_from_cfg(cfg)
         pipe = pipeline_from_cfg(cfg, lm)
-        exit_after, written = _exit_after(), 0
+        exit_after, written, generated = _exit_after(), 0, 0
         desc = "batch" if n == 1 else f"batch (rank 0 of {n})"
         show = bool(opts.get("progress", True)) and state.is_main_process
         with tqdm(
@@ -456,9 +455,10 @@ def main(cfg: DictConfig) -> None:
         ) as bar:
 
             def on_record(record: dict) -> None:
-                nonlocal written
+                nonlocal written, generated
                 append_jsonl(journal, record)
                 written += 1
+                generated += len(record.get("token_ids", ()))
                 bar.update(1)
                 if exit_after is not None and written >= exit_after:
                     os._exit(3)
@@ -471,7 +471,6 @@ def main(cfg: DictConfig) -> None:
                 raise
 
             wall = time.perf_counter() - t0
-            generated = sum(len(r.get("token_ids", [])) for r in read_records(journal)[0] if r["id"] in pending_ids)
             throughput = generated / wall if wall > 0 else None
     else:
         throughput = None
