@@ -69,6 +69,7 @@ def max_image_pixels(cfg: DictConfig) -> int:
 
 
 def load_from_cfg(cfg: DictConfig) -> LoadedModel:
+    engine_settings(cfg)  # bad kv.* / engine.* settings fail before the model loads
     quant = quant_from_cfg(cfg)
     m = cfg.model
     return load_model(
@@ -109,13 +110,9 @@ def max_seqs(cfg: DictConfig) -> int | None:
     return None if value is None else whole_number("engine.max_seqs", value)
 
 
-def pipeline_from_cfg(cfg: DictConfig, lm: LoadedModel, stages: dict[str, Any] | None = None) -> Pipeline:
-    """The stage chain (``stages``, or built from cfg.stages) on a KV cache of the configured kind;
-    with ``decode.compile`` it is warmed up (the decode step compiled) here, before the first
-    request, so TTFT never includes it."""
-    pipe = Pipeline(
-        lm,
-        stages if stages is not None else stages_from_cfg(cfg),
+def engine_settings(cfg: DictConfig) -> dict:
+    """The pool and engine settings (kv.*, engine.*) as Pipeline keyword arguments, checked."""
+    return dict(
         kv_memory=kv_memory(cfg),
         kv_block_size=whole_number("kv.block_size", OmegaConf.select(cfg, "kv.block_size", default=16)),
         max_seqs=max_seqs(cfg),
@@ -123,6 +120,13 @@ def pipeline_from_cfg(cfg: DictConfig, lm: LoadedModel, stages: dict[str, Any] |
             "engine.max_batch_tokens", OmegaConf.select(cfg, "engine.max_batch_tokens", default=2048)
         ),
     )
+
+
+def pipeline_from_cfg(cfg: DictConfig, lm: LoadedModel, stages: dict[str, Any] | None = None) -> Pipeline:
+    """The stage chain (``stages``, or built from cfg.stages) on a KV cache of the configured kind;
+    with ``decode.compile`` it is warmed up (the decode step compiled) here, before the first
+    request, so TTFT never includes it."""
+    pipe = Pipeline(lm, stages if stages is not None else stages_from_cfg(cfg), **engine_settings(cfg))
     if OmegaConf.select(cfg, "decode.compile", default=False):
         print("mm-pipeline: warming up (compiling the decode step)...", file=sys.stderr)
         seconds = pipe.warmup()

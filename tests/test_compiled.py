@@ -19,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from PIL import Image
 
 from conftest import ROOT, generate_oracle
-from pipeline import Pipeline, Request
+from pipeline import Pipeline, Request, UserError
 from pipeline.assemble import kv_memory, max_seqs, stages_from_cfg
 from stages import DecodeLoop, Prefill, Tokenize
 from stages.decode import FastPathFallback
@@ -238,3 +238,19 @@ def test_config_keys_reach_the_stages_and_the_engine():
     assert stages["prefill"].chunk_size == 64
     assert kv_memory(fast) == 0.5 and max_seqs(fast) == 3
     assert stages_from_cfg(default)["decode"].compiled is None
+
+
+@pytest.mark.parametrize("override, message", [
+    ("kv.memory=-1", "kv.memory must be auto"), ("kv.memory=1.5", "kv.memory must be auto"),
+    ("engine.max_seqs=0", "engine.max_seqs must be"), ("engine.max_batch_tokens=0", "engine.max_batch_tokens must be"),
+    ("kv.block_size=0", "kv.block_size must be"),
+])
+def test_bad_engine_settings_fail_before_the_model_loads(override, message, monkeypatch):
+    import pipeline.assemble as assemble
+
+    monkeypatch.setattr(assemble, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with initialize_config_dir(config_dir=str(ROOT / "pipeline" / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=[override])
+    with pytest.raises(UserError, match=message) as err:
+        assemble.load_from_cfg(cfg)
+    assert "\n" not in str(err.value)
