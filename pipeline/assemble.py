@@ -119,6 +119,7 @@ def engine_settings(cfg: DictConfig) -> dict:
         max_batch_tokens=whole_number(
             "engine.max_batch_tokens", OmegaConf.select(cfg, "engine.max_batch_tokens", default=2048)
         ),
+        burst=whole_number("engine.burst", OmegaConf.select(cfg, "engine.burst", default=8)),
     )
 
 

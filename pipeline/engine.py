@@ -75,6 +75,13 @@ def holdback(text: str, stops: Seq[str]) -> int:
     return best
 
 
+def plain_greedy(sampler: Any) -> bool:
+    """Argmax and nothing else: such rows are chosen together, on the device, even inside bursts."""
+    from stages.sampler import Sampler
+
+    return isinstance(sampler, Sampler) and sampler.greedy and sampler.repetition_penalty == 1.0
+
+
 def fork_sampler(sampler: Any) -> Any:
     """A per-sequence copy: same settings, its own random generator (seeded afresh)."""
     if hasattr(sampler, "fork"):
@@ -307,11 +314,14 @@ class Engine:
     """The scheduler: waiting and running sequences, one packed forward per step.
 
     ``max_seqs``: sequences in flight. ``max_batch_tokens``: tokens per forward (decode tokens
-    first, prefill chunks fill the rest). ``compiled``: a ``CompiledStep`` for decode-only steps.
+    first, prefill chunks fill the rest). ``burst``: greedy decode steps run back to back when
+    nobody waits (1: every step reads its tokens). ``compiled``: a ``CompiledStep`` for
+    decode-only steps.
     """
 
     def __init__(
-        self, lm: Any, pool: BlockPool, *, max_seqs: int = 8, max_batch_tokens: int = 2048, compiled: Any = None
+        self, lm: Any, pool: BlockPool, *, max_seqs: int = 8, max_batch_tokens: int = 2048, burst: int = 8,
+        compiled: Any = None,
     ) -> None:
         from pipeline.errors import whole_number
 
@@ -321,6 +331,7 @@ class Engine:
         self.compiled = compiled  # a CompiledStep for decode-only steps (decode.compile), or None
         self.max_seqs = whole_number("engine.max_seqs", max_seqs)
         self.max_batch_tokens = whole_number("engine.max_batch_tokens", max_batch_tokens)
+        self.burst = whole_number("engine.burst", burst)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._inbox: list[Sequence] = []
@@ -508,6 +519,10 @@ class Engine:
             self._fail(seq, UserError("the KV pool is full of blocks held by other caches: raise kv.memory"))
 
     def _run(self, plan: list[tuple[Sequence, Chunk]]) -> None:
+        steps = self._burst_length(plan)
+        if steps > 1:
+            self._burst(plan, steps)
+            return
         device = self.device
         t0 = time.perf_counter()
         chunks = [c for _, c in plan]
@@ -543,14 +558,80 @@ class Engine:
         if sampling:
             self._choose(sampling, logits if len(rows) == logits.shape[0] else logits[rows])
 
+    # --- decode bursts ------------------------------------------------------------------------
+    def _burst_length(self, plan: list[tuple[Sequence, Chunk]]) -> int:
+        """How many decode steps this step may run back to back (1: an ordinary step).
+
+        A burst needs a decode-only step of plain greedy sequences and nobody waiting to be
+        admitted; it is as long as the sequence with the fewest tokens left allows.
+        """
+        if self.burst < 2 or self.waiting or self._inbox:
+            return 1
+        steps = self.burst
+        for seq, chunk in plan:
+            if chunk.count != 1 or seq.known - chunk.start != 1 or seq.prefill_only or not plain_greedy(seq.sampler):
+                return 1
+            steps = min(steps, seq.ctx.request.max_new_tokens - len(seq.ctx.generated))
+        return steps
+
+    def _burst(self, plan: list[tuple[Sequence, Chunk]], steps: int) -> None:
+        """Several greedy decode steps with no host work between them (``paged.greedy_step``, the
+        chosen token fed straight back), then the host side of every token in order.
+
+        gpt-fast's lesson again: at small batch a step's Python costs as much as its arithmetic.
+        A row that ends inside the burst (EOS, a stop string) had its later tokens computed for
+        nothing; they are dropped, and so are their slots (``_finish`` trims the cache).
+        """
+        from pipeline.paged import NULL_BLOCK, greedy_steps
+
+        try:
+            for seq, chunk in plan:
+                seq.cache.reserve(steps)  # the step's one slot already reserved, the rest now
+        except OutOfBlocks:
+            steps = 1  # no room to run ahead: one step, the slots reserved so far used as they come
+        device, bs = self.device, self.pool.block_size
+        chunks = [c for _, c in plan]
+        width = max(2, max(-(-(c.start + steps) // bs) for c in chunks))  # >= 2: no size-1 specialisation
+        tables = [(seq.cache.blocks + [NULL_BLOCK] * width)[:width] for seq, _ in plan]
+        rows = len(chunks[0].positions)
+        positions = torch.tensor([[c.positions[r][0] for c in chunks] for r in range(rows)], device=device)
+        state = (
+            torch.tensor([[c.ids[0] for c in chunks]], device=device),
+            positions.unsqueeze(1) if rows > 1 else positions,
+            torch.tensor([c.start + 1 for c in chunks], device=device),
+            torch.tensor(tables, device=device),
+        )
+        pool = self.pool
+        t0 = time.perf_counter()
+        pool.prepare_write()
+        if self.compiled is not None:
+            chosen = self.compiled.greedy_steps(self.lm, pool, state, steps)
+        else:
+            chosen = greedy_steps(self.lm.model, pool, state, steps)
+        tokens = torch.cat(chosen).tolist()  # [steps][rows]: the one host read of the burst
+        compiled = self.compiled is not None and self.compiled.why_not(self.lm) is None
+        seconds = (time.perf_counter() - t0) / steps
+        self.counters["kv_blocks_peak"] = max(self.counters["kv_blocks_peak"], pool.used_blocks)
+        alive = [seq for seq, _ in plan]
+        for row_tokens in tokens:
+            self.counters["steps"] += 1
+            self.counters["tokens_in"] += len(alive)
+            for seq in alive:
+                seq.cache.append([seq.keys[seq.cache.length]])
+                m = seq.ctx.metrics
+                m.add_span("decode", seconds, 1)
+                m.info["decode_compiled"] = compiled or bool(m.info.get("decode_compiled"))
+            values = [row_tokens[i] for i, (seq, _) in enumerate(plan) if seq in alive]
+            self._accept(alive, values, 0.0)
+            alive = [seq for seq in alive if not seq.done]
+            if not alive:
+                break
+
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence (plain greedy rows together), then the host-side checks."""
-        from stages.sampler import Sampler
-
         t0 = time.perf_counter()
         values: list[int | None] = [None] * len(seqs)
-        plain = [i for i, s in enumerate(seqs) if isinstance(s.sampler, Sampler) and s.sampler.greedy
-                 and s.sampler.repetition_penalty == 1.0]
+        plain = [i for i, s in enumerate(seqs) if plain_greedy(s.sampler)]
         if plain:
             chosen = (logits if len(plain) == len(seqs) else logits[plain]).argmax(dim=-1).tolist()
             for i, token in zip(plain, chosen):
@@ -558,10 +639,13 @@ class Engine:
         for i, seq in enumerate(seqs):
             if values[i] is None:
                 values[i] = int(seq.sampler(logits[i : i + 1], seq.history()).reshape(-1)[0])
-        seconds = time.perf_counter() - t0
+        self._accept(seqs, values, time.perf_counter() - t0)
+
+    def _accept(self, seqs: list[Sequence], values: list[int], sample_s: float) -> None:
+        """The host side of one chosen token per sequence: record, stream, stop checks, finish."""
         self.counters["tokens_out"] += len(values)
         for seq, token_id in zip(seqs, values):
-            seq.ctx.metrics.add_span("sample", seconds, 1)
+            seq.ctx.metrics.add_span("sample", sample_s, 1)
             try:
                 done = seq.accept(int(token_id))
             except BaseException as err:  # its streaming callback raised (Ctrl-C in a chat): that request ends

@@ -24,6 +24,7 @@ the few hundred lines that do, on plain ``scaled_dot_product_attention``.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -530,3 +531,54 @@ def run_model(
         paged=batch,
     )
     return out.logits[0]
+
+
+def greedy_step(
+    model: torch.nn.Module,
+    pool: BlockPool,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    lengths: torch.Tensor,
+    table: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One greedy decode token for every row, batch built and token chosen inside the call: the
+    unit a decode burst repeats with no host work in between (see ``Engine`` and
+    ``pipeline.compiled``).
+
+    ``ids`` [1, B] the tokens fed, ``positions`` [rows, 1, B] or [1, B] theirs, ``lengths`` [B]
+    each row's cache length counting the fed token, ``table`` [B, blocks] its block table
+    (padded with the null block, covering every position the burst writes). Returns the chosen
+    ids and the next step's positions and lengths.
+    """
+    bs = pool.block_size
+    last = lengths - 1
+    slots = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs
+    k_slots = (table.unsqueeze(-1) * bs + torch.arange(bs, device=table.device)).flatten(1)
+    mask = (torch.arange(k_slots.shape[1], device=table.device) < lengths.unsqueeze(1))[:, None, None, :]
+    batch = PagedBatch(pool, slots, [Group(ids.shape[1], 1, k_slots, mask, start=0)])
+    index = torch.arange(ids.shape[1], device=ids.device)
+    logits = run_model(model, ids, None, positions, index, batch)
+    return logits.argmax(dim=-1).view(1, -1), positions + 1, lengths + 1
+
+
+def greedy_steps(
+    model: torch.nn.Module,
+    pool: BlockPool,
+    state: tuple[torch.Tensor, ...],
+    steps: int,
+    step: Any = greedy_step,
+    settled: Any = None,
+) -> list[torch.Tensor]:
+    """``steps`` greedy steps, each fed the token the last one chose; the chosen ids [1, B] of
+    each. ``settled``: a context entered for the steps after the second, whose inputs look
+    exactly like the second's (the compiled path stops re-checking its guards there)."""
+    ids, positions, lengths, table = state
+    chosen = []
+    with contextlib.ExitStack() as stack:
+        for i in range(steps):
+            if i == 2 and settled is not None:
+                stack.enter_context(settled())
+            ids, positions, lengths = step(model, pool, ids, positions, lengths, table)
+            chosen.append(ids)
+    return chosen
+

@@ -48,7 +48,7 @@ class Pipeline:
     ``run`` at once and each gets the answer it would get alone; the waiting threads take turns
     stepping it. ``kv_memory`` / ``kv_block_size``
     size the paged KV pool (``pipeline.paged.pool_for``); ``max_seqs`` / ``max_batch_tokens``
-    bound the engine's batches.
+    bound the engine's batches; ``burst``: greedy decode steps run back to back (``Engine``).
     """
 
     def __init__(
@@ -60,6 +60,7 @@ class Pipeline:
         kv_block_size: int = 16,
         max_seqs: int | None = None,
         max_batch_tokens: int = 2048,
+        burst: int = 8,
     ) -> None:
         self.lm = lm
         self.stages = dict(stages)
@@ -67,6 +68,7 @@ class Pipeline:
         self.kv_block_size = kv_block_size
         self.max_seqs = max_seqs if max_seqs is not None else default_max_seqs(lm.device)
         self.max_batch_tokens = max_batch_tokens
+        self.burst = burst
         self.warmup_s: float | None = None  # time spent in warmup(), reported apart from ttft_s
         self._pool: BlockPool | None = None
         self._engine: Engine | None = None
@@ -88,16 +90,17 @@ class Pipeline:
         if self._engine is None:
             pool = self.pool
             compiled = getattr(self.stages.get("decode"), "compiled", None)
-            key = ("engine", id(pool), self.max_seqs, self.max_batch_tokens, id(compiled))
+            key = ("engine", id(pool), self.max_seqs, self.max_batch_tokens, self.burst, id(compiled))
             self._engine = _shared(self.lm, key, lambda: Engine(
-                self.lm, pool, max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens, compiled=compiled
+                self.lm, pool, max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens, burst=self.burst,
+                compiled=compiled,
             ))
         return self._engine
 
     def with_stages(self, stages: Mapping[str, Stage]) -> "Pipeline":
         """Another stage chain on the same model, pool and engine (e.g. prefill only, for scoring)."""
         other = Pipeline(self.lm, stages, kv_memory=self.kv_memory, kv_block_size=self.kv_block_size,
-                         max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens)
+                         max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens, burst=self.burst)
         other._pool, other._engine, other.warmup_s = self.pool, self.engine, self.warmup_s
         return other
 

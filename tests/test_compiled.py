@@ -20,7 +20,7 @@ from PIL import Image
 
 from conftest import ROOT, generate_oracle
 from pipeline import Pipeline, Request, UserError
-from pipeline.assemble import kv_memory, max_seqs, stages_from_cfg
+from pipeline.assemble import engine_settings, kv_memory, max_seqs, stages_from_cfg
 from stages import DecodeLoop, Prefill, Tokenize
 from stages.decode import FastPathFallback
 
@@ -230,20 +230,21 @@ def test_config_keys_reach_the_stages_and_the_engine():
     with initialize_config_dir(config_dir=str(ROOT / "pipeline" / "conf"), version_base=None):
         default = compose(config_name="config")
         fast = compose(config_name="config", overrides=[
-            "decode.compile=true", "prefill.chunk_size=64", "kv.memory=0.5", "engine.max_seqs=3",
+            "decode.compile=true", "prefill.chunk_size=64", "kv.memory=0.5", "engine.max_seqs=3", "engine.burst=1",
         ])
     assert default.decode.compile is False and kv_memory(default) == "auto" and max_seqs(default) is None
     stages = stages_from_cfg(fast)
     assert stages["decode"].compile is True and stages["decode"].compiled is not None
     assert stages["prefill"].chunk_size == 64
     assert kv_memory(fast) == 0.5 and max_seqs(fast) == 3
+    assert engine_settings(fast)["burst"] == 1 and engine_settings(default)["burst"] == 8
     assert stages_from_cfg(default)["decode"].compiled is None
 
 
 @pytest.mark.parametrize("override, message", [
     ("kv.memory=-1", "kv.memory must be auto"), ("kv.memory=1.5", "kv.memory must be auto"),
     ("engine.max_seqs=0", "engine.max_seqs must be"), ("engine.max_batch_tokens=0", "engine.max_batch_tokens must be"),
-    ("kv.block_size=0", "kv.block_size must be"),
+    ("kv.block_size=0", "kv.block_size must be"), ("engine.burst=0", "engine.burst must be"),
 ])
 def test_bad_engine_settings_fail_before_the_model_loads(override, message, monkeypatch):
     import pipeline.assemble as assemble

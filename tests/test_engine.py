@@ -289,3 +289,40 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(load_tiny):
     assert pipe.engine.counters["kv_blocks_peak"] < 8 * prefix_blocks
     alone = text_pipe(lm, kv_memory=11 << 20, max_seqs=1)
     assert [r.token_ids for r in results] == [alone.run(r).token_ids for r in requests]
+
+
+def test_decode_bursts_end_rows_mid_burst_exactly(load_tiny):
+    """Greedy rows decode in bursts of ``engine.burst`` steps read once; a row that meets EOS or
+    a stop string inside a burst keeps exactly the tokens (and cache) of step-by-step decoding."""
+    lm = load_tiny("qwen3", dtype="float64")
+    prompts = ["Tell me about the sea.", "Why is the sky blue?", "Name three birds."]
+    free = [text_pipe(lm, burst=1).run(Request(prompt=p, max_new_tokens=20, ignore_eos=True)) for p in prompts]
+    eos = free[0].token_ids[5]  # ends the first request inside its first burst
+    saved = lm.model.generation_config.eos_token_id
+    lm.model.generation_config.eos_token_id = eos
+    try:
+        runs = {}
+        for burst in (1, 8):
+            pipe = text_pipe(lm, burst=burst, max_seqs=3)
+            used = pipe.pool.used_blocks
+            ctxs = [pipe.wait(h) for h in [pipe.submit(Request(prompt=p, max_new_tokens=20), result=False)
+                                           for p in prompts]]
+            runs[burst] = [(c.generated, c.finish_reason, c.cache.length) for c in ctxs]
+            for c in ctxs:
+                assert c.cache.length == len(c.token_keys) + len(c.generated) - 1
+                c.cache.clear()
+            assert pipe.pool.used_blocks == used  # nothing left behind by rows that ended early
+            if burst == 8:
+                assert pipe.engine.counters["steps"] > 0
+        assert runs[8] == runs[1]
+        for p, (generated, reason, _) in zip(prompts, runs[8]):
+            ids = text_pipe(lm).tokenize(Request(prompt=p)).input_ids
+            assert generated == generate_oracle(lm, ids, 20, eos_token_id=eos)
+        assert runs[8][0][1] == "eos" and len(runs[8][0][0]) <= 6
+    finally:
+        lm.model.generation_config.eos_token_id = saved
+    stop = free[1].text[3:6]
+    pieces: list[str] = []
+    pipe = text_pipe(lm)
+    cut = pipe.run(Request(prompt=prompts[1], max_new_tokens=20, ignore_eos=True, stop=[stop]), on_text=pieces.append)
+    assert cut.finish_reason == "stop" and cut.text == free[1].text[: free[1].text.find(stop)] == "".join(pieces)
