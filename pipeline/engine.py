@@ -569,7 +569,8 @@ class Engine:
             return 1
         steps = self.burst
         for seq, chunk in plan:
-            if chunk.count != 1 or seq.known - chunk.start != 1 or seq.prefill_only or not plain_greedy(seq.sampler):
+            decoding = chunk.count == 1 and chunk.start >= seq.prompt_len and seq.known - chunk.start == 1
+            if not decoding or seq.prefill_only or not plain_greedy(seq.sampler):
                 return 1
             steps = min(steps, seq.ctx.request.max_new_tokens - len(seq.ctx.generated))
         return steps
