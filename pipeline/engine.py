@@ -41,6 +41,7 @@ import torch
 
 from pipeline.context import Context
 from pipeline.errors import UserError
+from pipeline.memory import text_config
 from pipeline.metrics import synchronize
 from pipeline.paged import BlockPool, Chunk, OutOfBlocks, forward
 
@@ -151,6 +152,10 @@ class Sequence:
         if not self.prefill_only and req.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1 (got {req.max_new_tokens})")
         total = self.prompt_len = int(ctx.input_ids.shape[1])
+        context = getattr(text_config(ctx.lm.config), "max_position_embeddings", None)
+        if not self.prefill_only and context and total + req.max_new_tokens > context:
+            raise UserError(f"the prompt ({total} tokens) plus max_new_tokens ({req.max_new_tokens}) exceed the "
+                            f"model's context of {context} tokens")
         ctx.cache.ensure_capacity(total + (0 if self.prefill_only else req.max_new_tokens - 1))
         family, m = ctx.lm.family, ctx.metrics
         if self.pending is None:  # not prefilled yet: keep what the cache (and the prefix cache) holds

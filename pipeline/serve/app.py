@@ -1,0 +1,457 @@
+"""The OpenAI-compatible HTTP API over one pipeline (``create_app``), built with FastAPI.
+
+Every request becomes one engine sequence per choice, submitted from the event loop; the engine
+runs on its own thread (see ``create_app``), so the loop never waits on the model. Media are
+decoded off the loop. A streamed response is committed (status 200) only once its first piece
+of text or its end is known, so a request that fails before generating anything (bad media, a
+prompt too long) still gets its 4xx JSON error. A client that goes away cancels its sequences:
+their blocks go back to the pool at the next engine step.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Depends, FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from pipeline.context import Request, Result
+from pipeline.engine import Cancelled, Handle
+from pipeline.errors import UserError
+from pipeline.pipeline import Pipeline
+from pipeline.serve.bridge import Submission
+from pipeline.serve.media import MediaPolicy, audio_from_base64, image_from_url
+from pipeline.serve.metrics import ServerMetrics
+from pipeline.serve.protocol import (
+    FINISH, AudioPart, ChatCompletionRequest, CompletionRequest, ImagePart, Sampling, TextPart,
+)
+
+PAGE = Path(__file__).parent / "static" / "chat.html"
+
+
+@dataclass
+class ServeSettings:
+    """What ``serve.*`` configures (checked in ``pipeline.modes.serve``)."""
+
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 32 << 20
+    max_tokens: int = 8192  # cap on a request's max_tokens
+    default_max_tokens: int = 1024  # when a request gives none
+    max_n: int = 8
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: ``{"error": {"message", "type", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "code": code}}, status_code=status)
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class BodyLimit:
+    """ASGI middleware: request bodies over ``limit`` bytes get 413 (declared or streamed)."""
+
+    class _TooLarge(Exception):
+        pass
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._refuse(scope, receive, send)
+        seen = 0
+        started = False
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    raise BodyLimit._TooLarge
+            return message
+
+        async def watched(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, watched)
+        except BodyLimit._TooLarge:
+            if not started:
+                await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
+        message = f"request body over serve.max_body_bytes ({self.limit} bytes)"
+        await error_response(413, message, code="body_too_large")(scope, receive, send)
+
+
+def create_app(pipe: Pipeline, settings: ServeSettings, draining: Callable[[], bool] = lambda: False,
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The FastAPI app serving ``pipe``. Some other thread must drive its engine while it serves,
+    e.g. ``pipe.engine.drive(stopped.is_set)`` (``mode=serve`` drives it on the main thread)."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if on_ready is not None:
+            on_ready()
+        yield
+
+    app = FastAPI(title="mm-pipeline", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    api = _API(pipe, settings, draining)
+    app.state.api = api
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: HTTPRequest, err: APIError) -> JSONResponse:
+        return error_response(err.status, err.message, err.type, err.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: HTTPRequest, err: RequestValidationError) -> JSONResponse:
+        problems = err.errors()
+        if any(p.get("type") == "json_invalid" for p in problems):
+            return error_response(400, "the request body is not valid JSON", code="invalid_json")
+        first = problems[0] if problems else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
+        return error_response(422, f"{where}: {first.get('msg', 'invalid value')}", code="invalid_value")
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: HTTPRequest, err: HTTPException) -> JSONResponse:
+        return error_response(err.status_code, str(err.detail), code="not_found" if err.status_code == 404 else None)
+
+    @app.exception_handler(Exception)
+    async def _crash(_: HTTPRequest, err: Exception) -> JSONResponse:
+        traceback.print_exception(err, file=sys.stderr)
+        return error_response(500, f"internal error ({type(err).__name__})", "server_error")
+
+    def authorized(http: HTTPRequest) -> None:
+        if settings.api_key is None:
+            return
+        given = http.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+            raise APIError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error",
+                           "invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if draining():
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(PAGE.read_text(encoding="utf-8"))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(api.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": settings.model_name, "object": "model", "created": api.started, "owned_by": "mm-pipeline"}
+        ]})
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:
+        return await api.complete(body, http, chat=True)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
+        return await api.complete(body, http, chat=False)
+
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    return app
+
+
+class _API:
+    """The completion endpoints' logic: requests in, engine sequences, OpenAI responses out."""
+
+    def __init__(self, pipe: Pipeline, settings: ServeSettings, draining: Callable[[], bool]) -> None:
+        self.pipe, self.settings, self.draining = pipe, settings, draining
+        self.metrics = ServerMetrics(pipe.engine)
+        self.started = int(time.time())
+
+    # --- requests in ------------------------------------------------------------------------
+    def _check(self, body: Sampling, max_tokens: int | None) -> int:
+        s = self.settings
+        if self.draining():
+            raise APIError(503, "the server is shutting down", "unavailable", "draining")
+        if body.model and body.model != s.model_name:
+            raise APIError(404, f"model {body.model!r} not found: this server serves {s.model_name!r}",
+                           code="model_not_found")
+        if body.n > s.max_n:
+            raise APIError(400, f"n={body.n} is over serve.max_n ({s.max_n})", code="invalid_value")
+        tokens = max_tokens if max_tokens is not None else s.default_max_tokens
+        if tokens > s.max_tokens:
+            raise APIError(400, f"max_tokens={tokens} is over serve.max_tokens ({s.max_tokens})", code="invalid_value")
+        return tokens
+
+    def _sampler(self, body: Sampling, choice: int) -> Any:
+        """The server's sampler settings, overridden by the request's temperature / top_p / seed
+        (choice ``i`` of ``n`` seeded with seed + i, so the choices differ and each reproduces)."""
+        from stages.sampler import Sampler
+
+        base = getattr(self.pipe.stages.get("decode"), "sampler", None)
+        settings = {k: getattr(base, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")} \
+            if isinstance(base, Sampler) else {}
+        if body.temperature is not None:
+            settings["temperature"] = body.temperature
+        if body.top_p is not None:
+            settings["top_p"] = body.top_p
+        if body.seed is not None:
+            settings["seed"] = body.seed
+        if settings.get("seed") is not None:
+            settings["seed"] += choice
+        try:
+            return Sampler(**settings)
+        except ValueError as err:
+            raise APIError(400, str(err), code="invalid_value") from None
+
+    def _messages(self, body: ChatCompletionRequest) -> tuple[list[dict], list, list]:
+        """OpenAI messages -> chat-template messages with media placeholders, images, audios."""
+        lm, policy = self.pipe.lm, self.settings.media
+        if not body.messages:
+            raise UserError("messages is empty")
+        family = lm.family
+        messages: list[dict] = []
+        images: list = []
+        audios: list = []
+        for m, msg in enumerate(body.messages):
+            role = "system" if msg.role == "developer" else msg.role
+            content = msg.content or ""
+            if isinstance(content, str):
+                if role == "user" and family.media:
+                    content = family.content(content, 0, 0)  # as mode=run renders a text prompt
+                messages.append({"role": role, "content": content})
+                continue
+            parts: list[dict] = []
+            for p, part in enumerate(content):
+                where = f"messages[{m}].content[{p}]"
+                if isinstance(part, TextPart):
+                    parts.append({"type": "text", "text": part.text})
+                    continue
+                kind = "image" if isinstance(part, ImagePart) else "audio"
+                if kind not in family.media:
+                    raise UserError(f"{where}: {lm.path} is a {family.name} model without an {kind} encoder")
+                if isinstance(part, ImagePart):
+                    if len(images) >= policy.max_images:
+                        raise UserError(f"{where}: more than serve.max_images ({policy.max_images}) images")
+                    images.append(image_from_url(part.image_url.url, where, policy))
+                    parts.append({"type": "image"})
+                elif isinstance(part, AudioPart):
+                    if len(audios) >= policy.max_audios:
+                        raise UserError(f"{where}: more than serve.max_audios ({policy.max_audios}) audio clips")
+                    rate = self._audio_rate()
+                    audios.append(audio_from_base64(part.input_audio.data, where, rate, policy))
+                    parts.append({"type": "audio", "audio": f"audio {len(audios)}"})
+            if not family.media:  # text models' templates take a string
+                content = "".join(part["text"] for part in parts)
+            else:
+                content = parts
+            messages.append({"role": role, "content": content})
+        return messages, images, audios
+
+    def _audio_rate(self) -> int:
+        extractor = getattr(self.pipe.lm.processor, "feature_extractor", None)
+        return int(getattr(extractor, "sampling_rate", None) or 16_000)
+
+    def _requests(self, body: Sampling, chat: bool, tokens: int) -> tuple[list[Request], list[int] | None]:
+        """One Request per choice (plus raw prompt ids for text completions). Runs off the loop:
+        media decoding is CPU work."""
+        common = dict(max_new_tokens=tokens, ignore_eos=body.ignore_eos, stop=body.stops())
+        ids = None
+        if chat:
+            assert isinstance(body, ChatCompletionRequest)
+            messages, images, audios = self._messages(body)
+            kwargs = body.chat_template_kwargs or {}
+            thinking = kwargs.get("enable_thinking")
+            common.update(messages=messages, images=images, audios=audios,
+                          thinking=None if thinking is None else bool(thinking))
+        else:
+            assert isinstance(body, CompletionRequest)
+            prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+            if len(prompts) != 1:
+                raise UserError("prompt: give one string (batches of prompts: send one request each)")
+            if not prompts[0]:
+                raise UserError("prompt is empty")
+            ids = self.pipe.lm.tokenizer(prompts[0])["input_ids"]
+        return [Request(**common, sampler=self._sampler(body, i)) for i in range(body.n)], ids
+
+    # --- responses out ----------------------------------------------------------------------
+    async def complete(self, body: Sampling, http: HTTPRequest, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        try:
+            tokens = self._check(body, max_tokens)
+            requests, ids = await asyncio.to_thread(self._requests, body, chat, tokens)
+        except UserError as err:
+            return self._failed(rid, endpoint, APIError(400, str(err), code="invalid_value"))
+        except APIError as err:
+            return self._failed(rid, endpoint, err)
+        sub = Submission()
+        for i, request in enumerate(requests):
+            request.id = f"{rid}-{i}"
+            sub.track(self.pipe.submit(request, on_text=sub.on_text(i) if body.stream else None, ids=ids))
+        meta = {"id": rid, "created": int(time.time()), "model": self.settings.model_name}
+        if body.stream:
+            return await self._stream(body, http, sub, meta, chat, endpoint)
+        return await self._whole(http, sub, meta, chat, endpoint)
+
+    def _failed(self, rid: str, endpoint: str, err: APIError) -> JSONResponse:
+        self.metrics.requests.labels(endpoint, str(err.status)).inc()
+        log(f"{rid} {err.status} {err.message}")
+        return error_response(err.status, err.message, err.type, err.code)
+
+    def _outcome(self, handles: list[Handle]) -> tuple[list[Result] | None, APIError | None]:
+        """The finished handles' results, or the API error their first failure maps to."""
+        try:
+            return [handle.result() for handle in handles], None
+        except UserError as err:
+            return None, APIError(400, str(err), code="invalid_value")
+        except Cancelled:
+            return None, APIError(499, "cancelled", "cancelled")
+        except Exception as err:  # a failed forward: reported, never a traceback to the client
+            traceback.print_exception(err, file=sys.stderr)
+            return None, APIError(500, f"internal error ({type(err).__name__}: {err})", "server_error")
+
+    def _done(self, rid: str, endpoint: str, results: list[Result]) -> None:
+        for result in results:
+            self.metrics.finished(result.metrics)
+        self.metrics.requests.labels(endpoint, "200").inc()
+        m = results[0].metrics
+        log(f"{rid} 200 prompt={m.get('prompt_tokens')} generated={sum(len(r.token_ids) for r in results)} "
+            f"ttft={m.get('ttft_s') or 0:.3f}s reused={m.get('kv_reused_tokens')}")
+
+    @staticmethod
+    def _usage(results: list[Result]) -> dict:
+        prompt = results[0].prompt_tokens
+        completion = sum(len(r.token_ids) for r in results)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    @staticmethod
+    def _metrics(result: Result) -> dict:
+        keys = ("ttft_s", "tpot_s", "decode_tok_s", "prefill_tok_s", "queue_s", "prompt_tokens",
+                "kv_reused_tokens", "prefill_tokens", "generated_tokens", "total_s")
+        return {k: result.metrics.get(k) for k in keys}
+
+    async def _whole(self, http: HTTPRequest, sub: Submission, meta: dict, chat: bool, endpoint: str) -> Response:
+        async def watch() -> None:  # a client that hangs up cancels its sequences
+            while not await http.is_disconnected():
+                await asyncio.sleep(0.25)
+            sub.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            async for _ in sub.events():
+                pass
+        finally:
+            watcher.cancel()
+            sub.cancel()
+        results, err = self._outcome(sub.handles)
+        if err is not None:
+            return self._failed(meta["id"], endpoint, err)
+        self._done(meta["id"], endpoint, results)
+        if chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
+                        "finish_reason": FINISH[r.finish_reason]} for i, r in enumerate(results)]
+        else:
+            choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": FINISH[r.finish_reason]}
+                       for i, r in enumerate(results)]
+        return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion",
+                             "choices": choices, "usage": self._usage(results), "metrics": self._metrics(results[0])})
+
+    async def _stream(self, body: Sampling, http: HTTPRequest, sub: Submission, meta: dict, chat: bool,
+                      endpoint: str) -> Response:
+        events = sub.events()
+        try:
+            first = await events.__anext__()  # commit to 200 only once something is known
+        except BaseException:
+            sub.cancel()
+            raise
+        if first[1] is None and sub.handles[first[0]].done():
+            _, err = self._outcome_of(sub, first[0])
+            if err is not None:
+                sub.cancel()
+                return self._failed(meta["id"], endpoint, err)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice: int, text: str | None = None, finish: str | None = None, role: bool = False) -> str:
+            if chat:
+                delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                item = {"index": choice, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                item = {"index": choice, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return "data: " + json.dumps({**meta, "object": obj, "choices": [item]}) + "\n\n"
+
+        async def lines() -> AsyncIterator[str]:
+            finished: list[Result | None] = [None] * len(sub.handles)
+            try:
+                if chat:
+                    for i in range(len(sub.handles)):
+                        yield chunk(i, role=True)
+                pending = [first]
+                while True:
+                    for choice, text in pending:
+                        if text is not None:
+                            yield chunk(choice, text)
+                            continue
+                        result, err = self._outcome_of(sub, choice)
+                        if err is not None:
+                            self.metrics.requests.labels(endpoint, str(err.status)).inc()
+                            log(f"{meta['id']} {err.status} (streaming) {err.message}")
+                            yield "data: " + json.dumps({"error": {"message": err.message, "type": err.type,
+                                                                   "code": err.code}}) + "\n\n"
+                            yield "data: [DONE]\n\n"
+                            return
+                        finished[choice] = result
+                        yield chunk(choice, finish=FINISH[result.finish_reason])
+                    try:
+                        pending = [await events.__anext__()]
+                    except StopAsyncIteration:
+                        break
+                results = [r for r in finished if r is not None]
+                self._done(meta["id"], endpoint, results)
+                if include_usage:
+                    yield "data: " + json.dumps({**meta, "object": obj, "choices": [], "usage": self._usage(results),
+                                                 "metrics": self._metrics(results[0])}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                sub.cancel()  # client gone mid-stream (or done): nothing keeps running for it
+
+        return StreamingResponse(lines(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _outcome_of(self, sub: Submission, choice: int) -> tuple[Result | None, APIError | None]:
+        results, err = self._outcome([sub.handles[choice]])
+        return (results[0] if results else None), err

@@ -1,0 +1,107 @@
+"""Media in requests -> what the pipeline takes: base64 data URIs, ``file://`` paths under
+``serve.allowed_media_dir``, remote URLs only when ``serve.allow_remote_media`` is on.
+
+Decoding goes through the CLI's own loaders (``pipeline.media``), so every bad file gets the same
+one-line diagnosis, here naming the request part (``messages[1].content[0]``) instead of a path.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import tempfile
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from pipeline.errors import UserError
+
+
+@dataclass
+class MediaPolicy:
+    """What a request may reference, and how much of it."""
+
+    allowed_dir: Path | None = None
+    allow_remote: bool = False
+    max_images: int = 8
+    max_audios: int = 4
+    max_image_pixels: int = 64_000_000
+    max_audio_s: float = 600.0
+    max_remote_bytes: int = 32 << 20
+
+
+def _b64(data: str, where: str) -> bytes:
+    try:
+        raw = base64.b64decode("".join(data.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise UserError(f"{where}: not valid base64") from None
+    if not raw:
+        raise UserError(f"{where}: empty media data")
+    return raw
+
+
+def _decoded(raw: bytes, where: str, load: Callable[[str], Any]) -> Any:
+    """Run a path-based loader on bytes, its errors naming ``where`` instead of a temporary file."""
+    with tempfile.TemporaryDirectory(prefix="mm-serve-") as tmp:
+        path = Path(tmp) / "upload"
+        path.write_bytes(raw)
+        try:
+            return load(str(path))
+        except UserError as err:
+            raise UserError(str(err).replace(str(path), where)) from None
+
+
+def _local(url: str, where: str, policy: MediaPolicy) -> str:
+    if policy.allowed_dir is None:
+        raise UserError(f"{where}: file:// URLs are disabled (set serve.allowed_media_dir to a folder to allow them)")
+    path = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)).resolve()
+    root = policy.allowed_dir.resolve()
+    if not path.is_relative_to(root):
+        raise UserError(f"{where}: {path} is outside serve.allowed_media_dir ({root})")
+    return str(path)
+
+
+def _remote(url: str, where: str, policy: MediaPolicy) -> bytes:
+    if not policy.allow_remote:
+        raise UserError(f"{where}: remote media URLs are disabled (serve.allow_remote_media=false); send a data: URI")
+    try:
+        with urllib.request.urlopen(url, timeout=20) as response:
+            raw = response.read(policy.max_remote_bytes + 1)
+    except Exception as err:  # urllib raises URLError, HTTPError, timeouts, ValueError...
+        raise UserError(f"{where}: cannot fetch {url} ({err})") from None
+    if len(raw) > policy.max_remote_bytes:
+        raise UserError(f"{where}: {url} is over {policy.max_remote_bytes} bytes")
+    return raw
+
+
+def image_from_url(url: str, where: str, policy: MediaPolicy) -> Any:
+    """An ``image_url`` part -> an RGB PIL image (bomb guard and decoding as the CLI's)."""
+    from pipeline.media import load_image
+
+    def load(path: str) -> Any:
+        return load_image(path, max_pixels=policy.max_image_pixels)
+
+    if url.startswith("data:"):
+        header, sep, data = url.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise UserError(f"{where}: only base64 data: URIs are accepted (data:image/...;base64,...)")
+        image = _decoded(_b64(data, where), where, load)
+    elif url.startswith("file://"):
+        image = load(_local(url, where, policy))
+    elif url.startswith(("http://", "https://")):
+        image = _decoded(_remote(url, where, policy), where, load)
+    else:
+        raise UserError(f"{where}: unsupported image URL (data:, file:// or http(s)://)")
+    image.info["source"] = where
+    return image
+
+
+def audio_from_base64(data: str, where: str, rate: int, policy: MediaPolicy) -> tuple[Any, int]:
+    """An ``input_audio`` part -> (1-D float waveform at ``rate``, rate), at most ``max_audio_s``."""
+    from pipeline.media import load_audio
+
+    wave, seconds = _decoded(_b64(data, where), where, lambda path: load_audio(path, rate))
+    if seconds > policy.max_audio_s:
+        raise UserError(f"{where}: audio is {seconds:.1f} s, over serve.max_audio_s ({policy.max_audio_s:g} s)")
+    return wave, rate

@@ -1,0 +1,73 @@
+"""``python -m pipeline mode=serve`` in a subprocess on a free loopback port, for the server tests."""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@contextlib.contextmanager
+def serving(tmp: Path, *overrides: str, startup_s: float = 180) -> Iterator[Server]:
+    """A server for the given overrides; yields once ``/health`` answers, always stops it."""
+    port = free_port()
+    log = tmp / f"server-{port}.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipeline", "mode=serve", f"serve.port={port}", f"hydra.run.dir={tmp / 'run'}",
+             *overrides],
+            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL, stderr=err,
+        )
+    server = Server(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited ({proc.returncode}):\n{server.stderr()[-3000:]}")
+            try:
+                if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not come up in {startup_s} s:\n{server.stderr()[-3000:]}")
+            time.sleep(0.3)
+        yield server
+    finally:
+        server.stop()
