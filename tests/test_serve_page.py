@@ -6,23 +6,16 @@ MM_SCREENSHOT=1 it also saves a screenshot of the answered page to docs/chat-pag
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
+import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from serving import ROOT, serving
+
 CHROMEDRIVER = "/usr/bin/chromedriver"
-STARTUP_S = 120
 
 
 def _chromium() -> str | None:
@@ -37,65 +30,15 @@ def _have_browser() -> bool:
     return _chromium() is not None and os.access(CHROMEDRIVER, os.X_OK)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
-@contextlib.contextmanager
-def _serving(tmp: Path, *overrides: str):
-    """Runs `python -m pipeline mode=serve` on a free loopback port until /health answers 200;
-    yields its base URL and always terminates it."""
-    port = _free_port()
-    log_path = tmp / "server.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "mode=serve", f"serve.port={port}", "max_new_tokens=8",
-             f"hydra.run.dir={tmp / 'run'}", *overrides],
-            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-
-    def log_tail() -> str:
-        return log_path.read_text(errors="replace")[-4000:]
-
-    try:
-        deadline = time.monotonic() + STARTUP_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode} before /health answered:\n{log_tail()}")
-            try:
-                status, _ = _get(base + "/health", timeout=2)
-                if status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not healthy after {STARTUP_S} s:\n{log_tail()}")
-            time.sleep(0.25)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
+    response = httpx.get(url, timeout=timeout)
+    return response.status_code, response.content
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with _serving(tmp_path_factory.mktemp("serve")) as base:
-        yield base
+    with serving(tmp_path_factory.mktemp("serve"), "max_new_tokens=8") as running:
+        yield running.url
 
 
 @pytest.fixture
@@ -179,7 +122,8 @@ def test_chat_page_asks_for_the_api_key(tmp_path, browser):
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import WebDriverWait
 
-    with _serving(tmp_path, "serve.api_key=page-test-key") as base:
+    with serving(tmp_path, "max_new_tokens=8", "serve.api_key=page-test-key") as running:
+        base = running.url
         browser.get(base + "/")
         wait = WebDriverWait(browser, 60)
         wait.until(lambda d: d.find_element(By.ID, "keybar").is_displayed())  # /v1/models said 401
