@@ -255,6 +255,10 @@ def test_api_key_and_a_clean_drain_on_sigterm(tiny_dir, tmp_path):
             OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
         assert httpx.get(server.url + "/health").status_code == 200  # not under /v1: open
         client = OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        hello = [{"role": "user", "content": "Hello"}]
+        prompt_tokens = {flag: chat(client, hello, max_tokens=2, extra_body={
+            "chat_template_kwargs": {"enable_thinking": flag}}).usage.prompt_tokens for flag in (True, False)}
+        assert prompt_tokens[False] > prompt_tokens[True]  # the template's empty think block, as vLLM passes it
         done: dict = {}
 
         def long_request() -> None:
