@@ -17,6 +17,12 @@ def text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def uncacheable_layers(config: Any) -> set[str]:
+    """Layer kinds other than plain full attention (linear attention's recurrent state, sliding
+    windows): the paged KV pool cannot hold them."""
+    return set(getattr(text_config(config), "layer_types", None) or ["full_attention"]) - {"full_attention"}
+
+
 def kv_shape(config: Any) -> tuple[int, int, int]:
     """(decoder layers, key/value heads, head dim) of the language model."""
     text = text_config(config)

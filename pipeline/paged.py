@@ -37,7 +37,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pipeline.errors import UserError
-from pipeline.memory import cache_devices, fmt_bytes, free_bytes, kv_bytes, kv_shape, text_config
+from pipeline.memory import cache_devices, fmt_bytes, free_bytes, kv_bytes, kv_shape, text_config, uncacheable_layers
 
 ATTENTION = "mm_paged"
 NULL_BLOCK = 0  # never handed out: padding reads it (zeros), nothing writes it
@@ -66,12 +66,9 @@ class BlockPool:
     """
 
     def __init__(self, config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device]) -> None:
-        text = text_config(config)
-        kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
-        if kinds - {"full_attention"}:
-            raise UserError(
-                f"the paged KV cache handles full-attention layers only; this model has {sorted(kinds)} layers"
-            )
+        other = uncacheable_layers(config)
+        if other:
+            raise UserError(f"the paged KV cache handles full-attention layers only; this model also has {sorted(other)}")
         if num_blocks < 2:
             raise ValueError(f"a pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.layers, self.kv_heads, self.head_dim = kv_shape(config)

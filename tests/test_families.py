@@ -1,0 +1,30 @@
+"""Which architectures run: a model no family covers runs as a generic text model only when its
+layers are plain attention; anything else is refused in one line before its weights load."""
+from __future__ import annotations
+
+import pytest
+from transformers import Gemma3TextConfig
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+from conftest import run_cli
+
+
+@pytest.mark.parametrize("make, arch, kind", [
+    (lambda: Qwen3_5TextConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+     "Qwen3_5ForCausalLM", "linear_attention"),
+    (lambda: Gemma3TextConfig(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2),
+     "Gemma3ForCausalLM", "sliding_attention"),
+])
+def test_unknown_architecture_with_other_layers_is_refused_in_one_line(tmp_path, make, arch, kind):
+    config = make()
+    config.architectures = [arch]
+    config.save_pretrained(tmp_path)  # no weights: the refusal comes before they would load
+    proc = run_cli(f"model.path={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert arch in lines[0] and kind in lines[0] and "qwen2_vl" in lines[0]
+
+
+def test_unknown_architecture_with_plain_attention_runs_as_text(load_tiny):
+    lm = load_tiny("qwen3")  # qwen3 has no family file: the generic text family runs it
+    assert lm.family.name == "text" and not lm.family.media
