@@ -124,11 +124,12 @@ def engine_settings(cfg: DictConfig) -> dict:
 
 
 def pipeline_from_cfg(cfg: DictConfig, lm: LoadedModel, stages: dict[str, Any] | None = None) -> Pipeline:
-    """The stage chain (``stages``, or built from cfg.stages) on a KV cache of the configured kind;
-    with ``decode.compile`` it is warmed up (the decode step compiled) here, before the first
-    request, so TTFT never includes it."""
+    """The stage chain (``stages``, or built from cfg.stages) on the configured pool and engine.
+    When its decode stage compiles (``decode.compile``, or ``stages.decode.compile`` set
+    directly: the stage decides, so the two cannot disagree) it is warmed up here, before the
+    first request, so TTFT never includes compiling."""
     pipe = Pipeline(lm, stages if stages is not None else stages_from_cfg(cfg), **engine_settings(cfg))
-    if OmegaConf.select(cfg, "decode.compile", default=False):
+    if getattr(pipe.stages.get("decode"), "compiled", None) is not None:
         print("mm-pipeline: warming up (compiling the decode step)...", file=sys.stderr)
         seconds = pipe.warmup()
         print(f"mm-pipeline: warm-up took {seconds:.1f} s (metrics warmup_s, not part of ttft_s)", file=sys.stderr)

@@ -255,3 +255,16 @@ def test_bad_engine_settings_fail_before_the_model_loads(override, message, monk
     with pytest.raises(UserError, match=message) as err:
         assemble.load_from_cfg(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_stage_level_compile_is_warmed_up_like_decode_compile(lm):
+    """``stages.decode.compile=true`` set directly compiles and warms up exactly as
+    ``decode.compile=true`` does: the stage decides, so the two settings cannot disagree."""
+    from pipeline.assemble import pipeline_from_cfg
+
+    with initialize_config_dir(config_dir=str(ROOT / "pipeline" / "conf"), version_base=None):
+        cfg = compose(config_name="config", overrides=[
+            "stages.decode.compile=true", "+stages.decode.compile_backend=aot_eager", f"kv.memory={POOL}"])
+    assert cfg.decode.compile is False
+    pipe = pipeline_from_cfg(cfg, lm)
+    assert pipe.stages["decode"].compiled is not None and pipe.warmup_s is not None
