@@ -85,3 +85,11 @@ def test_custom_stage_swapped_with_one_override(tiny_dir, tmp_path):
                    f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     assert read_result(tmp_path)["token_ids"] == [0, 0, 0, 0]
+
+
+def test_help_introduces_the_program():
+    proc = run_cli("--help")
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("mm-pipeline: multimodal LLM inference")
+    assert "python -m pipeline +model=qwen2-vl" in proc.stdout and "== Configuration groups ==" in proc.stdout
+    assert "powered by Hydra" not in proc.stdout
