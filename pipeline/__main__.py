@@ -39,7 +39,7 @@ def hydra_main(cfg: DictConfig) -> None:
 
     try:
         get_mode(str(cfg.mode.name))(cfg)
-    except UserError as err:
+    except (UserError, ValueError) as err:  # ValueError: a stage refusing its settings (the Python API's error)
         fail(str(err))
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

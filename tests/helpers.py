@@ -10,3 +10,13 @@ class FirstTokenSampler:
 
     def __call__(self, logits: torch.Tensor, previous_ids: torch.Tensor | None = None) -> torch.Tensor:
         return torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+
+
+class RefusingStage:
+    """A stage that refuses its input with ValueError, as the library's own stages do."""
+
+    def __init__(self, **_: object) -> None:
+        pass
+
+    def __call__(self, ctx):
+        raise ValueError("RefusingStage: this context is not what I expected")

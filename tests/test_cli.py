@@ -93,3 +93,11 @@ def test_help_introduces_the_program():
     assert proc.stdout.startswith("mm-pipeline: multimodal LLM inference")
     assert "python -m pipeline +model=qwen2-vl" in proc.stdout and "== Configuration groups ==" in proc.stdout
     assert "powered by Hydra" not in proc.stdout
+
+
+def test_a_stage_valueerror_is_one_line(tmp_path):
+    proc = run_cli("+stages.check._target_=tests.helpers.RefusingStage", "max_new_tokens=2",
+                   f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "error: RefusingStage: this context is not what I expected"
+    assert "Traceback" not in proc.stderr
