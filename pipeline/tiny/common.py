@@ -1,0 +1,157 @@
+"""Sizes, special tokens and role tokens shared by the tokenizer and every family module.
+
+Why one place: the tokenizer, the configs and the generation configs must agree on the same
+token ids and sizes; any change here changes what gets written, so bump ``RECIPE_VERSION``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+FAMILIES: tuple[str, ...] = ("qwen3", "llama", "qwen2-vl", "qwen2.5-vl", "qwen2-audio")
+DEFAULT_FAMILY = "qwen2-vl"
+# Bump when anything below changes what gets written (weights, tokenizer, configs): cached
+# directories are keyed on it, so a stale cache is never reused.
+RECIPE_VERSION = 1
+# Written last into every built directory; lets callers recognise a tiny model (e.g. for a
+# "random weights, meaningless output" banner) and records how it was made.
+MARKER_FILE = "mm_pipeline_tiny.json"
+
+# --------------------------------------------------------------------------------------
+# Sizes: tiny but valid.  Every nn.Linear has in_features >= 64 (bitsandbytes' CPU 4-bit
+# path fails below that).  A large initializer_range makes logits vary with the prompt so
+# greedy decoding is not stuck on one token.
+# --------------------------------------------------------------------------------------
+HIDDEN = 128
+INTERMEDIATE = 256
+LAYERS = 2
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = HIDDEN // HEADS  # 32 -> rotary half-dim 16 -> mrope_section [4, 6, 6]
+MROPE_SECTION = [4, 6, 6]
+INIT_RANGE = 0.15
+VISION_DIM = 64
+VISION_HEADS = 4
+VISION_DEPTH = 2
+AUDIO_DIM = 64
+AUDIO_HEADS = 4
+AUDIO_LAYERS = 2
+NUM_MERGES = 400
+MIN_PIXELS = 56 * 56
+MAX_PIXELS = 224 * 224
+
+# --------------------------------------------------------------------------------------
+# Special tokens, in the order the real tokenizers number them.  (token, special?)
+# Qwen3 marks <think>/<tool_call> as added but *not* special, as the published one does,
+# so decoding with skip_special_tokens keeps them.
+# --------------------------------------------------------------------------------------
+_QWEN_BASE = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True)]
+_QWEN_VISION = [
+    (t, True)
+    for t in (
+        "<|object_ref_start|>",
+        "<|object_ref_end|>",
+        "<|box_start|>",
+        "<|box_end|>",
+        "<|quad_start|>",
+        "<|quad_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|vision_pad|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+    )
+]
+_SPECIAL_TOKENS: dict[str, list[tuple[str, bool]]] = {
+    "qwen3": _QWEN_BASE
+    + _QWEN_VISION
+    + [
+        ("<tool_call>", False),
+        ("</tool_call>", False),
+        ("<tool_response>", False),
+        ("</tool_response>", False),
+        ("<think>", False),
+        ("</think>", False),
+    ],
+    "llama": [
+        (t, True)
+        for t in (
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|reserved_special_token_0|>",
+            "<|reserved_special_token_1|>",
+            "<|finetune_right_pad_id|>",
+            "<|reserved_special_token_2|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eom_id|>",
+            "<|eot_id|>",
+            "<|python_tag|>",
+        )
+    ],
+    "qwen2-vl": _QWEN_BASE + _QWEN_VISION,
+    "qwen2.5-vl": _QWEN_BASE + _QWEN_VISION,
+    "qwen2-audio": _QWEN_BASE + [("<|AUDIO|>", True), ("<|audio_bos|>", True), ("<|audio_eos|>", True)],
+}
+
+# Role tokens per family: (bos, eos, pad, generation-config eos list).
+_ROLE_TOKENS: dict[str, dict[str, Any]] = {
+    "qwen": {"bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>", "config_bos": "<|endoftext|>",
+             "gen_eos": ["<|im_end|>", "<|endoftext|>"]},
+    "llama": {"bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "pad": "<|finetune_right_pad_id|>",
+              "config_bos": "<|begin_of_text|>", "gen_eos": ["<|end_of_text|>", "<|eot_id|>"]},
+}
+
+
+def _roles(family: str) -> dict[str, Any]:
+    return _ROLE_TOKENS["llama" if family == "llama" else "qwen"]
+
+
+def _check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}")
+
+
+def _vocab_size(tok: PreTrainedTokenizerBase) -> int:
+    # Exactly len(tokenizer): a padded vocabulary (as real checkpoints have) would let a
+    # random model emit ids that decode to nothing.
+    return len(tok)
+
+
+def _text_kwargs(tok: PreTrainedTokenizerBase, family: str) -> dict[str, Any]:
+    """Decoder sizes and token ids, the same for every family's language model."""
+    roles = _roles(family)
+    ids = tok.convert_tokens_to_ids
+    return dict(
+        vocab_size=_vocab_size(tok),
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        hidden_act="silu",
+        max_position_embeddings=32768 if family != "llama" else 8192,
+        max_window_layers=LAYERS,
+        initializer_range=INIT_RANGE,
+        rms_norm_eps=1e-6 if family != "llama" else 1e-5,
+        bos_token_id=ids(roles["config_bos"]),
+        eos_token_id=ids(roles["eos"]),
+        pad_token_id=ids(roles["pad"]),
+        tie_word_embeddings=False,
+    )
+
+
+def _generation_config(family: str, tok: PreTrainedTokenizerBase) -> GenerationConfig:
+    from transformers import GenerationConfig
+
+    roles = _roles(family)
+    ids = tok.convert_tokens_to_ids
+    return GenerationConfig(
+        bos_token_id=ids(roles["config_bos"]),
+        eos_token_id=[ids(t) for t in roles["gen_eos"]],
+        pad_token_id=ids(roles["pad"]),
+        do_sample=False,
+    )

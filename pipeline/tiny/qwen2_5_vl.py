@@ -1,0 +1,46 @@
+"""Qwen2.5-VL: Qwen2-VL's template, tokens and processors with the windowed-attention vision tower."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pipeline.tiny.common import HIDDEN, INIT_RANGE, VISION_DEPTH, VISION_DIM, VISION_HEADS
+from pipeline.tiny.qwen2_vl import QWEN2_VL_CHAT_TEMPLATE, _media_processors, _text_config, _vision_token_ids
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
+
+FAMILY = "qwen2.5-vl"
+
+CHAT_TEMPLATE = QWEN2_VL_CHAT_TEMPLATE
+
+
+def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """A 2-layer Qwen2.5-VL whose last vision block is full-attention; token ids from ``tok``."""
+    from transformers import Qwen2_5_VLConfig
+
+    return Qwen2_5_VLConfig(
+        text_config=_text_config(tok, FAMILY),
+        vision_config=dict(depth=VISION_DEPTH, hidden_size=VISION_DIM, intermediate_size=2 * VISION_DIM,
+                           out_hidden_size=HIDDEN, num_heads=VISION_HEADS, in_channels=3, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, tokens_per_second=2, window_size=112,
+                           fullatt_block_indexes=[VISION_DEPTH - 1], hidden_act="silu",
+                           initializer_range=INIT_RANGE),
+        **_vision_token_ids(tok),
+        tie_word_embeddings=False,
+    )
+
+
+def model_class() -> type[PreTrainedModel]:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration
+
+
+def make_processor(tok: PreTrainedTokenizerBase) -> ProcessorMixin:
+    """The real ``Qwen2_5_VLProcessor`` around ``tok``."""
+    from transformers import Qwen2_5_VLProcessor
+
+    image_processor, video_processor = _media_processors()
+    return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
+                               chat_template=CHAT_TEMPLATE)
