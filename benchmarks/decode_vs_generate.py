@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.fast:
         paths["fast"] = make_pipe(lm, True, image)
         warmup_s = paths["fast"].warmup()
-    read_bytes = decode_weight_bytes(lm.model)
+    read_bytes = decode_weight_bytes(lm.model, lm.family.encoder_modules)
     print(f"model {lm.path}  quant={lm.quant} dtype={lm.model.dtype} device={lm.device}  "
           f"decode weights {read_bytes / 1e6:.1f} MB  prompt {prompt.length} tokens"
           f"{' (with a %dx%d image)' % (args.image, args.image) if image else ''}  new {n}  reps {args.reps}"

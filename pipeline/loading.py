@@ -250,7 +250,7 @@ def _has_accelerator(device_map: Any) -> bool:
     return torch.cuda.is_available() and any(v not in ("cpu", "disk") for v in values)
 
 
-def _quantization(quant: Any, config: Any, path: str, torch_dtype: Any, device_map: Any) -> Any:
+def _quantization(quant: Any, config: Any, path: str, torch_dtype: Any, device_map: Any, family: Family) -> Any:
     """quant (a scheme name or the quant config group) -> BitsAndBytesConfig or None."""
     quant_cfg = {"name": quant} if isinstance(quant, str) else quant
     scheme = q.resolve_scheme(
@@ -275,6 +275,7 @@ def _quantization(quant: Any, config: Any, path: str, torch_dtype: Any, device_m
         model_dtype=torch_dtype if isinstance(torch_dtype, torch.dtype) else torch.float32,
         tied_lm_head=_tied_lm_head(config),
         cpu_offload=explicit_offload and _has_accelerator(device_map),
+        encoders=family.encoder_modules,
     )
 
 
@@ -311,7 +312,7 @@ def load_model(
     family = family_for_config(config)
     torch_dtype = resolve_dtype(dtype, device_map)
     if quantization_config is None and quant is not None:
-        quantization_config = _quantization(quant, config, path, torch_dtype, device_map)
+        quantization_config = _quantization(quant, config, path, torch_dtype, device_map, family)
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "use_safetensors": True, "trust_remote_code": trust_remote_code}
     if device_map is not None:
         kwargs["device_map"] = device_map

@@ -6,7 +6,7 @@ front, the run stops at once with the numbers.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -54,12 +54,13 @@ def kv_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
     return sum(kv_bytes_per_layer(config, tokens, dtype))
 
 
-def _decoder_layers(model: Any) -> list[Any]:
-    """The language model's decoder layers (the ModuleList the KV cache has one entry per)."""
+def _decoder_layers(model: Any, encoders: Sequence[str] = ()) -> list[Any]:
+    """The language model's decoder layers (the ModuleList the KV cache has one entry per), not
+    an encoder's (``encoders``: the family's ``encoder_modules``) of the same length."""
     n = int(text_config(model.config).num_hidden_layers)
     for name, module in model.named_modules():
         if name.endswith("layers") and isinstance(module, torch.nn.ModuleList) and len(module) == n:
-            if "visual" not in name and "audio" not in name:
+            if not set(encoders).intersection(name.split(".")):
                 return list(module)
     return []
 
@@ -78,7 +79,7 @@ def _execution_device(module: Any, fallback: torch.device) -> torch.device:
 
 def cache_devices(lm: Any) -> list[torch.device]:
     """One device per decoder layer (the model's device when layers cannot be found)."""
-    layers = _decoder_layers(lm.model)
+    layers = _decoder_layers(lm.model, lm.family.encoder_modules)
     fallback = torch.device(lm.device)
     if not layers:
         return [fallback] * int(text_config(lm.config).num_hidden_layers)

@@ -5,7 +5,7 @@ import resource
 import sys
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -20,14 +20,12 @@ def synchronize(device: torch.device | str | None) -> None:
         torch.cuda.synchronize(device)
 
 
-# Modules a decode step never runs: media encoders and their projectors (named as in transformers).
-ENCODER_MODULES = frozenset({"visual", "vision_tower", "vision_model", "audio_tower", "multi_modal_projector"})
-
-
-def decode_weight_bytes(model: torch.nn.Module) -> int:
+def decode_weight_bytes(model: torch.nn.Module, encoders: Sequence[str] = ()) -> int:
     """Bytes of weights one decode step reads: the language model, lm_head included; not the
-    media encoders (run once per image or clip) nor the input embedding table (one row per
-    token) unless it is tied to lm_head. The numerator of an honest ``bandwidth_gb_s``."""
+    media encoders (``encoders``: the family's ``encoder_modules``, run once per image or clip)
+    nor the input embedding table (one row per token) unless it is tied to lm_head. The
+    numerator of an honest ``bandwidth_gb_s``."""
+    encoders = frozenset(encoders)
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     skip = set()
@@ -35,7 +33,7 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
         skip.add(id(emb.weight))
     total = 0
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        if id(tensor) in skip or ENCODER_MODULES.intersection(name.split(".")):
+        if id(tensor) in skip or encoders.intersection(name.split(".")):
             continue
         skip.add(id(tensor))  # tied / shared tensors count once
         total += tensor.numel() * tensor.element_size()

@@ -279,7 +279,7 @@ class Pipeline:
         m.set("kv_cache_bytes", ctx.cache.nbytes)
         m.set("weights_bytes", self.lm.weights_bytes)
         if self._decode_weights is None:
-            self._decode_weights = decode_weight_bytes(self.lm.model)
+            self._decode_weights = decode_weight_bytes(self.lm.model, self.lm.family.encoder_modules)
         m.set("decode_weights_bytes", self._decode_weights)
         if self.warmup_s is not None:
             m.set("warmup_s", self.warmup_s)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -18,8 +18,6 @@ from pipeline.errors import UserError
 
 SCHEMES = ("none", "auto", "nf4", "fp4", "int8")
 FOUR_BIT = ("nf4", "fp4")
-# What the skip list keeps unquantised by default (conf/quant/*.yaml repeats it for users).
-DEFAULT_SKIP = ("lm_head", "visual", "audio_tower", "multi_modal_projector")
 
 
 class _DropMessages(logging.Filter):
@@ -137,6 +135,7 @@ def quantization_config(
     model_dtype: torch.dtype = torch.float32,
     tied_lm_head: bool = False,
     cpu_offload: bool = False,
+    encoders: Sequence[str] = (),
 ) -> Any:
     """A ``transformers.BitsAndBytesConfig`` for a resolved scheme (nf4, fp4 or int8).
 
@@ -144,6 +143,8 @@ def quantization_config(
     tensor, so ``lm_head`` is kept unquantised whatever the skip list says.
     ``cpu_offload``: layers accelerate places on the CPU or disk next to a GPU stay
     unquantised in the model dtype (bitsandbytes' documented way to offload).
+    ``encoders``: the family's encoder modules (``Family.encoder_modules``), which a skip list
+    left at null keeps unquantised along with lm_head.
     """
     name = scheme_name(quant_cfg)
     if name in ("none", "auto"):
@@ -151,7 +152,8 @@ def quantization_config(
     quiet_bitsandbytes()
     from transformers import BitsAndBytesConfig
 
-    skips = skip_patterns(_get(quant_cfg, "skip_modules", list(DEFAULT_SKIP)), keep_lm_head=tied_lm_head)
+    names = _get(quant_cfg, "skip_modules", None)
+    skips = skip_patterns(["lm_head", *encoders] if names is None else names, keep_lm_head=tied_lm_head)
     if name == "int8":
         threshold = _get(quant_cfg, "threshold", 6.0)
         try:

@@ -118,7 +118,11 @@ def test_skip_names_match_towers_anywhere_at_module_boundaries():
     """Bare names in quant.skip_modules reach nested towers (transformers anchors at the start)."""
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    patterns = quantization_config({"name": "nf4"}).llm_int8_skip_modules
+    from pipeline.families.qwen2_audio import Qwen2AudioFamily
+    from pipeline.families.qwen2_vl import Qwen2VLFamily
+
+    encoders = Qwen2VLFamily.encoder_modules + Qwen2AudioFamily.encoder_modules
+    patterns = quantization_config({"name": "nf4"}, encoders=encoders).llm_int8_skip_modules
     kept = ["lm_head", "model.visual.blocks.0.attn.qkv", "model.visual.merger.mlp.0",
             "audio_tower.layers.0.fc1", "model.multi_modal_projector.linear"]
     converted = ["model.language_model.layers.0.mlp.up_proj", "model.layers.1.self_attn.q_proj",
@@ -217,7 +221,7 @@ def test_every_quant_yaml_composes_and_is_valid(scheme):
     quant = compose_quant(f"quant={scheme}")
     assert scheme_name(quant) == scheme
     if scheme in ("nf4", "fp4", "int8", "auto"):
-        assert "lm_head" in quant.skip_modules and "visual" in quant.skip_modules
+        assert quant.skip_modules is None  # lm_head + the family's encoders, decided at load
 
 
 def test_default_is_auto_and_auto_means_nf4_only_for_real_models_on_gpu(monkeypatch):

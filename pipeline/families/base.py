@@ -19,6 +19,10 @@ class Family:
     name = "text"
     auto_class = "AutoModelForCausalLM"  # the transformers class that loads the model
     media: tuple[str, ...] = ()  # "image", "audio": what its encoders take
+    # Module names of its media encoders and projectors (anywhere in the model, at a module
+    # boundary): kept unquantised by default, not counted in the bytes a decode step reads,
+    # never mistaken for the decoder layers. The one place this list is written.
+    encoder_modules: tuple[str, ...] = ()
     uses_processor = False  # load AutoProcessor (media) rather than AutoTokenizer
 
     def content(self, text: str, images: int, audios: int) -> Any:

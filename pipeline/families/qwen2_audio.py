@@ -39,6 +39,7 @@ class Qwen2AudioFamily(Family):
     auto_class = "Qwen2AudioForConditionalGeneration"
     uses_processor = True
     media = ("audio",)
+    encoder_modules = ("audio_tower", "multi_modal_projector")
 
     # --- prompt ---------------------------------------------------------------------------
     def content(self, text: str, images: int, audios: int) -> Any:

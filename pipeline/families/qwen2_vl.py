@@ -52,6 +52,7 @@ class Qwen2VLFamily(Family):
     name = "qwen2-vl"
     auto_class = "Qwen2VLForConditionalGeneration"
     media = ("image",)
+    encoder_modules = ("visual",)
     uses_processor = True
 
     # --- tokenize ---------------------------------------------------------------------------
