@@ -22,9 +22,25 @@ def test_unknown_architecture_with_other_layers_is_refused_in_one_line(tmp_path,
     proc = run_cli(f"model.path={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
-    assert arch in lines[0] and kind in lines[0] and "qwen2_vl" in lines[0]
+    assert arch in lines[0] and kind in lines[0] and "qwen2-vl" in lines[0] and "qwen2-audio" in lines[0]
 
 
 def test_unknown_architecture_with_plain_attention_runs_as_text(load_tiny):
     lm = load_tiny("qwen3")  # qwen3 has no family file: the generic text family runs it
     assert lm.family.name == "text" and not lm.family.media
+
+
+def test_a_family_is_found_from_its_file_alone(tmp_path, monkeypatch):
+    """Adding a family is adding its module under families/: the registry finds it there."""
+    import pipeline.families as families
+    from transformers import LlamaConfig
+
+    (tmp_path / "tinyllama_test_family.py").write_text(
+        "from pipeline.families.base import TextFamily\n\n\n"
+        "class TestLlamaFamily(TextFamily):\n"
+        "    name = 'test-llama'\n"
+        "    model_types = ('llama',)\n"
+    )
+    monkeypatch.setattr(families, "__path__", [*families.__path__, str(tmp_path)])
+    assert families.registry()["qwen2_vl"].name == "qwen2-vl"
+    assert families.family_for_config(LlamaConfig()).name == "test-llama"

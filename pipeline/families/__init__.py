@@ -1,17 +1,25 @@
 """Model knowledge per family, so that stages stay generic: one file per family plus one yaml."""
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any
 
 from pipeline.errors import UserError
 from pipeline.families.base import Family, TextFamily
 
-# model_type (from config.json) -> "module:Class"; loaded lazily so a text run imports no vision code.
-_BY_MODEL_TYPE: dict[str, str] = {
-    "qwen2_vl": "pipeline.families.qwen2_vl:Qwen2VLFamily",
-    "qwen2_5_vl": "pipeline.families.qwen2_vl:Qwen25VLFamily",
-    "qwen2_audio": "pipeline.families.qwen2_audio:Qwen2AudioFamily",
-}
+
+def registry() -> dict[str, type[Family]]:
+    """model_type -> family class, found in this package's modules: adding a family is adding
+    its file (plus its model yaml and tiny builder), never editing a table here."""
+    found: dict[str, type[Family]] = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, Family) and obj.__module__ == module.__name__:
+                for model_type in obj.model_types:
+                    found[model_type] = obj
+    return found
 
 
 def family_for_config(config: Any) -> Family:
@@ -21,21 +29,18 @@ def family_for_config(config: Any) -> Family:
     from pipeline.memory import uncacheable_layers
 
     model_type = getattr(config, "model_type", "")
-    target = _BY_MODEL_TYPE.get(model_type)
-    if target is None:
+    families = registry()
+    if model_type not in families:
         other = uncacheable_layers(config)
         if other:
             arch = ", ".join(getattr(config, "architectures", None) or [model_type or "this model"])
-            known = ", ".join(sorted(_BY_MODEL_TYPE))
+            known = ", ".join(sorted({cls.name for cls in families.values()}))
             raise UserError(
                 f"{arch} is not supported: its {', '.join(sorted(other))} layers are not plain attention, which "
                 f"is all the generic text family handles (families: {known}, and text models with plain attention)"
             )
         return TextFamily()
-    module_name, cls_name = target.split(":")
-    import importlib
-
-    return getattr(importlib.import_module(module_name), cls_name)()
+    return families[model_type]()
 
 
-__all__ = ["Family", "TextFamily", "family_for_config"]
+__all__ = ["Family", "TextFamily", "family_for_config", "registry"]

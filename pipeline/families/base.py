@@ -17,6 +17,7 @@ class Family:
     """Hooks a family may override. The defaults describe a text-only causal LM."""
 
     name = "text"
+    model_types: tuple[str, ...] = ()  # config.json model_type values it runs (the registry's key)
     auto_class = "AutoModelForCausalLM"  # the transformers class that loads the model
     media: tuple[str, ...] = ()  # "image", "audio": what its encoders take
     # Module names of its media encoders and projectors (anywhere in the model, at a module

@@ -36,6 +36,7 @@ class Qwen2AudioFamily(Family):
     """Qwen2-Audio(-Instruct): one ``<|AUDIO|>`` run per clip, expanded by the processor."""
 
     name = "qwen2-audio"
+    model_types = ("qwen2_audio",)
     auto_class = "Qwen2AudioForConditionalGeneration"
     uses_processor = True
     media = ("audio",)

@@ -50,6 +50,7 @@ class Qwen2VLFamily(Family):
     """Qwen2-VL: images through the model's own vision tower; 3-D rotary positions."""
 
     name = "qwen2-vl"
+    model_types = ("qwen2_vl",)
     auto_class = "Qwen2VLForConditionalGeneration"
     media = ("image",)
     encoder_modules = ("visual",)
@@ -134,6 +135,7 @@ class Qwen25VLFamily(Qwen2VLFamily):
     """Qwen2.5-VL: same contract; windowed attention in the vision tower is the model's business."""
 
     name = "qwen2.5-vl"
+    model_types = ("qwen2_5_vl",)
     auto_class = "Qwen2_5_VLForConditionalGeneration"
 
 
