@@ -18,8 +18,10 @@ Per request, client side: TTFT = request sent -> first content delta; TPOT = (en
 token) / (completion tokens - 1); completion tokens from the final usage chunk. Per phase:
 wall s, aggregate completion tok/s (all completion tokens / wall), ratio to concurrency 1,
 p50/p99 TTFT and TPOT, errors (exceptions, timeouts, a stream without usage or without text),
-and how many answers equal the concurrency-1 answer to the same prompt (greedy: batching should
-not change the text; in float32 only a near-tie of the top two logits may).
+how many answers equal the concurrency-1 answer to the same prompt (greedy: batching should not
+change the text; in float32 only a near-tie of the top two logits may: ``--json`` lists the
+differing answers), and the CPU seconds this client and (when started here) the server used in
+the phase: on a small machine the client's own share bounds what the server can get.
 
     python benchmarks/serve_load.py                                  # starts the server itself
     python benchmarks/serve_load.py --requests 64 --concurrency 1,8,32
@@ -130,6 +132,14 @@ class Server:
                 pass
             time.sleep(0.25)
         raise RuntimeError(f"server not ready (GET /health != 200) after {self.startup_timeout:.0f} s")
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU seconds of the server process so far (Linux /proc), None elsewhere."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -294,7 +304,7 @@ def fmt(x: float | None, scale: float = 1.0, digits: int = 1) -> str:
 # --------------------------------------------------------------------------- main
 
 
-async def bench(args: argparse.Namespace, url: str) -> dict:
+async def bench(args: argparse.Namespace, url: str, server: Server | None) -> dict:
     http = httpx.AsyncClient(timeout=httpx.Timeout(args.timeout, connect=10.0),
                              limits=httpx.Limits(max_connections=max(args.concurrency) + 8,
                                                  max_keepalive_connections=max(args.concurrency) + 8))
@@ -320,12 +330,17 @@ async def bench(args: argparse.Namespace, url: str) -> dict:
             order = args.concurrency if rep % 2 == 0 else list(reversed(args.concurrency))
             figures = {}
             for c in order:
+                server_cpu0 = server.cpu_seconds() if server else None
                 wall, cpu, records = await run_phase(client, model, all_msgs, c, args.max_tokens, args.timeout)
                 figures[c] = summarise(wall, cpu, records)
+                server_cpu1 = server.cpu_seconds() if server else None
+                figures[c]["server_cpu_s"] = (server_cpu1 - server_cpu0
+                                              if server_cpu0 is not None and server_cpu1 is not None else None)
                 texts[c].append([r.text if r.ok else None for r in records])
                 s = figures[c]
                 print(f"  rep {rep + 1}/{args.reps} concurrency {c:>3}: {s['wall_s']:.2f} s, "
-                      f"{s['tok_s']:.1f} tok/s, {s['errors']} errors, client CPU {s['client_cpu_s']:.2f} s", file=sys.stderr, flush=True)
+                      f"{s['tok_s']:.1f} tok/s, {s['errors']} errors, CPU s: client {s['client_cpu_s']:.2f}, "
+                      f"server {fmt(s['server_cpu_s'], digits=2)}", file=sys.stderr, flush=True)
                 for msg in s["error_messages"][:3]:
                     print(f"      error: {msg}", file=sys.stderr)
             reps.append(figures)
@@ -341,15 +356,20 @@ async def bench(args: argparse.Namespace, url: str) -> dict:
         # answers equal to the baseline's answer to the same prompt, same repetition
         same = sum(sum(1 for a, b in zip(texts[c][k], texts[base_c][k]) if a is not None and a == b)
                    for k in range(args.reps))
+        differs = [{"rep": k, "i": i, "common_prefix_chars": len(os.path.commonprefix([a, b])),
+                    "text": a[:200], "baseline_text": b[:200]}
+                   for k in range(args.reps) for i, (a, b) in enumerate(zip(texts[c][k], texts[base_c][k]))
+                   if a is not None and b is not None and a != b]
         phases.append({
             "concurrency": c,
             "wall_s": median([p["wall_s"] for p in per]), "client_cpu_s": median([p["client_cpu_s"] for p in per]),
+            "server_cpu_s": median([p["server_cpu_s"] for p in per]),
             "tok_s": median([p["tok_s"] for p in per]),
             "ratio": median(ratios),
             "ttft_p50_s": median([p["ttft_p50_s"] for p in per]), "ttft_p99_s": median([p["ttft_p99_s"] for p in per]),
             "tpot_p50_s": median([p["tpot_p50_s"] for p in per]), "tpot_p99_s": median([p["tpot_p99_s"] for p in per]),
             "errors": sum(p["errors"] for p in per), "requests": sum(p["requests"] for p in per),
-            "same_text_as_baseline": same,
+            "same_text_as_baseline": same, "differs": differs[:20],
             "reps": per,
         })
     return {"model": model, "baseline_concurrency": base_c, "phases": phases}
@@ -358,14 +378,14 @@ async def bench(args: argparse.Namespace, url: str) -> dict:
 def table(result: dict) -> str:
     base = result["baseline_concurrency"]
     lines = [f"| clients | wall s | tok/s | vs {base} client{'s' if base != 1 else ''} | TTFT p50 ms | TTFT p99 ms "
-             f"| TPOT p50 ms | TPOT p99 ms | errors | text = {base} client{'s' if base != 1 else ''} | client CPU s |",
+             f"| TPOT p50 ms | TPOT p99 ms | errors | text = {base} client{'s' if base != 1 else ''} | CPU s client / server |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in result["phases"]:
         lines.append(f"| {p['concurrency']} | {fmt(p['wall_s'], digits=2)} | {fmt(p['tok_s'])} "
                      f"| **{fmt(p['ratio'], digits=2)}** | {fmt(p['ttft_p50_s'], 1e3)} | {fmt(p['ttft_p99_s'], 1e3)} "
                      f"| {fmt(p['tpot_p50_s'], 1e3, 2)} | {fmt(p['tpot_p99_s'], 1e3, 2)} "
                      f"| {p['errors']}/{p['requests']} | {p['same_text_as_baseline']}/{p['requests']} "
-                     f"| {fmt(p['client_cpu_s'], digits=2)} |")
+                     f"| {fmt(p['client_cpu_s'], digits=2)} / {fmt(p['server_cpu_s'], digits=2)} |")
     return "\n".join(lines)
 
 
@@ -380,8 +400,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=64, help="requests per phase (default 64)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--image", type=int, nargs="?", const=64, default=0, metavar="SIZE",
-                    help="attach a generated SIZE x SIZE PNG (default 64) as a data URI to every request")
-    ap.add_argument("--reps", type=int, default=1, help="repetitions, phases alternating in order (medians)")
+                    help="attach a generated SIZE x SIZE PNG (default 64; a different tint per request) "
+                         "as a data URI to every request")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="repetitions, phases in alternating order; figures are medians (default 3)")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured requests before the phases (default 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120.0, help="per-request limit in seconds (default 120)")
@@ -427,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                     return 2
                 print(f"server ready in {startup:.1f} s at {url}", file=sys.stderr, flush=True)
             try:
-                result = asyncio.run(bench(args, url))
+                result = asyncio.run(bench(args, url, server))
             except (openai.APIError, httpx.HTTPError, RuntimeError) as err:
                 print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
                 if server is not None:

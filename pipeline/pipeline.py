@@ -169,19 +169,28 @@ class Pipeline:
 
     def warmup(self, prompt_tokens: int = 16, new_tokens: int = 36) -> float:
         """Run a throwaway batch of three sequences that end one after another (batch sizes 3, 2
-        and 1, contexts growing past block boundaries), so that the first real request pays no
-        one-off cost: with ``decode.compile`` every graph dynamo specialises is built here.
-        Reported as ``warmup_s``, never in ``ttft_s``."""
+        and 1, contexts growing past block boundaries), with decode bursts and again with single
+        decode steps, so that the first real request pays no one-off cost: with
+        ``decode.compile`` every graph dynamo specialises is built here. Reported as
+        ``warmup_s``, never in ``ttft_s``."""
         t0 = time.perf_counter()
         text = " ".join(["warm"] * prompt_tokens)
         ids = self.lm.tokenizer(text, add_special_tokens=False)["input_ids"][:prompt_tokens] or [0]
         lengths = [new_tokens, new_tokens * 2 // 3, new_tokens // 3][: self.max_seqs]
-        handles = [
-            self.submit(Request(max_new_tokens=n, ignore_eos=True), ids=ids[: max(1, len(ids) - i)], result=False)
-            for i, n in enumerate(lengths)
-        ]
-        for handle in handles:
-            self.wait(handle).cache.clear()
+        engine = self.engine
+        configured = engine.burst
+        try:  # decode bursts and single decode steps (requests waiting, sampled rows) are two graphs
+            for burst in dict.fromkeys((configured, 1)):
+                engine.burst = burst
+                handles = [
+                    self.submit(Request(max_new_tokens=n, ignore_eos=True), ids=ids[: max(1, len(ids) - i)],
+                                result=False)
+                    for i, n in enumerate(lengths)
+                ]
+                for handle in handles:
+                    self.wait(handle).cache.clear()
+        finally:
+            engine.burst = configured
         synchronize(self.lm.device)
         seconds = time.perf_counter() - t0
         self.warmup_s = (self.warmup_s or 0.0) + seconds

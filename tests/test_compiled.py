@@ -176,7 +176,13 @@ def test_warmup_is_reported_apart_and_requests_compile_nothing(lm, prompt):
              for n in range(5)]
     for h in batch:
         pipe.wait(h)
-    assert counters["stats"]["unique_graphs"] == graphs  # batches of 1 to 5: compiled in the warm-up
+    # More requests than max_seqs: some wait, so decode steps run one at a time (no bursts).
+    queued = pipe_of(lm, compile=True, compile_backend="aot_eager")
+    queued.max_seqs, queued.stages["decode"] = 2, pipe.stages["decode"]
+    for h in [queued.submit(Request(max_new_tokens=9, ignore_eos=True), ids=prompt[: 5 + n], result=False)
+              for n in range(5)]:
+        queued.wait(h)
+    assert counters["stats"]["unique_graphs"] == graphs  # batches of 1 to 5, bursts or not: compiled in the warm-up
     m = pipe.result(ctx).metrics
     assert m["warmup_s"] == seconds and m["decode_compiled"] is True
     assert ctx.generated == oracle(lm, prompt)

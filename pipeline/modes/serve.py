@@ -52,7 +52,9 @@ def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound now: a busy port or a bad host is one line before the model loads."""
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named explicitly: asyncio sets TCP_NODELAY on accepted connections only
+        # then; without it Nagle's algorithm held each stream's first chunk back ~40 ms.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except (OSError, OverflowError) as err:

@@ -372,8 +372,8 @@ class _API:
 
         watcher = asyncio.create_task(watch())
         try:
-            async for _ in sub.events():
-                pass
+            while sub.open:
+                await sub.next_events()
         finally:
             watcher.cancel()
             sub.cancel()
@@ -392,17 +392,17 @@ class _API:
 
     async def _stream(self, body: Sampling, http: HTTPRequest, sub: Submission, meta: dict, chat: bool,
                       endpoint: str) -> Response:
-        events = sub.events()
         try:
-            first = await events.__anext__()  # commit to 200 only once something is known
+            first = await sub.next_events()  # commit to 200 only once something is known
         except BaseException:
             sub.cancel()
             raise
-        if first[1] is None and sub.handles[first[0]].done():
-            _, err = self._outcome_of(sub, first[0])
-            if err is not None:
-                sub.cancel()
-                return self._failed(meta["id"], endpoint, err)
+        for choice, text in first:
+            if text is None:
+                _, err = self._outcome_of(sub, choice)
+                if err is not None:
+                    sub.cancel()
+                    return self._failed(meta["id"], endpoint, err)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -420,7 +420,7 @@ class _API:
                 if chat:
                     for i in range(len(sub.handles)):
                         yield chunk(i, role=True)
-                pending = [first]
+                pending = first
                 while True:
                     for choice, text in pending:
                         if text is not None:
@@ -436,10 +436,9 @@ class _API:
                             return
                         finished[choice] = result
                         yield chunk(choice, finish=FINISH[result.finish_reason])
-                    try:
-                        pending = [await events.__anext__()]
-                    except StopAsyncIteration:
+                    if not sub.open:
                         break
+                    pending = await sub.next_events()
                 results = [r for r in finished if r is not None]
                 self._done(meta["id"], endpoint, results)
                 if include_usage:
