@@ -24,7 +24,7 @@ differing answers), and the CPU seconds this client and (when started here) the 
 the phase: on a small machine the client's own share bounds what the server can get.
 
     python benchmarks/serve_load.py                                  # starts the server itself
-    python benchmarks/serve_load.py --requests 64 --concurrency 1,8,32
+    python benchmarks/serve_load.py --requests 64 --concurrency 1,8,32     # shorter: ramp-up and -down weigh more
     python benchmarks/serve_load.py --image 64 engine.max_seqs=32    # trailing: server overrides
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --api-key KEY --json load.json
 
@@ -397,7 +397,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--api-key", default=None,
                     help="bearer key (default: $MM_PIPELINE_API_KEY, then $OPENAI_API_KEY, else none)")
     ap.add_argument("--concurrency", default="1,32", help="comma-separated clients in flight per phase (default 1,32)")
-    ap.add_argument("--requests", type=int, default=64, help="requests per phase (default 64)")
+    ap.add_argument("--requests", type=int, default=256, help="requests per phase (default 256: mostly steady state at 32 clients)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--image", type=int, nargs="?", const=64, default=0, metavar="SIZE",
                     help="attach a generated SIZE x SIZE PNG (default 64; a different tint per request) "
