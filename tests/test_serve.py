@@ -233,6 +233,20 @@ def test_disconnect_mid_stream_frees_the_blocks(vl):
     assert kv_blocks_used(vl.url) == before
 
 
+def test_disconnect_while_waiting_for_a_whole_answer_frees_the_blocks(vl):
+    import time
+
+    before = kv_blocks_used(vl.url)
+    body = {"messages": [{"role": "user", "content": "Talk for a long time."}], "max_tokens": 20000,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(vl.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
+    deadline = time.monotonic() + 10
+    while kv_blocks_used(vl.url) != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert kv_blocks_used(vl.url) == before
+
+
 def test_prometheus_metrics(vl, client):
     chat(client, [{"role": "user", "content": "Count."}], max_tokens=4)
     text = httpx.get(vl.url + "/metrics").text
