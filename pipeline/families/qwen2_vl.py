@@ -114,7 +114,27 @@ class Qwen2VLFamily(Family):
         pos = torch.tensor([position] + [position + delta] * 3, device=ctx.input_ids.device)
         return pos.view(4, 1, 1)
 
-    # --- helpers the vision stage shares ----------------------------------------------------
+    # --- what the vision stage asks ----------------------------------------------------------
+    def image_spans(self, ctx: "Context") -> list[tuple[int, int]]:
+        """[start, end) of each image's placeholder run, in image order."""
+        return image_spans(ctx)
+
+    def encode_images(self, ctx: "Context", items: list[int]) -> tuple[torch.Tensor, float]:
+        """The embeddings of images ``items`` (prompt order, concatenated) through the model's
+        own vision tower, and the megapixels it saw (after dynamic resizing)."""
+        lm = ctx.lm
+        grid = ctx.model_inputs["image_grid_thw"]
+        pixel_values = ctx.model_inputs["pixel_values"]
+        if len(items) != grid.shape[0]:  # patch rows are concatenated per image: keep those of `items`
+            ends = grid.prod(-1).cumsum(0).tolist()
+            pixel_values = torch.cat([pixel_values[(ends[k - 1] if k else 0) : ends[k]] for k in items], dim=0)
+            grid = grid[items]
+        device = next(lm.model.model.visual.parameters()).device
+        features = lm.model.model.get_image_features(pixel_values.to(device), grid.to(device)).pooler_output
+        patch = int(lm.config.vision_config.patch_size)
+        megapixels = float(grid[:, 1:].prod(-1).sum()) * patch * patch / 1e6
+        return (features if isinstance(features, torch.Tensor) else torch.cat(features, dim=0)), megapixels
+
     @staticmethod
     def image_token_id(ctx: "Context") -> int:
         return int(ctx.lm.config.image_token_id)
