@@ -1,5 +1,25 @@
 """What every family shares: plain 1-D positions, no media. Multimodal families override hooks;
-the media helpers at the end (placeholder spans, cache keys, merging) serve every media encoder."""
+the media helpers at the end (placeholder spans, cache keys, merging) serve every media encoder.
+
+Adding a family (what ``qwen2_vl.py`` and ``qwen2_audio.py`` did):
+
+1. ``pipeline/families/<name>.py``: a ``Family`` subclass with ``name``, ``model_types`` (the
+   config.json ``model_type`` values it runs: the registry finds the class there, nothing else
+   to edit), ``auto_class``, ``media``, ``encoder_modules`` (kept unquantised, left out of the
+   decode-bytes figure), and the hooks its model needs: ``content`` (a user message's parts),
+   ``prepare`` / ``process`` (media through its processor), ``token_keys`` (content hashes at
+   placeholder positions), ``prompt_positions`` / ``decode_positions`` (e.g. 3-D rope rows),
+   and for its encoders ``image_spans`` + ``encode_images`` or ``audio_spans`` + ``encode_audio``
+   (the stages in ``stages/vision.py`` and ``stages/audio.py`` only ask these).
+2. ``pipeline/conf/model/<name>.yaml``: ``name`` and the hub ``path`` of its reference checkpoint.
+3. ``pipeline/tiny/<name>.py``: its tiny random-weight builder (config, chat template,
+   processor) for the tests, which compare greedy output with ``generate()``; it is listed in
+   ``pipeline/tiny/common.py`` ``FAMILIES`` and ``registry.py`` (the shared tokenizer is built
+   from every family's template in that order; bump ``RECIPE_VERSION`` when it changes).
+
+Its layers must be plain attention (the paged KV pool holds nothing else yet): a model with
+sliding-window or linear-attention layers is refused in one line until the pool learns them.
+"""
 from __future__ import annotations
 
 import os
