@@ -11,7 +11,10 @@ from omegaconf import DictConfig
 
 from pipeline.errors import UserError
 
-CONF_DIR = Path(__file__).parent / "conf"
+# Installed, the configs are the package's conf/ (pyproject maps the top-level conf/ there);
+# in the source tree they are the top-level conf/ itself.
+CONF_DIR = next((d for d in (Path(__file__).parent / "conf", Path(__file__).parents[1] / "conf") if d.is_dir()),
+                Path(__file__).parent / "conf")
 
 
 def fail(message: str) -> None:
@@ -33,7 +36,7 @@ def check_group_choices(argv: list[str]) -> None:
                 fail(f"unknown {group} {name!r}: choose one of {', '.join(options)}")
 
 
-@hydra.main(config_path="conf", config_name="config", version_base=None)
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def hydra_main(cfg: DictConfig) -> None:
     from pipeline.modes import get_mode
 

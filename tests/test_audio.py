@@ -18,7 +18,7 @@ from stages import AudioEncoder, DecodeLoop, Prefill, Sampler, Tokenize
 
 N = 10
 RATE = 16_000
-CONF_DIR = Path(__file__).resolve().parents[1] / "pipeline" / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 def tone(freq: float, seconds: float, rate: int = RATE, amp: float = 0.4) -> torch.Tensor:

@@ -18,7 +18,7 @@ from pipeline.errors import UserError
 from pipeline.modes import batch, report
 from stages import DecodeLoop, Prefill, Sampler, Tokenize
 
-CONF_DIR = ROOT / "pipeline" / "conf"
+CONF_DIR = ROOT / "conf"
 N = 6  # max_new_tokens of every batch here
 PROMPTS = ["Tell me about the sea.", "Count to five.", "Why?", "Say something.", "Hello there."]
 

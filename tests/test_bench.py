@@ -15,7 +15,7 @@ from pipeline.memory import kv_bytes
 from pipeline.modes import bench
 from pipeline.modes.bench import BenchSettings, settings_from_cfg
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "pipeline" / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 TINY_GRID = ["bench.prompt_lengths=[4,8]", "bench.gen_lengths=[2,3]", "bench.repetitions=2", "bench.warmup=1"]
 
 

@@ -16,7 +16,7 @@ from pipeline.ceval import LETTERS, Question
 from pipeline.modes.ceval import main as ceval_main
 from stages import DecodeLoop, Prefill, Tokenize
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "pipeline" / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 HEADER = ["id", "question", "A", "B", "C", "D", "answer"]
 
 QUESTIONS = [

@@ -233,7 +233,7 @@ def test_chunked_prefill_with_3d_positions(load_tiny):
 # --- config --------------------------------------------------------------------------------------
 
 def test_config_keys_reach_the_stages_and_the_engine():
-    with initialize_config_dir(config_dir=str(ROOT / "pipeline" / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         default = compose(config_name="config")
         fast = compose(config_name="config", overrides=[
             "decode.compile=true", "prefill.chunk_size=64", "kv.memory=0.5", "engine.max_seqs=3", "engine.burst=1",
@@ -256,7 +256,7 @@ def test_bad_engine_settings_fail_before_the_model_loads(override, message, monk
     import pipeline.assemble as assemble
 
     monkeypatch.setattr(assemble, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
-    with initialize_config_dir(config_dir=str(ROOT / "pipeline" / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=[override])
     with pytest.raises(UserError, match=message) as err:
         assemble.load_from_cfg(cfg)
@@ -268,7 +268,7 @@ def test_stage_level_compile_is_warmed_up_like_decode_compile(lm):
     ``decode.compile=true`` does: the stage decides, so the two settings cannot disagree."""
     from pipeline.assemble import pipeline_from_cfg
 
-    with initialize_config_dir(config_dir=str(ROOT / "pipeline" / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=[
             "stages.decode.compile=true", "+stages.decode.compile_backend=aot_eager", f"kv.memory={POOL}"])
     assert cfg.decode.compile is False

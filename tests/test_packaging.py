@@ -18,8 +18,11 @@ def test_wheel_ships_packages_and_configs_and_runs_from_another_folder(tmp_path)
     wheel = next(tmp_path.glob("mm_pipeline-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in ("pipeline/__main__.py", "stages/prefill.py", "pipeline/conf/config.yaml",
-                     "pipeline/conf/model/qwen3.yaml", "pipeline/conf/sampler/greedy.yaml"):
+                     "pipeline/conf/model/qwen3.yaml", "pipeline/conf/sampler/greedy.yaml",
+                     "pipeline/conf/mode/serve.yaml", "pipeline/serve/static/chat.html"):
         assert required in names, required
+    for package in [*ROOT.glob("pipeline/**/__init__.py"), *ROOT.glob("stages/**/__init__.py")]:
+        assert str(package.relative_to(ROOT)) in names, f"{package.parent.name}: add it to pyproject's packages"
     assert not any(n.startswith("tests/") for n in names)
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -19,7 +19,7 @@ from pipeline.memory import kv_bytes
 from pipeline.quant import quantization_config, resolve_scheme, scheme_name
 from stages import DecodeLoop, Prefill, Sampler, Tokenize
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "pipeline" / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 N = 10
 PROMPT = "Tell me about the sea."
 

@@ -23,7 +23,7 @@ from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 VL = ["qwen2-vl", "qwen2.5-vl"]
 N = 10
 PROMPT = "What is in the picture?"
-CONF = str(ROOT / "pipeline" / "conf")
+CONF = str(ROOT / "conf")
 
 
 def picture(w: int, h: int, seed: int) -> Image.Image:

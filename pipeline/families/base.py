@@ -11,7 +11,7 @@ Adding a family (what ``qwen2_vl.py`` and ``qwen2_audio.py`` did):
    placeholder positions), ``prompt_positions`` / ``decode_positions`` (e.g. 3-D rope rows),
    and for its encoders ``image_spans`` + ``encode_images`` or ``audio_spans`` + ``encode_audio``
    (the stages in ``stages/vision.py`` and ``stages/audio.py`` only ask these).
-2. ``pipeline/conf/model/<name>.yaml``: ``name`` and the hub ``path`` of its reference checkpoint.
+2. ``conf/model/<name>.yaml``: ``name`` and the hub ``path`` of its reference checkpoint.
 3. ``pipeline/tiny/<name>.py``: its tiny random-weight builder (config, chat template,
    processor) for the tests, which compare greedy output with ``generate()``; it is listed in
    ``pipeline/tiny/common.py`` ``FAMILIES`` and ``registry.py`` (the shared tokenizer is built
