@@ -100,11 +100,6 @@ class ChatSession:
         if kind not in lm.family.media:
             raise UserError(f"{lm.path} is a {lm.family.name} model without an {kind} encoder: it cannot take {kind} input")
 
-    def audio_rate(self) -> int:
-        """The sample rate the model's feature extractor wants (16 kHz when it does not say)."""
-        extractor = getattr(self.pipe.lm.processor, "feature_extractor", None)
-        return int(getattr(extractor, "sampling_rate", None) or 16_000)
-
     def attach(self, path: str | os.PathLike, kind: MediaKind | None = None) -> Attachment:
         """Load a media file for the next message. ``kind`` (when given) must match the content.
 
@@ -120,7 +115,7 @@ class ChatSession:
             data: Any = load_image(path, max_pixels=self.max_image_pixels or DEFAULT_MAX_PIXELS)
             data.info["source"] = str(path)  # families name the image by it in their messages
         else:
-            rate = self.audio_rate()
+            rate = self.pipe.lm.family.audio_rate(self.pipe.lm)
             data = (load_audio(path, rate)[0], rate)
         item = Attachment(actual, data, str(path))
         self.pending.append(item)

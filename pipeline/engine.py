@@ -541,15 +541,12 @@ class Engine:
         self.counters["kv_blocks_peak"] = max(self.counters["kv_blocks_peak"], self.pool.used_blocks)
         ready = []
         for seq, chunk in plan:
-            end = chunk.start + chunk.count
-            seq.cache.append(seq.keys[chunk.start : end])
-            m = seq.ctx.metrics
             if chunk.start < seq.prompt_len or chunk.count > 1:
-                m.add_span("prefill", seconds, 1)
-                m.count("prefill_tokens", chunk.count)
+                seq.cache.append(seq.keys[chunk.start : chunk.start + chunk.count])
+                seq.ctx.metrics.add_span("prefill", seconds, 1)
+                seq.ctx.metrics.count("prefill_tokens", chunk.count)
             else:
-                m.add_span("decode", seconds, 1)
-                m.info["decode_compiled"] = compiled or bool(m.info.get("decode_compiled"))
+                self._decoded(seq, seconds, compiled)
             if chunk.logits:
                 ready.append(seq)
         sampling, rows = [], []
@@ -588,7 +585,7 @@ class Engine:
         A row that ends inside the burst (EOS, a stop string) had its later tokens computed for
         nothing; they are dropped, and so are their slots (``_finish`` trims the cache).
         """
-        from pipeline.paged import NULL_BLOCK, greedy_steps
+        from pipeline.paged import greedy_steps, padded_table
 
         try:
             for seq, chunk in plan:
@@ -598,7 +595,7 @@ class Engine:
         device, bs = self.device, self.pool.block_size
         chunks = [c for _, c in plan]
         width = max(2, max(-(-(c.start + steps) // bs) for c in chunks))  # >= 2: no size-1 specialisation
-        tables = [(seq.cache.blocks + [NULL_BLOCK] * width)[:width] for seq, _ in plan]
+        tables = [padded_table(seq.cache.blocks, width) for seq, _ in plan]
         rows = len(chunks[0].positions)
         positions = torch.tensor([[c.positions[r][0] for c in chunks] for r in range(rows)], device=device)
         state = (
@@ -618,20 +615,24 @@ class Engine:
         compiled = self.compiled is not None and self.compiled.why_not(self.lm) is None
         seconds = (time.perf_counter() - t0) / steps
         self.counters["kv_blocks_peak"] = max(self.counters["kv_blocks_peak"], pool.used_blocks)
-        alive = [seq for seq, _ in plan]
+        alive = [(row, seq) for row, (seq, _) in enumerate(plan)]
         for row_tokens in tokens:
             self.counters["steps"] += 1
             self.counters["tokens_in"] += len(alive)
-            for seq in alive:
-                seq.cache.append([seq.keys[seq.cache.length]])
-                m = seq.ctx.metrics
-                m.add_span("decode", seconds, 1)
-                m.info["decode_compiled"] = compiled or bool(m.info.get("decode_compiled"))
-            values = [row_tokens[i] for i, (seq, _) in enumerate(plan) if seq in alive]
-            self._accept(alive, values, 0.0)
-            alive = [seq for seq in alive if not seq.done]
+            for _, seq in alive:
+                self._decoded(seq, seconds, compiled)
+            self._accept([seq for _, seq in alive], [row_tokens[row] for row, _ in alive], 0.0)
+            alive = [(row, seq) for row, seq in alive if not seq.done]
             if not alive:
                 break
+
+    @staticmethod
+    def _decoded(seq: Sequence, seconds: float, compiled: bool) -> None:
+        """Record one fed decode token (its key into the cache) and the step's time."""
+        seq.cache.append([seq.keys[seq.cache.length]])
+        m = seq.ctx.metrics
+        m.add_span("decode", seconds, 1)
+        m.info["decode_compiled"] = compiled or bool(m.info.get("decode_compiled"))
 
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence (plain greedy rows together), then the host-side checks."""

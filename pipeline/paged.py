@@ -345,21 +345,36 @@ class PagedBatch:
     groups: list[Group]
 
 
+def padded_table(blocks: Sequence[int], width: int) -> list[int]:
+    """A block table cut or padded (with the null block) to ``width`` blocks."""
+    return list(blocks[:width]) + [NULL_BLOCK] * (width - min(len(blocks), width))
+
+
+def key_slots(table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, blocks] block tables -> [B, blocks * block_size] pool slot of every key position."""
+    return (table.unsqueeze(-1) * block_size + torch.arange(block_size, device=table.device)).flatten(1)
+
+
+def decode_mask(k_slots: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, 1, 1, K] for decode rows: the one query is the last position, so causal means every
+    key within the row's length (``lengths`` [B], counting the query's own token)."""
+    return (torch.arange(k_slots.shape[1], device=k_slots.device) < lengths.view(-1, 1))[:, None, None, :]
+
+
 def _group(chunks: Sequence[Chunk], offsets: Sequence[int], block_size: int, device: torch.device) -> Group:
     """Padded query / key indices and the mask of a set of chunks attended together."""
     q = max(c.count for c in chunks)
     blocks = max(-(-(c.start + c.count) // block_size) for c in chunks)
-    tables = [c.table[:blocks] + [NULL_BLOCK] * (blocks - min(len(c.table), blocks)) for c in chunks]
-    table = torch.tensor(tables, device=device)
-    k_slots = (table.unsqueeze(-1) * block_size + torch.arange(block_size, device=device)).flatten(1)
-    k_pos = torch.arange(k_slots.shape[1], device=device)
-    k_len = torch.tensor([c.start + c.count for c in chunks], device=device).view(-1, 1, 1)
-    if q == 1:  # decode rows: the query is the last position, so causal = within the length
-        mask = (k_pos < k_len).unsqueeze(1)
+    table = torch.tensor([padded_table(c.table, blocks) for c in chunks], device=device)
+    k_slots = key_slots(table, block_size)
+    k_len = torch.tensor([c.start + c.count for c in chunks], device=device)
+    if q == 1:
+        mask = decode_mask(k_slots, k_len)
     else:
+        k_pos = torch.arange(k_slots.shape[1], device=device)
         q_pos = [[c.start + min(i, c.count - 1) for i in range(q)] for c in chunks]
         qp = torch.tensor(q_pos, device=device).unsqueeze(-1)
-        mask = ((k_pos <= qp) & (k_pos < k_len)).unsqueeze(1)
+        mask = ((k_pos <= qp) & (k_pos < k_len.view(-1, 1, 1))).unsqueeze(1)
     contiguous = all(c.count == q for c in chunks) and all(
         offsets[i] == offsets[0] + i * q for i in range(len(chunks))
     )
@@ -550,9 +565,8 @@ def greedy_step(
     bs = pool.block_size
     last = lengths - 1
     slots = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs
-    k_slots = (table.unsqueeze(-1) * bs + torch.arange(bs, device=table.device)).flatten(1)
-    mask = (torch.arange(k_slots.shape[1], device=table.device) < lengths.unsqueeze(1))[:, None, None, :]
-    batch = PagedBatch(pool, slots, [Group(ids.shape[1], 1, k_slots, mask, start=0)])
+    k_slots = key_slots(table, bs)
+    batch = PagedBatch(pool, slots, [Group(ids.shape[1], 1, k_slots, decode_mask(k_slots, lengths), start=0)])
     index = torch.arange(ids.shape[1], device=ids.device)
     logits = run_model(model, ids, None, positions, index, batch)
     return logits.argmax(dim=-1).view(1, -1), positions + 1, lengths + 1

@@ -55,6 +55,13 @@ class Family:
         items.append({"type": "text", "text": text})
         return items
 
+    @staticmethod
+    def audio_rate(lm: Any) -> int:
+        """The sample rate the model's feature extractor wants (16 kHz when it does not say):
+        what uploaded or attached audio is decoded to."""
+        extractor = getattr(lm.processor, "feature_extractor", None)
+        return int(getattr(extractor, "sampling_rate", None) or 16_000)
+
     def prepare(self, lm: Any, request: Any, long_audio: str = "split") -> Any:
         """The request with its media made ready for this model, before the template renders
         (audio families resample to the model's rate and split clips longer than the encoder

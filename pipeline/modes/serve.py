@@ -11,6 +11,7 @@ import signal
 import socket
 import threading
 from pathlib import Path
+
 from omegaconf import DictConfig
 
 from pipeline.assemble import load_from_cfg, max_image_pixels, pipeline_from_cfg, request_from_cfg, stages_from_cfg

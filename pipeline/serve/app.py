@@ -270,7 +270,7 @@ class _API:
                 elif isinstance(part, AudioPart):
                     if len(audios) >= policy.max_audios:
                         raise UserError(f"{where}: more than serve.max_audios ({policy.max_audios}) audio clips")
-                    rate = self._audio_rate()
+                    rate = family.audio_rate(lm)
                     audios.append(audio_from_base64(part.input_audio.data, where, rate, policy))
                     parts.append({"type": "audio", "audio": f"audio {len(audios)}"})
             if not family.media:  # text models' templates take a string
@@ -279,10 +279,6 @@ class _API:
                 content = parts
             messages.append({"role": role, "content": content})
         return messages, images, audios
-
-    def _audio_rate(self) -> int:
-        extractor = getattr(self.pipe.lm.processor, "feature_extractor", None)
-        return int(getattr(extractor, "sampling_rate", None) or 16_000)
 
     def _requests(self, body: Sampling, chat: bool, tokens: int) -> tuple[list[Request], list[int] | None]:
         """One Request per choice (plus raw prompt ids for text completions). Runs off the loop:
