@@ -235,3 +235,19 @@ def test_4bit_nf4_load_and_generate(built):
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=8)
     assert out.shape[1] - inputs["input_ids"].shape[1] == 8
+
+
+def test_a_tiny_family_is_found_from_its_file_alone(tmp_path, monkeypatch):
+    """Adding a tiny builder is adding its module: the registry finds it, nothing else to edit."""
+    import pipeline.tiny as package
+    from pipeline.tiny import registry
+
+    (tmp_path / "tiny_test_family.py").write_text(
+        "from pipeline.tiny.llama import *  # noqa\n"
+        "from pipeline.tiny.llama import CHAT_TEMPLATE, ROLES, SPECIAL_TOKENS, make_config, model_class\n"
+        "FAMILY = 'test-llama'\nRANK = 99\n"
+    )
+    monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
+    found = registry._discover()
+    assert list(found)[: len(tiny.FAMILIES)] == list(tiny.FAMILIES)
+    assert found["test-llama"].CHAT_TEMPLATE == tiny.CHAT_TEMPLATES["llama"]

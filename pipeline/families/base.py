@@ -12,10 +12,11 @@ Adding a family (what ``qwen2_vl.py`` and ``qwen2_audio.py`` did):
    and for its encoders ``image_spans`` + ``encode_images`` or ``audio_spans`` + ``encode_audio``
    (the stages in ``stages/vision.py`` and ``stages/audio.py`` only ask these).
 2. ``conf/model/<name>.yaml``: ``name`` and the hub ``path`` of its reference checkpoint.
-3. ``pipeline/tiny/<name>.py``: its tiny random-weight builder (config, chat template,
-   processor) for the tests, which compare greedy output with ``generate()``; it is listed in
-   ``pipeline/tiny/common.py`` ``FAMILIES`` and ``registry.py`` (the shared tokenizer is built
-   from every family's template in that order; bump ``RECIPE_VERSION`` when it changes).
+3. ``pipeline/tiny/<name>.py``: its tiny random-weight builder for the tests, which compare
+   greedy output with ``generate()``: ``FAMILY``, ``RANK``, ``ROLES``, ``SPECIAL_TOKENS`` (in the
+   published order), ``CHAT_TEMPLATE`` (the published one), ``make_config``, ``model_class`` and
+   ``make_processor`` (the real processor classes). ``pipeline/tiny/registry.py`` finds it.
+4. Tests: greedy equality with ``generate()`` for each modality it takes, nf4 included.
 
 Its layers must be plain attention (the paged KV pool holds nothing else yet): a model with
 sliding-window or linear-attention layers is refused in one line until the pool learns them.

@@ -18,7 +18,8 @@ Public API: ``FAMILIES``, ``build_tiny``, ``make_tokenizer``, ``tiny_model_dir``
 from __future__ import annotations
 
 from pipeline.tiny.build import build_tiny, default_model_dir, make_processor, tiny_model_dir
-from pipeline.tiny.common import DEFAULT_FAMILY, FAMILIES, MARKER_FILE, RECIPE_VERSION
+from pipeline.tiny.common import DEFAULT_FAMILY, MARKER_FILE, RECIPE_VERSION
+from pipeline.tiny.registry import FAMILIES
 from pipeline.tiny.tokenizer import make_tokenizer
 
 # Not in __all__, but read as ``tiny.X`` (tests: CHAT_TEMPLATES, MAX_PIXELS) and public names of

@@ -14,8 +14,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.tiny.common import DEFAULT_FAMILY, MARKER_FILE, RECIPE_VERSION, _check_family, _generation_config
-from pipeline.tiny.registry import FAMILY_MODULES
+from pipeline.tiny.common import DEFAULT_FAMILY, MARKER_FILE, RECIPE_VERSION, _generation_config
+from pipeline.tiny.registry import family_module
 from pipeline.tiny.tokenizer import make_tokenizer
 
 if TYPE_CHECKING:
@@ -29,8 +29,7 @@ def make_processor(family: str, tokenizer: PreTrainedTokenizerBase | None = None
     (patch grids, placeholder expansion, mel features).  VL image/video processors get small
     pixel budgets so images stay a handful of tokens.
     """
-    _check_family(family)
-    build = getattr(FAMILY_MODULES[family], "make_processor", None)  # text-only families have none
+    build = getattr(family_module(family), "make_processor", None)  # text-only families have none
     if build is None:
         return None
     tokenizer = tokenizer if tokenizer is not None else make_tokenizer(family)
@@ -38,11 +37,11 @@ def make_processor(family: str, tokenizer: PreTrainedTokenizerBase | None = None
 
 
 def _make_config(family: str, tok: PreTrainedTokenizerBase) -> PretrainedConfig:
-    return FAMILY_MODULES[family].make_config(tok)
+    return family_module(family).make_config(tok)
 
 
 def _model_class(family: str) -> type[PreTrainedModel]:
-    return FAMILY_MODULES[family].model_class()
+    return family_module(family).model_class()
 
 
 def _write(family: str, seed: int, dest: Path) -> None:
@@ -117,7 +116,7 @@ def build_tiny(family: str, out_dir: str | Path, seed: int = 0) -> Path:
     next to ``out_dir`` and moved into place with ``os.replace``, so no process ever sees a
     half-written model; an existing ``out_dir`` is replaced.
     """
-    _check_family(family)
+    family_module(family)
     out = Path(out_dir).expanduser().absolute()
     _build_into(family, seed, out, keep_existing=False)
     return out
@@ -166,7 +165,7 @@ def tiny_model_dir(family: str) -> Path:
     Lives in ``$MM_PIPELINE_HOME/tiny-<family>-v<N>`` or ``~/.cache/mm-pipeline/...``.
     Concurrent first uses are safe: each builds privately and the first rename wins.
     """
-    _check_family(family)
+    family_module(family)
     d = _cache_root() / f"tiny-{family}-v{RECIPE_VERSION}"
     if not _is_complete(d):
         _build_into(family, 0, d, keep_existing=True)  # a broken leftover is replaced

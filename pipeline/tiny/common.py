@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-FAMILIES: tuple[str, ...] = ("qwen3", "llama", "qwen2-vl", "qwen2.5-vl", "qwen2-audio")
 DEFAULT_FAMILY = "qwen2-vl"
 # Bump when anything below changes what gets written (weights, tokenizer, configs): cached
 # directories are keyed on it, so a stale cache is never reused.
@@ -44,12 +43,11 @@ MIN_PIXELS = 56 * 56
 MAX_PIXELS = 224 * 224
 
 # --------------------------------------------------------------------------------------
-# Special tokens, in the order the real tokenizers number them.  (token, special?)
-# Qwen3 marks <think>/<tool_call> as added but *not* special, as the published one does,
-# so decoding with skip_special_tokens keeps them.
+# Special tokens, in the order the real tokenizers number them: (token, special?). Each
+# family module lists its own as ``SPECIAL_TOKENS``; the Qwen families share these.
 # --------------------------------------------------------------------------------------
-_QWEN_BASE = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True)]
-_QWEN_VISION = [
+QWEN_BASE_TOKENS = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True)]
+QWEN_VISION_TOKENS = [
     (t, True)
     for t in (
         "<|object_ref_start|>",
@@ -65,54 +63,17 @@ _QWEN_VISION = [
         "<|video_pad|>",
     )
 ]
-_SPECIAL_TOKENS: dict[str, list[tuple[str, bool]]] = {
-    "qwen3": _QWEN_BASE
-    + _QWEN_VISION
-    + [
-        ("<tool_call>", False),
-        ("</tool_call>", False),
-        ("<tool_response>", False),
-        ("</tool_response>", False),
-        ("<think>", False),
-        ("</think>", False),
-    ],
-    "llama": [
-        (t, True)
-        for t in (
-            "<|begin_of_text|>",
-            "<|end_of_text|>",
-            "<|reserved_special_token_0|>",
-            "<|reserved_special_token_1|>",
-            "<|finetune_right_pad_id|>",
-            "<|reserved_special_token_2|>",
-            "<|start_header_id|>",
-            "<|end_header_id|>",
-            "<|eom_id|>",
-            "<|eot_id|>",
-            "<|python_tag|>",
-        )
-    ],
-    "qwen2-vl": _QWEN_BASE + _QWEN_VISION,
-    "qwen2.5-vl": _QWEN_BASE + _QWEN_VISION,
-    "qwen2-audio": _QWEN_BASE + [("<|AUDIO|>", True), ("<|audio_bos|>", True), ("<|audio_eos|>", True)],
-}
-
-# Role tokens per family: (bos, eos, pad, generation-config eos list).
-_ROLE_TOKENS: dict[str, dict[str, Any]] = {
-    "qwen": {"bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>", "config_bos": "<|endoftext|>",
-             "gen_eos": ["<|im_end|>", "<|endoftext|>"]},
-    "llama": {"bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "pad": "<|finetune_right_pad_id|>",
-              "config_bos": "<|begin_of_text|>", "gen_eos": ["<|end_of_text|>", "<|eot_id|>"]},
-}
+# Role tokens of the Qwen families: (bos, eos, pad, generation-config eos list). A family module
+# names its own as ``ROLES``.
+QWEN_ROLES: dict[str, Any] = {"bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>", "config_bos": "<|endoftext|>",
+                              "gen_eos": ["<|im_end|>", "<|endoftext|>"]}
+QWEN_SPECIAL_TOKENS = QWEN_BASE_TOKENS + QWEN_VISION_TOKENS  # what Qwen2-VL, Qwen2.5-VL and Qwen3-VL publish
 
 
 def _roles(family: str) -> dict[str, Any]:
-    return _ROLE_TOKENS["llama" if family == "llama" else "qwen"]
+    from pipeline.tiny.registry import family_module  # the registry imports every family module
 
-
-def _check_family(family: str) -> None:
-    if family not in FAMILIES:
-        raise ValueError(f"unknown tiny model family {family!r}; choose one of {', '.join(FAMILIES)}")
+    return family_module(family).ROLES
 
 
 def _vocab_size(tok: PreTrainedTokenizerBase) -> int:

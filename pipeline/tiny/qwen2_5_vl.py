@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.tiny.common import HIDDEN, INIT_RANGE, VISION_DEPTH, VISION_DIM, VISION_HEADS
+from pipeline.tiny.common import HIDDEN, INIT_RANGE, QWEN_ROLES, QWEN_SPECIAL_TOKENS, VISION_DEPTH, VISION_DIM, VISION_HEADS
 from pipeline.tiny.qwen2_vl import QWEN2_VL_CHAT_TEMPLATE, _media_processors, _text_config, _vision_token_ids
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 
 FAMILY = "qwen2.5-vl"
+RANK = 3
+ROLES = QWEN_ROLES
+SPECIAL_TOKENS = QWEN_SPECIAL_TOKENS
 
 CHAT_TEMPLATE = QWEN2_VL_CHAT_TEMPLATE
 

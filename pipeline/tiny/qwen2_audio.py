@@ -4,12 +4,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.tiny.common import AUDIO_DIM, AUDIO_HEADS, AUDIO_LAYERS, INIT_RANGE, _text_kwargs
+from pipeline.tiny.common import (
+    AUDIO_DIM,
+    AUDIO_HEADS,
+    AUDIO_LAYERS,
+    INIT_RANGE,
+    QWEN_BASE_TOKENS,
+    QWEN_ROLES,
+    _text_kwargs,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 
 FAMILY = "qwen2-audio"
+RANK = 4
+ROLES = QWEN_ROLES
+SPECIAL_TOKENS = QWEN_BASE_TOKENS + [("<|AUDIO|>", True), ("<|audio_bos|>", True), ("<|audio_eos|>", True)]
 
 # The Qwen2-Audio-7B-Instruct template, with transformers' `content['type'] == 'audio'`
 # test added so that {"type": "audio", "path": ...} items (no "audio" key) still count.

@@ -14,6 +14,8 @@ from pipeline.tiny.common import (
     MAX_PIXELS,
     MIN_PIXELS,
     MROPE_SECTION,
+    QWEN_ROLES,
+    QWEN_SPECIAL_TOKENS,
     VISION_DEPTH,
     VISION_DIM,
     VISION_HEADS,
@@ -31,6 +33,9 @@ if TYPE_CHECKING:
     )
 
 FAMILY = "qwen2-vl"
+RANK = 2
+ROLES = QWEN_ROLES
+SPECIAL_TOKENS = QWEN_SPECIAL_TOKENS
 
 # The published Qwen2-VL-7B-Instruct template (== Qwen2.5-VL-7B-Instruct's).
 QWEN2_VL_CHAT_TEMPLATE = (

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.tiny.common import HEAD_DIM, _text_kwargs
+from pipeline.tiny.common import HEAD_DIM, QWEN_ROLES, QWEN_SPECIAL_TOKENS, _text_kwargs
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 FAMILY = "qwen3"
+RANK = 0  # where it sorts in FAMILIES (test ids, listings)
+ROLES = QWEN_ROLES
+# Qwen3 marks <think>/<tool_call> as added but *not* special, as the published one does, so
+# decoding with skip_special_tokens keeps them.
+SPECIAL_TOKENS = QWEN_SPECIAL_TOKENS + [
+    (t, False) for t in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+]
 
 # The published Qwen3-8B template (thinking, tools).
 QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}

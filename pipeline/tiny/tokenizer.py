@@ -11,8 +11,8 @@ from collections import Counter, defaultdict
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from pipeline.tiny.common import NUM_MERGES, _SPECIAL_TOKENS, _check_family, _roles
-from pipeline.tiny.registry import CHAT_TEMPLATES
+from pipeline.tiny.common import NUM_MERGES, _roles
+from pipeline.tiny.registry import CHAT_TEMPLATES, family_module
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -152,14 +152,14 @@ def make_tokenizer(family: str) -> PreTrainedTokenizerBase:
     Qwen families get ``Qwen2Tokenizer`` (what their hub configs name), llama gets
     ``PreTrainedTokenizerFast`` (as Llama-3 ships).
     """
-    _check_family(family)
+    family_module(family)  # an unknown name fails here, clearly
     from tokenizers import AddedToken, Tokenizer, processors
     from tokenizers.models import BPE
 
     vocab_items, merges = _vocab_and_merges(family)
     vocab, merges = dict(vocab_items), list(merges)
     roles = _roles(family)
-    specials = _SPECIAL_TOKENS[family]
+    specials = family_module(family).SPECIAL_TOKENS
     # Special tokens get the ids right after the merges, in the published order, whatever
     # order the tokenizer class registers them in.
     for t, _ in specials:
@@ -224,7 +224,7 @@ def make_tokenizer(family: str) -> PreTrainedTokenizerBase:
 
 def _check_ids(tok: PreTrainedTokenizerBase, family: str) -> None:
     """Special tokens must stay single tokens at fixed ids, in the published order."""
-    ids = [tok.convert_tokens_to_ids(t) for t, _ in _SPECIAL_TOKENS[family]]
+    ids = [tok.convert_tokens_to_ids(t) for t, _ in family_module(family).SPECIAL_TOKENS]
     base = ids[0]
     if ids != list(range(base, base + len(ids))) or base != len(dict(_vocab_and_merges(family)[0])):
         raise RuntimeError(f"tiny {family} tokenizer: special token ids out of order: {ids}")
