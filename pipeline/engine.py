@@ -196,6 +196,7 @@ class Sequence:
         return Chunk(
             table=list(self.cache.blocks), start=begin, ids=self.ids[begin:end], positions=positions, slots=slots,
             embeds=embeds[0, begin:mid] if embeds is not None and mid > begin else None, logits=end == self.known,
+            extras=self.ctx.lm.family.chunk_extras(self.ctx, begin, mid) if mid > begin else None,
         )
 
     def history(self) -> torch.Tensor:

@@ -311,6 +311,7 @@ class Chunk:
     slots: list[int]
     embeds: torch.Tensor | None = None
     logits: bool = True  # keep the last token's logits
+    extras: dict | None = None  # the family's per-token inputs for the prompt part (Family.chunk_extras)
 
     @property
     def count(self) -> int:
@@ -516,8 +517,9 @@ def forward(
         if c.logits:
             keep.append(off - 1)
     index = torch.tensor(keep or [off - 1], device=device)
+    extra = lm.family.lm_inputs(chunks, device) if any(c.extras for c in chunks) else None
     pool.prepare_write()
-    logits = (run or run_model)(model, ids, embeds, positions, index, build_batch(pool, chunks, device))
+    logits = (run or run_model)(model, ids, embeds, positions, index, build_batch(pool, chunks, device), extra)
     return logits[index] if logits.shape[0] == off and off != len(index) else logits  # no logits_to_keep support
 
 
@@ -531,9 +533,20 @@ def run_model(
     positions: torch.Tensor,
     index: torch.Tensor,
     batch: PagedBatch,
+    extra: dict | None = None,
 ) -> torch.Tensor:
-    """The model call itself, tensors in and logits out: the unit ``torch.compile`` sees."""
+    """The model call itself, tensors in and logits out: the unit ``torch.compile`` sees.
+
+    ``extra``: language-model inputs a family adds for prompt tokens (``Family.lm_inputs``, e.g.
+    Qwen3-VL's deepstack features), which the top-level forward would not pass through: then the
+    decoder runs on its own and the output projection is applied to the kept rows.
+    """
     inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
+    if extra:
+        hidden = model.get_decoder()(
+            **inputs, position_ids=positions, attention_mask=_NO_MASK, use_cache=False, paged=batch, **extra
+        ).last_hidden_state
+        return model.get_output_embeddings()(hidden[0, index])
     out = model(
         **inputs,
         position_ids=positions,

@@ -91,6 +91,18 @@ class Family:
         return torch.tensor([[position]], device=ctx.input_ids.device)
 
 
+    # --- extra forward inputs ---------------------------------------------------------------
+    def chunk_extras(self, ctx: "Context", begin: int, end: int) -> dict | None:
+        """Per-token inputs of prompt positions [begin, end) beyond ids, embeddings and positions
+        (e.g. Qwen3-VL's deepstack features), carried by the engine's chunk; None: nothing."""
+        return None
+
+    def lm_inputs(self, chunks: Sequence[Any], device: torch.device) -> dict[str, Any]:
+        """The language-model keyword inputs for one packed forward, built from its chunks'
+        ``extras`` (in packed token order). Only called when some chunk has extras."""
+        raise NotImplementedError(f"{type(self).__name__} gives chunk extras but no lm_inputs")
+
+
 class TextFamily(Family):
     pass
 

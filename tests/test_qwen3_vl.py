@@ -1,0 +1,73 @@
+"""Qwen3-VL: images (and their deepstack features) through the paged engine answer exactly like
+``generate()``: alone, chunked, batched with other requests, after a cache hit, and in nf4."""
+from __future__ import annotations
+
+import bitsandbytes as bnb
+import pytest
+import torch
+
+from conftest import generate_oracle
+from pipeline import Pipeline, Request
+from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
+from test_engine import submit_staggered
+from test_quant import linears
+from test_vision import A, B, C, N, PROMPT, ask, make_pipe, oracle
+
+FAMILY = "qwen3-vl"
+
+
+@pytest.mark.parametrize("images", [[A], [A, C], []], ids=["one-image", "two-images", "text-only"])
+def test_matches_generate(load_tiny, images):
+    lm = load_tiny(FAMILY)
+    result = ask(make_pipe(lm), images)
+    prompt_ids, tokens = oracle(lm, images)
+    assert result.prompt_ids == prompt_ids
+    assert result.token_ids == tokens
+
+
+def test_deepstack_features_reach_the_decoder(load_tiny, monkeypatch):
+    """Without the deepstack additions the answer differs: the exactness above depends on them."""
+    from pipeline.families.qwen3_vl import Qwen3VLFamily
+
+    lm = load_tiny(FAMILY)
+    monkeypatch.setattr(Qwen3VLFamily, "chunk_extras", lambda self, ctx, begin, end: None)
+    assert ask(make_pipe(lm), [A, C]).token_ids != oracle(lm, [A, C])[1]
+
+
+def test_chunked_prefill_and_a_cached_image_match_generate(load_tiny):
+    lm = load_tiny(FAMILY)
+    stages = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(chunk_size=8),
+              "decode": DecodeLoop()}
+    pipe = Pipeline(lm, stages)
+    expected = oracle(lm, [C, A])[1]
+    first = ask(pipe, [C, A])
+    assert first.token_ids == expected  # chunk borders fall inside the images
+    again = ask(pipe, [C, A], text="Which colours?")  # the prefix cache holds C (full blocks)
+    assert again.metrics["kv_reused_tokens"] > 0 and again.metrics["megapixels"] < first.metrics["megapixels"]
+    assert again.token_ids == oracle(lm, [C, A], text="Which colours?")[1]
+
+
+def test_batched_requests_each_get_their_solo_answer(load_tiny):
+    """Several prompts' deepstack rows packed into one forward, in packed token order."""
+    lm = load_tiny(FAMILY)
+    requests = [Request(prompt=f"{PROMPT} {i}", images=imgs, max_new_tokens=N, ignore_eos=True)
+                for i, imgs in enumerate([[A], [B, C], [], [C], [A, B]])]
+    batched = submit_staggered(Pipeline(lm, {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(),
+                                             "prefill": Prefill(), "decode": DecodeLoop()}, max_seqs=5), requests)
+    for request, result in zip(requests, batched):
+        assert result.token_ids == oracle(lm, request.images, text=request.prompt)[1]
+
+
+def test_nf4_keeps_the_tower_and_deepstack_mergers_unquantised_and_matches_generate(load_tiny):
+    lm = load_tiny(FAMILY, quant="nf4")
+    plain = [n for n, _ in linears(lm.model, torch.nn.Linear)]
+    four_bit = [n for n, _ in linears(lm.model, bnb.nn.Linear4bit)]
+    assert any(".deepstack_merger_list." in n for n in plain)
+    assert plain and all(n.startswith("model.visual.") or n == "lm_head" for n in plain)
+    assert four_bit and all(n.startswith("model.language_model.") for n in four_bit)
+    content = [{"type": "image", "image": A}, {"type": "text", "text": PROMPT}]
+    inputs = dict(lm.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=True, return_tensors="pt"))
+    ids = inputs.pop("input_ids")
+    inputs.pop("attention_mask")
+    assert ask(make_pipe(lm), [A]).token_ids == generate_oracle(lm, ids, N, ignore_eos=True, **inputs)
