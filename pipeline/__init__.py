@@ -5,6 +5,9 @@ from pipeline.kv_cache import KVCache, Snapshot
 from pipeline.loading import LoadedModel, load_model
 from pipeline.metrics import Metrics
 from pipeline.pipeline import Pipeline
+from pipeline.settings import register as _register_settings
+
+_register_settings()  # conf/config.yaml composes over the settings schema (Hydra's ConfigStore)
 
 __all__ = [
     "Context", "Request", "Result", "UserError", "KVCache", "Snapshot",

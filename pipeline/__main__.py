@@ -10,6 +10,9 @@ import hydra
 from omegaconf import DictConfig
 
 from pipeline.errors import UserError
+from pipeline.settings import register
+
+register()  # the schema config.yaml composes over
 
 # Installed, the configs are the package's conf/ (pyproject maps the top-level conf/ there);
 # in the source tree they are the top-level conf/ itself.
@@ -36,11 +39,54 @@ def check_group_choices(argv: list[str]) -> None:
                 fail(f"unknown {group} {name!r}: choose one of {', '.join(options)}")
 
 
+# Hydra's own flags: with these the command line is not (only) overrides, so Hydra handles it all.
+_HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-p", "--package", "--info", "--resolve",
+                "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "-sc", "--shell-completion",
+                "--experimental-rerun")
+
+
+def one_line(err: Exception) -> str:
+    """Hydra's composition error as one line: its first sentence and, for a value of the wrong
+    type, the reason (OmegaConf's first line), without the key dump."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith("See https")]
+    cause = str(err.__cause__).splitlines()[0] if err.__cause__ is not None else ""
+    if lines and lines[0].startswith("Error merging override "):
+        return f"{lines[0].removeprefix('Error merging override ')}: {cause}"
+    return " ".join(lines)
+
+
+def check_overrides(argv: list[str]) -> None:
+    """Compose the configuration once up front, so a bad override (a value of the wrong type, an
+    unknown key, a syntax error) is one line instead of Hydra's report. Each value of a sweep
+    (``quant=nf4,none``) is tried on its own."""
+    if any(arg.split("=")[0] in _HYDRA_FLAGS for arg in argv):
+        return
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    overrides = [arg for arg in argv if not arg.startswith("-")]  # -m / --multirun
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override() else text
+                 for o, text in zip(parsed, overrides)]
+        trials = [first] + [first[:i] + [f"{o.get_key_element()}={value}"] + first[i + 1:]
+                            for i, o in enumerate(parsed) if o.is_sweep_override()
+                            for value in list(o.sweep_string_iterator())[1:]]
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            for trial in trials:
+                compose("config", overrides=trial)
+    except HydraException as err:
+        fail(one_line(err))
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def hydra_main(cfg: DictConfig) -> None:
     from pipeline.modes import get_mode
+    from pipeline.settings import check
 
     try:
+        check(cfg)  # the rules types cannot say, once, before the mode reads anything
         get_mode(str(cfg.mode.name))(cfg)
     except (UserError, ValueError) as err:  # ValueError: a stage refusing its settings (the Python API's error)
         fail(str(err))
@@ -51,6 +97,7 @@ def hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     check_group_choices(sys.argv[1:])
+    check_overrides(sys.argv[1:])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     hydra_main()
 

@@ -50,7 +50,9 @@ def test_named_model_with_local_path_system_prompt_and_sampler_settings(tiny_dir
         (["+model=no-such-model"], "unknown model 'no-such-model'"),
         (["model.path=/no/such/dir"], "does not exist"),
         (["prompt="], "prompt is empty"),
-        (["max_new_tokens=0"], "max_new_tokens must be >= 1"),
+        (["max_new_tokens=0"], "max_new_tokens must be an integer >= 1"),
+        (["engine.burst=x"], "engine.burst=x: Value 'x' of type 'str' could not be converted to Integer"),
+        (["foo=1"], "Could not override 'foo'"),
         (["sampler.temperature=-1"], "temperature"),
     ],
 )

@@ -1,0 +1,205 @@
+"""The settings' shape and rules, checked once where the configuration enters.
+
+Two layers, so that no setting is checked twice or in the middle of a run:
+
+- **types**: ``conf/config.yaml`` composes over ``Settings`` (dataclasses registered in Hydra's
+  ConfigStore as ``mm_pipeline_schema``), so ``max_new_tokens=abc``, ``engine.burst=x`` or
+  ``stream=maybe`` are refused while Hydra composes, before any code runs (``__main__`` turns
+  that into one line);
+- **rules** types cannot say (at least 1, min below max, a known scheme): ``check(cfg)``, called
+  once by ``__main__`` before the mode starts. The code that builds objects from the config
+  (``assemble``) then reads values it can trust.
+
+The Python API has its own guards: a stage or ``Pipeline`` given a bad argument raises
+``ValueError`` / ``TypeError`` (programming misuse); ``UserError`` is for what a CLI user can fix.
+Mode-specific sections (``serve``, ``batch``, ``bench``, ``ceval``) are typed here and checked by
+their mode when it starts, which is where they enter.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from pipeline.errors import UserError, whole_number
+
+SCHEMA = "mm_pipeline_schema"
+
+
+@dataclass
+class ModelSettings:
+    name: Optional[str] = None
+    path: Optional[str] = None
+    dtype: str = "auto"
+    device_map: Any = None  # auto, cpu, cuda:0, or {module: device}
+    max_memory: Any = None  # {0: 10GiB, cpu: 30GiB}
+    offload_folder: Optional[str] = None
+    trust_remote_code: bool = False
+    processor: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class MediaSettings:
+    max_image_pixels: int = 64_000_000
+    long_audio: str = "split"  # split | error
+    video_fps: float = 2.0
+    video_max_frames: int = 64
+
+
+@dataclass
+class DecodeSettings:
+    compile: bool = False
+
+
+@dataclass
+class KVSettings:
+    memory: Any = "auto"  # bytes, "2GiB", a fraction of free memory, or auto
+    block_size: int = 16
+
+
+@dataclass
+class EngineSettings:
+    max_seqs: Optional[int] = None
+    max_batch_tokens: int = 2048
+    burst: int = 8
+
+
+@dataclass
+class PrefillSettings:
+    chunk_size: Optional[int] = None
+
+
+@dataclass
+class ModeSettings:
+    name: str = "run"
+
+
+@dataclass
+class QuantSettings:
+    name: str = "auto"
+    quant_type: Optional[str] = None
+    double_quant: Optional[bool] = None
+    compute_dtype: Optional[str] = None
+    threshold: Optional[float] = None
+    skip_modules: Optional[List[str]] = None
+
+
+@dataclass
+class ServeSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    allowed_media_dir: Optional[str] = None
+    allow_remote_media: bool = False
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_images: int = 8
+    max_audios: int = 4
+    max_videos: int = 2
+    max_audio_s: float = 600.0
+    max_tokens: int = 8192
+    max_n: int = 8
+    drain_s: float = 30.0
+
+
+@dataclass
+class BatchSettings:
+    shared_prefix: bool = False
+    progress: bool = True
+    sync_timeout_s: float = 86400.0
+
+
+@dataclass
+class BenchSettings:
+    # a length or a list of lengths (bench reads both)
+    prompt_lengths: Any = field(default_factory=lambda: [32, 128])
+    gen_lengths: Any = field(default_factory=lambda: [16, 64])
+    batch_sizes: Any = field(default_factory=lambda: [1])
+    repetitions: int = 3
+    warmup: int = 1
+    seed: int = 0
+    baseline: Optional[str] = None
+
+
+@dataclass
+class CevalSettings:
+    dev: Optional[str] = None
+    shots: int = 5
+    instruction: str = ""
+
+
+@dataclass
+class Settings:
+    """Every setting ``python -m pipeline`` reads; conf/config.yaml gives the defaults and comments."""
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    input: Any = None  # a path or a list of paths
+    prompt: Optional[str] = None
+    system_prompt: Optional[str] = None
+    thinking: Optional[bool] = None
+    max_new_tokens: int = 64
+    ignore_eos: bool = False
+    stop: Any = field(default_factory=list)  # a string or a list of strings
+    stream: bool = True
+    metrics_table: bool = True
+    media: MediaSettings = field(default_factory=MediaSettings)
+    decode: DecodeSettings = field(default_factory=DecodeSettings)
+    kv: KVSettings = field(default_factory=KVSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    prefill: PrefillSettings = field(default_factory=PrefillSettings)
+    stages: Any = None  # the chain: each stage's _target_ and arguments (instantiated by assemble)
+    sampler: Any = None  # a Sampler's _target_ and arguments (users may point it at their own class)
+    quant: QuantSettings = field(default_factory=QuantSettings)
+    mode: ModeSettings = field(default_factory=ModeSettings)
+    serve: Optional[ServeSettings] = None
+    batch: Optional[BatchSettings] = None
+    bench: Optional[BenchSettings] = None
+    ceval: Optional[CevalSettings] = None
+    data: Optional[str] = None  # mode=ceval: the questions
+    dir: Optional[str] = None  # mode=report: the sweep folder
+
+
+def register() -> None:
+    """Make ``mm_pipeline_schema`` available to config.yaml's defaults list (idempotent)."""
+    ConfigStore.instance().store(name=SCHEMA, node=Settings)
+
+
+def plain(value: Any) -> Any:
+    """An OmegaConf node as plain Python (dicts, lists), anything else unchanged."""
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def check(cfg: DictConfig) -> None:
+    """The rules of the shared settings (types were checked while composing). Raises UserError."""
+    whole_number("max_new_tokens", cfg.max_new_tokens)
+    if cfg.prompt is not None and not str(cfg.prompt).strip():
+        raise UserError("the prompt is empty: give prompt=TEXT")
+    if cfg.model.name and not cfg.model.path:
+        raise UserError(f"model {cfg.model.name!r} has no model.path: set model.path=DIR_OR_HUB_ID")
+    processor = {k: v for k, v in plain(cfg.model.processor).items() if v is not None}
+    for key in ("min_pixels", "max_pixels"):
+        if key in processor:
+            whole_number(f"model.processor.{key}", processor[key])
+    if processor.get("min_pixels", 0) > processor.get("max_pixels", float("inf")):
+        raise UserError(f"model.processor.min_pixels ({processor['min_pixels']}) is above max_pixels "
+                        f"({processor['max_pixels']})")
+    media = cfg.media
+    if media.long_audio not in ("split", "error"):
+        raise UserError(f"media.long_audio must be split or error (got {media.long_audio!r})")
+    whole_number("media.max_image_pixels", media.max_image_pixels)
+    whole_number("media.video_max_frames", media.video_max_frames)
+    if not media.video_fps > 0:
+        raise UserError(f"media.video_fps must be above 0 (got {media.video_fps!r})")
+    whole_number("kv.block_size", cfg.kv.block_size)
+    from pipeline.paged import kv_memory_setting
+
+    kv_memory_setting(plain(cfg.kv.memory))
+    for name in ("max_batch_tokens", "burst") + (("max_seqs",) if cfg.engine.max_seqs is not None else ()):
+        whole_number(f"engine.{name}", cfg.engine[name])
+    if cfg.prefill.chunk_size is not None:
+        whole_number("prefill.chunk_size", cfg.prefill.chunk_size)
+    from pipeline.quant import scheme_name
+
+    scheme_name(plain(cfg.quant))
