@@ -8,7 +8,7 @@ template rewrites history (e.g. Qwen3 drops old thinking blocks): reuse simply s
 
     from pipeline.chat import ChatSession
     chat = ChatSession(pipe, max_new_tokens=128)
-    chat.attach("photo.jpg")          # media for the next message (multimodal models)
+    chat.attach("photo.jpg")          # media for the next message (multimodal models): images, clips, audio
     print(chat.send("What is in the picture?").text)
     chat.send("And the colours?")
     chat.undo()                       # drop the last exchange: the cache rolls back, no recompute
@@ -26,7 +26,7 @@ from pipeline.kv_cache import KVCache
 from pipeline.outputs import append_jsonl
 from pipeline.pipeline import Pipeline
 
-MediaKind = Literal["image", "audio"]
+MediaKind = Literal["image", "audio", "video"]
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Attachment:
     """A media item waiting for the next message: its loaded data and how the log names it."""
 
     kind: MediaKind
-    data: Any  # RGB PIL image, or (mono waveform, sample_rate)
+    data: Any  # RGB PIL image, (mono waveform, sample_rate), or a sampled pipeline.media.Video
     label: str  # the path it came from, or a content hash
 
 
@@ -49,6 +49,7 @@ class Turn:
     labels: list[str]
     result: Result
     kept: int  # cache tokens from before this turn that it kept: /undo rolls back to here
+    videos: list[Any] = field(default_factory=list)
 
     @property
     def reply(self) -> dict:
@@ -71,6 +72,8 @@ class ChatSession:
     thinking: bool | None = None
     log_path: str | Path | None = None
     max_image_pixels: int | None = None  # decompression-bomb guard for attached images (None: media's default)
+    video_fps: float | None = None  # frames sampled per second of an attached clip (None: media's default)
+    video_max_frames: int | None = None  # at most this many frames per clip (None: media's default)
     cache: KVCache = field(init=False)
     turns: list[Turn] = field(init=False, default_factory=list)
     pending: list[Attachment] = field(init=False, default_factory=list)
@@ -98,22 +101,31 @@ class ChatSession:
     def _require(self, kind: str) -> None:
         lm = self.pipe.lm
         if kind not in lm.family.media:
-            raise UserError(f"{lm.path} is a {lm.family.name} model without an {kind} encoder: it cannot take {kind} input")
+            raise UserError(
+                f"{lm.path} is a {lm.family.name} model without {_a(kind)} {kind} encoder: it cannot take {kind} input"
+            )
 
     def attach(self, path: str | os.PathLike, kind: MediaKind | None = None) -> Attachment:
         """Load a media file for the next message. ``kind`` (when given) must match the content.
 
         Bad files, or a kind the model has no encoder for, raise UserError and attach nothing.
         """
-        from pipeline.media import DEFAULT_MAX_PIXELS, load_audio, load_image, media_kind
+        from pipeline.media import (
+            DEFAULT_MAX_PIXELS, DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES, load_audio, load_image, load_video,
+            media_kind,
+        )
 
         actual = media_kind(path)
         if kind is not None and actual != kind:
-            raise UserError(f"{path}: an {actual} file, not an {kind} file (use /{actual} {path})")
+            raise UserError(f"{path}: {_a(actual)} {actual} file, not {_a(kind)} {kind} file (use /{actual} {path})")
         self._require(actual)
         if actual == "image":
             data: Any = load_image(path, max_pixels=self.max_image_pixels or DEFAULT_MAX_PIXELS)
             data.info["source"] = str(path)  # families name the image by it in their messages
+        elif actual == "video":
+            data = load_video(path, fps=self.video_fps or DEFAULT_VIDEO_FPS,
+                              max_frames=self.video_max_frames or DEFAULT_VIDEO_MAX_FRAMES,
+                              max_pixels=self.max_image_pixels or DEFAULT_MAX_PIXELS)
         else:
             rate = self.pipe.lm.family.audio_rate(self.pipe.lm)
             data = (load_audio(path, rate)[0], rate)
@@ -122,13 +134,14 @@ class ChatSession:
         return item
 
     # --- turns --------------------------------------------------------------------------------
-    def request(self, message: dict, images: list[Any], audios: list[Any]) -> Request:
+    def request(self, message: dict, images: list[Any], audios: list[Any], videos: Sequence[Any] = ()) -> Request:
         """The request for the history plus ``message``: all media of the conversation in order."""
         return Request(
             messages=self.messages + [message],
             system_prompt=self.system_prompt,
             images=[x for t in self.turns for x in t.images] + images,
             audios=[x for t in self.turns for x in t.audios] + audios,
+            videos=[x for t in self.turns for x in t.videos] + list(videos),
             max_new_tokens=int(self.max_new_tokens),
             ignore_eos=bool(self.ignore_eos),
             stop=[str(s) for s in self.stop],
@@ -141,8 +154,12 @@ class ChatSession:
         images: Sequence[Any] = (),
         audios: Sequence[Any] = (),
         on_text: Callable[[str], None] | None = None,
+        videos: Sequence[Any] = (),
     ) -> Result:
         """Answer ``text`` (plus pending attachments and the given media) in the conversation.
+
+        The message shows the pending attachments in the order they were attached, then the
+        given images, videos and audio.
 
         On any failure, KeyboardInterrupt included, the turn is dropped: history and pending
         attachments stay as they were and the cache is cropped back to what it held before.
@@ -153,12 +170,16 @@ class ChatSession:
             self._require("image")
         if audios:
             self._require("audio")
+        if videos:
+            self._require("video")
         new_images = [a.data for a in self.pending if a.kind == "image"] + list(images)
         new_audios = [a.data for a in self.pending if a.kind == "audio"] + list(audios)
-        labels = [a.label for a in self.pending] + [_label(x) for x in (*images, *audios)]
-        content = self.pipe.lm.family.content(str(text), len(new_images), len(new_audios))
+        new_videos = [a.data for a in self.pending if a.kind == "video"] + list(videos)
+        labels = [a.label for a in self.pending] + [_label(x) for x in (*images, *videos, *audios)]
+        kinds = [a.kind for a in self.pending] + ["image"] * len(images) + ["video"] * len(videos) + ["audio"] * len(audios)
+        content = self.pipe.lm.family.content(str(text), len(new_images), len(new_audios), kinds=kinds)
         message = {"role": "user", "content": content}
-        request = self.request(message, new_images, new_audios)
+        request = self.request(message, new_images, new_audios, new_videos)
         before = list(self.cache.keys)
         try:
             result = self.pipe.run(request, cache=self.cache, on_text=on_text)
@@ -170,7 +191,7 @@ class ChatSession:
             raise
         self.pending.clear()
         turn = Turn(str(text), message, new_images, new_audios, labels, result,
-                    kept=int(result.metrics["kv_reused_tokens"]))
+                    kept=int(result.metrics["kv_reused_tokens"]), videos=new_videos)
         self.turns.append(turn)
         self._log({
             "event": "turn",
@@ -224,10 +245,17 @@ def recover(cache: KVCache, n: int) -> None:
         cache.clear()
 
 
+def _a(word: str) -> str:
+    """The indefinite article for ``word`` ("an image", "a video")."""
+    return "an" if word[:1] in ("a", "e", "i", "o", "u") else "a"
+
+
 def _label(item: Any) -> str:
     """How the log names a media item given directly to ``send``: its path, or a content hash."""
     if isinstance(item, (str, os.PathLike)):
         return str(item)
+    if isinstance(getattr(item, "source", None), str):  # a Video loaded from a file
+        return item.source
     from pipeline.media import content_hash
 
     try:

@@ -19,6 +19,10 @@ class Request:
     system_prompt: str | None = None
     images: list[Any] = field(default_factory=list)  # paths or PIL images, in prompt order
     audios: list[Any] = field(default_factory=list)  # paths or (waveform, sample_rate)
+    videos: list[Any] = field(default_factory=list)  # paths or pipeline.media.Video, in prompt order
+    # Kinds of the prompt's media in the order given ("image", "video", "audio"), which the user
+    # message follows when built from `prompt`; None: images, then videos, then audio.
+    media_order: list[str] | None = None
     max_new_tokens: int = 128
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)

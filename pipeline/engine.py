@@ -116,6 +116,7 @@ class Sequence:
     keys: list = field(default_factory=list)  # their cache keys (media positions carry content hashes)
     positions: list[list[int]] = field(default_factory=list)  # [rows][prompt] position rows of the prompt
     offsets: list[int] = field(default_factory=list)  # [rows]: token p >= prompt has positions offsets + p
+    blocks: list[tuple[int, int]] = field(default_factory=list)  # prompt spans attended both ways (never cut)
     stream: TextStream | None = None
     stops: list[str] = field(default_factory=list)
     eos: frozenset = frozenset()
@@ -168,6 +169,7 @@ class Sequence:
         pos = family.prompt_positions(ctx, 0)
         self.positions = pos.reshape(-1, pos.shape[-1]).tolist()
         self.offsets = family.decode_positions(ctx, 0).reshape(-1).tolist()
+        self.blocks = [(int(a), int(b)) for a, b in family.bidirectional_spans(ctx)]
         self.ids = ctx.input_ids[0].tolist() + list(ctx.generated)
         self.keys = list(ctx.token_keys) + list(ctx.generated)
         if not self.prefill_only:
@@ -179,12 +181,23 @@ class Sequence:
         self.prepared = True
 
     def next_chunk(self, budget: int) -> tuple[int, int]:
-        """[begin, end) of the tokens to feed next within ``budget`` (end == begin: nothing)."""
+        """[begin, end) of the tokens to feed next within ``budget`` (end == begin: nothing).
+
+        A chunk never ends inside a bidirectional block (``Family.bidirectional_spans``): the
+        block's queries before the cut would miss its later keys. The cut moves back to the
+        block's start, or, when the chunk begins at (or inside) the block, on to its end, so
+        such a chunk may run past ``chunk_size`` / the budget by up to one block.
+        """
         begin = self.cache.length
         todo = self.known - begin
         if todo > 1 or begin < self.prompt_len:  # prefill (or recompute after preemption)
             todo = min(todo, self.chunk_size or todo)
-        return begin, begin + max(0, min(todo, budget))
+        end = begin + max(0, min(todo, budget))
+        for start, stop in self.blocks:
+            if start < end < stop and end > begin:
+                end = start if start > begin else stop
+                break
+        return begin, end
 
     def chunk(self, begin: int, end: int, slots: list[int]) -> Chunk:
         mid = min(end, self.prompt_len)
@@ -193,10 +206,14 @@ class Sequence:
             after = range(max(begin, self.prompt_len), end)
             positions = [row + [o + p for p in after] for row, o in zip(positions, self.offsets)]
         embeds = self.ctx.inputs_embeds
+        extras = self.ctx.lm.family.chunk_extras(self.ctx, begin, mid) if mid > begin else None
+        blocks = [(a, b) for a, b in self.blocks if a < mid and b > begin]
+        if blocks:  # read by the paged attention (paged._query_limits)
+            extras = {**(extras or {}), "blocks": blocks}
         return Chunk(
             table=list(self.cache.blocks), start=begin, ids=self.ids[begin:end], positions=positions, slots=slots,
             embeds=embeds[0, begin:mid] if embeds is not None and mid > begin else None, logits=end == self.known,
-            extras=self.ctx.lm.family.chunk_extras(self.ctx, begin, mid) if mid > begin else None,
+            extras=extras,
         )
 
     def history(self) -> torch.Tensor:

@@ -17,10 +17,39 @@ def text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def _layers(config: Any) -> tuple[list[str], list[dict]]:
+    """Each decoder layer's cache kind and its settings (``sliding_window``), read as
+    transformers' own caches read them: ``layer_types``, or, where a config has none, sliding
+    when it sets ``sliding_window`` (Mistral) and chunked when it sets ``attention_chunk_size``."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    kinds, kwargs = get_layer_types_and_kwargs(text_config(config))
+    return list(kinds), list(kwargs)
+
+
+def layer_kinds(config: Any) -> list[str]:
+    """Each decoder layer's cache kind (``full_attention``, ``sliding_attention``, ...)."""
+    return _layers(config)[0]
+
+
 def uncacheable_layers(config: Any) -> set[str]:
-    """Layer kinds other than plain full attention (linear attention's recurrent state, sliding
-    windows): the paged KV pool cannot hold them."""
-    return set(getattr(text_config(config), "layer_types", None) or ["full_attention"]) - {"full_attention"}
+    """Layer kinds the paged KV pool cannot hold (linear attention's recurrent state, chunked
+    attention, convolutions, ...). Full and sliding-window attention it holds: it keeps every
+    position and the attention masks keys older than the window."""
+    return set(layer_kinds(config)) - {"full_attention", "sliding_attention"}
+
+
+def sliding_window(config: Any) -> int | None:
+    """The window of the sliding-attention layers (None: the model has none). One window per
+    model: a config whose layers disagree is refused in one line."""
+    kinds, kwargs = _layers(config)
+    windows = {int(kw["sliding_window"]) for kind, kw in zip(kinds, kwargs)
+               if kind == "sliding_attention" and kw.get("sliding_window")}
+    if len(windows) > 1:
+        from pipeline.errors import UserError
+
+        raise UserError(f"the paged KV cache handles one sliding window per model; this one has {sorted(windows)}")
+    return windows.pop() if windows else None
 
 
 def kv_shape(config: Any) -> tuple[int, int, int]:
@@ -35,18 +64,13 @@ def kv_shape(config: Any) -> tuple[int, int, int]:
 def kv_bytes_per_layer(config: Any, tokens: int, dtype: torch.dtype) -> list[int]:
     """Bytes of keys + values each decoder layer holds for ``tokens`` positions.
 
-    Sliding-window layers (``layer_types`` = ``sliding_attention``) hold at most the window.
+    Sliding-window layers count every position too: the paged pool keeps them all (a block is
+    shared by every layer, and reuse, rollback and the prefix cache need the whole history), so
+    a sliding window saves no KV memory here.
     """
-    text = text_config(config)
     layers, kv_heads, head_dim = kv_shape(config)
-    types = list(getattr(text, "layer_types", None) or ["full_attention"] * layers)
-    window = getattr(text, "sliding_window", None)
     size = torch.empty((), dtype=dtype).element_size()
-    out = []
-    for kind in types[:layers] + ["full_attention"] * (layers - len(types)):
-        held = min(tokens, int(window)) if kind == "sliding_attention" and window else tokens
-        out.append(2 * kv_heads * head_dim * held * size)
-    return out
+    return [2 * kv_heads * head_dim * tokens * size] * layers
 
 
 def kv_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:

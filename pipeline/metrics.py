@@ -131,13 +131,16 @@ class Metrics:
         out["prefill_tok_s"] = _rate(out["prefill_tokens"], self.seconds("prefill"))
         out["decode_tok_s"] = _rate(out["decode_tokens"], self.seconds("decode"))
         out["sample_s"] = self.seconds("sample")
-        if "megapixels" in c:
+        if "megapixels" in c:  # images and video frames: vision_mp_s counts both
             out["megapixels"] = c["megapixels"]
             out["vision_mp_s"] = _rate(c["megapixels"], self.seconds("vision_encoder"))
+        if "video_frames" in c:  # videos the encoder saw: sampled frames, seconds of source they span
+            out["video_frames"] = int(c["video_frames"])
+            out["video_seconds"] = c.get("video_seconds", 0.0)
         if "audio_seconds" in c:
             out["audio_seconds"] = c["audio_seconds"]
             out["audio_rtf"] = _rate(self.seconds("audio_encoder"), c["audio_seconds"])
-        for key in ("image_tokens", "audio_tokens"):
+        for key in ("image_tokens", "video_tokens", "audio_tokens"):
             if key in c:
                 out[key] = int(c[key])
         out["kv_cache_bytes"] = int(c.get("kv_cache_bytes", 0))

@@ -37,7 +37,16 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pipeline.errors import UserError
-from pipeline.memory import cache_devices, fmt_bytes, free_bytes, kv_bytes, kv_shape, text_config, uncacheable_layers
+from pipeline.memory import (
+    cache_devices,
+    fmt_bytes,
+    free_bytes,
+    kv_bytes,
+    kv_shape,
+    sliding_window,
+    text_config,
+    uncacheable_layers,
+)
 
 ATTENTION = "mm_paged"
 NULL_BLOCK = 0  # never handed out: padding reads it (zeros), nothing writes it
@@ -68,7 +77,11 @@ class BlockPool:
     def __init__(self, config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device]) -> None:
         other = uncacheable_layers(config)
         if other:
-            raise UserError(f"the paged KV cache handles full-attention layers only; this model also has {sorted(other)}")
+            raise UserError(f"the paged KV cache handles full and sliding-window attention layers only; this model "
+                            f"also has {sorted(other)}")
+        if getattr(text_config(config), "use_bidirectional_attention", False):
+            raise UserError("this model attends both ways over all its text (an encoder or embedding model, e.g. "
+                            "EmbeddingGemma): the paged KV cache decodes causal models only")
         if num_blocks < 2:
             raise ValueError(f"a pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.layers, self.kv_heads, self.head_dim = kv_shape(config)
@@ -76,6 +89,9 @@ class BlockPool:
         self.num_blocks = int(num_blocks)
         self.dtype = dtype
         self.block_bytes = kv_bytes(config, self.block_size, dtype)  # every layer, keys and values
+        # Sliding-window layers: their window (None: the model has none). The pool keeps every
+        # position for them as well; the attention masks keys older than the window.
+        self.window = sliding_window(config)
         self.devices = list(devices)
         # Per layer, keys and values as [slots, kv_heads, head_dim]; allocated before the first
         # forward (prepare_write), on the layer's own device (accelerate may spread layers).
@@ -330,11 +346,12 @@ class Group:
     rows: int
     q: int
     k_slots: torch.Tensor  # [B, K] pool slot of every key position (padding: the null block)
-    mask: torch.Tensor  # [B, 1, q, K] causal within the sequence, up to its length
+    mask: torch.Tensor  # [B, 1, q, K] causal (or-ed with bidirectional blocks) within the sequence, up to its length
     start: int | None
     q_index: torch.Tensor | None = None
     dest: torch.Tensor | None = None  # packed token index of each real query
     src: torch.Tensor | None = None  # its row in the flattened [B * q] output
+    window_mask: torch.Tensor | None = None  # ``mask`` and'ed with the sliding window (models that have one)
 
 
 @dataclass
@@ -356,37 +373,76 @@ def key_slots(table: torch.Tensor, block_size: int) -> torch.Tensor:
     return (table.unsqueeze(-1) * block_size + torch.arange(block_size, device=table.device)).flatten(1)
 
 
-def decode_mask(k_slots: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def decode_mask(k_slots: torch.Tensor, lengths: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """[B, 1, 1, K] for decode rows: the one query is the last position, so causal means every
-    key within the row's length (``lengths`` [B], counting the query's own token)."""
-    return (torch.arange(k_slots.shape[1], device=k_slots.device) < lengths.view(-1, 1))[:, None, None, :]
+    key within the row's length (``lengths`` [B], counting the query's own token).
+
+    ``window``: also drop keys the sliding window no longer sees. transformers' rule
+    (``masking_utils.sliding_window_overlay``) keeps key ``k`` for query ``q`` when
+    ``k > q - window``; here ``q = length - 1``, so ``k >= length - window``.
+    """
+    k_pos = torch.arange(k_slots.shape[1], device=k_slots.device)
+    mask = k_pos < lengths.view(-1, 1)
+    if window is not None:
+        mask = mask & (k_pos >= lengths.view(-1, 1) - window)
+    return mask[:, None, None, :]
 
 
-def _group(chunks: Sequence[Chunk], offsets: Sequence[int], block_size: int, device: torch.device) -> Group:
-    """Padded query / key indices and the mask of a set of chunks attended together."""
+def _query_limits(chunk: Chunk, q: int) -> tuple[list[int], list[int]]:
+    """Per padded query row of ``chunk``: its position, and the first key position it may not
+    see: position + 1 (causal), or the end of the bidirectional block it lies in (the family's
+    ``bidirectional_spans``, in ``chunk.extras["blocks"]``), which it sees whole.
+
+    So OR(causal, same block) is ``key < limit``: every key before the block is causal anyway.
+    The engine never ends a chunk inside a block, so a block's keys are all in the cache or in
+    the chunk.
+    """
+    n = chunk.count
+    positions = [chunk.start + min(i, n - 1) for i in range(q)]  # padding rows repeat the last query
+    limits = [p + 1 for p in positions[:n]]
+    for begin, end in (chunk.extras or {}).get("blocks") or ():
+        lo, hi = max(begin - chunk.start, 0), min(end - chunk.start, n)
+        limits[lo:hi] = [end] * max(0, hi - lo)
+    return positions, limits + limits[-1:] * (q - n)
+
+
+def _group(
+    chunks: Sequence[Chunk], offsets: Sequence[int], block_size: int, device: torch.device, window: int | None = None
+) -> Group:
+    """Padded query / key indices and the masks of a set of chunks attended together.
+
+    ``window``: the model's sliding window; then ``window_mask`` is built too (once per batch,
+    for every sliding layer), as transformers composes it: AND(window, OR(causal, block)).
+    """
     q = max(c.count for c in chunks)
     blocks = max(-(-(c.start + c.count) // block_size) for c in chunks)
     table = torch.tensor([padded_table(c.table, blocks) for c in chunks], device=device)
     k_slots = key_slots(table, block_size)
     k_len = torch.tensor([c.start + c.count for c in chunks], device=device)
+    window_mask = None
     if q == 1:
         mask = decode_mask(k_slots, k_len)
+        if window is not None:
+            window_mask = decode_mask(k_slots, k_len, window)
     else:
         k_pos = torch.arange(k_slots.shape[1], device=device)
-        q_pos = [[c.start + min(i, c.count - 1) for i in range(q)] for c in chunks]
-        qp = torch.tensor(q_pos, device=device).unsqueeze(-1)
-        mask = ((k_pos <= qp) & (k_pos < k_len.view(-1, 1, 1))).unsqueeze(1)
+        rows = [_query_limits(c, q) for c in chunks]
+        limit = torch.tensor([lim for _, lim in rows], device=device).unsqueeze(-1)
+        mask = ((k_pos < limit) & (k_pos < k_len.view(-1, 1, 1))).unsqueeze(1)
+        if window is not None:
+            qp = torch.tensor([pos for pos, _ in rows], device=device).unsqueeze(-1)
+            window_mask = mask & (k_pos > qp - window).unsqueeze(1)
     contiguous = all(c.count == q for c in chunks) and all(
         offsets[i] == offsets[0] + i * q for i in range(len(chunks))
     )
     if contiguous:
-        return Group(len(chunks), q, k_slots, mask, start=offsets[0])
+        return Group(len(chunks), q, k_slots, mask, start=offsets[0], window_mask=window_mask)
     q_index = [[off + min(i, c.count - 1) for i in range(q)] for c, off in zip(chunks, offsets)]
     dest = [off + i for c, off in zip(chunks, offsets) for i in range(c.count)]
     src = [r * q + i for r, c in enumerate(chunks) for i in range(c.count)]
     return Group(
         len(chunks), q, k_slots, mask, start=None, q_index=torch.tensor(q_index, device=device),
-        dest=torch.tensor(dest, device=device), src=torch.tensor(src, device=device),
+        dest=torch.tensor(dest, device=device), src=torch.tensor(src, device=device), window_mask=window_mask,
     )
 
 
@@ -400,7 +456,7 @@ def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device) 
     decode = [i for i, c in enumerate(chunks) if c.count == 1]
     prefill = [i for i, c in enumerate(chunks) if c.count > 1]
     groups = [
-        _group([chunks[i] for i in members], [offsets[i] for i in members], pool.block_size, device)
+        _group([chunks[i] for i in members], [offsets[i] for i in members], pool.block_size, device, pool.window)
         for members in (decode, prefill)
         if members
     ]
@@ -420,7 +476,9 @@ def paged_attention(
     """Write the packed tokens' keys/values into their slots, then attend per sequence.
 
     ``query`` [1, heads, T, D], ``key``/``value`` [1, kv_heads, T, D] (the new tokens only).
-    Anything but a paged batch goes to the model's own attention function.
+    A layer that passes ``sliding_window=W`` (transformers' attention modules do, None for full
+    layers) attends with the batch's window masks. Anything but a paged batch goes to the
+    model's own attention function.
     """
     batch: PagedBatch | None = kwargs.pop("paged", None)
     if batch is None:
@@ -429,6 +487,12 @@ def paged_attention(
         if fn is None:
             from transformers.models.llama.modeling_llama import eager_attention_forward as fn
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    window = kwargs.get("sliding_window")
+    if window is not None and window != batch.pool.window:
+        raise ValueError(f"layer {module.layer_idx} attends with sliding_window={window} but the KV pool was built "
+                         f"for {batch.pool.window} (the config's layer types disagree with the model)")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("the paged attention has no logit soft-capping (this model's layers pass softcap)")
     k_pool, v_pool = batch.pool.layer_kv(module.layer_idx)
     k_pool.index_copy_(0, batch.slots, key[0].transpose(0, 1).to(k_pool.dtype))
     v_pool.index_copy_(0, batch.slots, value[0].transpose(0, 1).to(v_pool.dtype))
@@ -444,14 +508,15 @@ def paged_attention(
         ks = k_pool[g.k_slots].transpose(1, 2).to(qs.dtype)  # [B, kv_heads, K, D]
         vs = v_pool[g.k_slots].transpose(1, 2).to(qs.dtype)
         kv_heads = ks.shape[1]
+        mask = g.mask if window is None else g.window_mask
         if g.q == 1 and kv_heads != heads:
             # One query per row: the query heads sharing a key/value head become its rows
             # (no repeated keys, one mask for all of them).
             o = scaled_dot_product_attention(qs.reshape(rows, kv_heads, heads // kv_heads, dim), ks, vs,
-                                             attn_mask=g.mask, scale=scaling)
+                                             attn_mask=mask, scale=scaling)
             o = o.reshape(rows, heads, 1, dim)
         else:
-            o = scaled_dot_product_attention(qs, ks, vs, attn_mask=g.mask, scale=scaling, enable_gqa=kv_heads != heads)
+            o = scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=kv_heads != heads)
         parts.append((g, o.transpose(1, 2).reshape(rows * q, heads, dim)))
     if len(parts) == 1 and parts[0][0].start == 0 and parts[0][1].shape[0] == tokens:
         return parts[0][1].unsqueeze(0), None  # one contiguous group: already in packed order
@@ -579,7 +644,9 @@ def greedy_step(
     last = lengths - 1
     slots = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs
     k_slots = key_slots(table, bs)
-    batch = PagedBatch(pool, slots, [Group(ids.shape[1], 1, k_slots, decode_mask(k_slots, lengths), start=0)])
+    window = None if pool.window is None else decode_mask(k_slots, lengths, pool.window)
+    group = Group(ids.shape[1], 1, k_slots, decode_mask(k_slots, lengths), start=0, window_mask=window)
+    batch = PagedBatch(pool, slots, [group])
     index = torch.arange(ids.shape[1], device=ids.device)
     logits = run_model(model, ids, None, positions, index, batch)
     return logits.argmax(dim=-1).view(1, -1), positions + 1, lengths + 1

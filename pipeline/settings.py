@@ -189,9 +189,10 @@ def check(cfg: DictConfig) -> None:
     if media.long_audio not in ("split", "error"):
         raise UserError(f"media.long_audio must be split or error (got {media.long_audio!r})")
     whole_number("media.max_image_pixels", media.max_image_pixels)
-    whole_number("media.video_max_frames", media.video_max_frames)
-    if not media.video_fps > 0:
-        raise UserError(f"media.video_fps must be above 0 (got {media.video_fps!r})")
+    from pipeline.media.video import check_sampling
+
+    check_sampling(media.video_fps, media.video_max_frames, error=UserError,
+                   names=("media.video_fps", "media.video_max_frames"))
     whole_number("kv.block_size", cfg.kv.block_size)
     from pipeline.paged import kv_memory_setting
 

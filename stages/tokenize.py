@@ -1,20 +1,39 @@
 """Tokenize: messages -> the model's own chat template -> input ids (and processor outputs)."""
 from __future__ import annotations
 
+from typing import Any
+
 from pipeline.context import Context, Request
 from pipeline.errors import UserError
 from pipeline.families.base import media_name
 
 
+def media_order(request: Request) -> list[str]:
+    """The kinds of the request's media in prompt order: ``request.media_order`` when given
+    (checked against the media lists), else the images, then the videos, then the audio."""
+    counts = {"image": len(request.images), "video": len(request.videos), "audio": len(request.audios)}
+    if request.media_order is None:
+        return [kind for kind, n in counts.items() for _ in range(n)]
+    order = list(request.media_order)
+    unknown = sorted(set(order) - set(counts))
+    if unknown:
+        raise ValueError(f"Request.media_order: unknown kind {unknown[0]!r} (image, video, audio)")
+    for kind, n in counts.items():
+        if order.count(kind) != n:
+            raise ValueError(f"Request.media_order lists {order.count(kind)} {kind}(s) but the request has {n}")
+    return order
+
+
 def build_messages(request: Request, family, default_prompt: str | None = None) -> list[dict]:
-    """The conversation to render. With only a prompt: one user message, media first, then text."""
+    """The conversation to render. With only a prompt: one user message, media first (in the
+    order given), then text."""
     if request.messages:
         messages = [dict(m) for m in request.messages]
     else:
         text = request.prompt if request.prompt is not None else default_prompt
         if text is None or not str(text).strip():
-            raise UserError("the prompt is empty: give prompt=TEXT (or an image/audio input)")
-        content = family.content(str(text), len(request.images), len(request.audios))
+            raise UserError("the prompt is empty: give prompt=TEXT (or an image/video/audio input)")
+        content = family.content(str(text), len(request.images), len(request.audios), kinds=media_order(request))
         messages = [{"role": "user", "content": content}]
     if request.system_prompt:
         if messages and messages[0].get("role") == "system":
@@ -31,32 +50,52 @@ def _sources(items: list, kind: str) -> str:
 class Tokenize:
     """Renders the conversation with the model's chat template and tokenizes it.
 
-    ``default_image_prompt`` / ``default_audio_prompt`` apply when media come without a prompt.
+    ``default_image_prompt`` / ``default_video_prompt`` / ``default_audio_prompt`` apply when
+    media come without a prompt (a video's when there is one, else an image's, else audio's).
+    Left at None, the model's own question is asked when it has one (``lm.default_prompts``),
+    else ``GENERIC_PROMPTS``.
     ``long_audio`` (split | error): what to do with audio longer than the encoder's window.
     """
 
+    GENERIC_PROMPTS = {"image": "Describe this image.", "video": "Describe this video.",
+                       "audio": "What is said or heard in this audio?"}
+
     def __init__(
         self,
-        default_image_prompt: str = "Describe this image.",
-        default_audio_prompt: str = "What is said or heard in this audio?",
+        default_image_prompt: str | None = None,
+        default_audio_prompt: str | None = None,
         long_audio: str = "split",
+        default_video_prompt: str | None = None,
     ) -> None:
         self.default_image_prompt = default_image_prompt
         self.default_audio_prompt = default_audio_prompt
+        self.default_video_prompt = default_video_prompt
         self.long_audio = long_audio
+
+    def default_prompt(self, req: Request, lm: Any = None) -> str | None:
+        """The question asked of the request's media when it has no prompt: this stage's setting,
+        else the model's own (``lm.default_prompts``), else the generic one."""
+        kind = "video" if req.videos else "image" if req.images else "audio" if req.audios else None
+        if kind is None:
+            return None
+        chosen = {"image": self.default_image_prompt, "video": self.default_video_prompt,
+                  "audio": self.default_audio_prompt}[kind]
+        if chosen is not None:
+            return chosen
+        return (getattr(lm, "default_prompts", None) or {}).get(kind) or self.GENERIC_PROMPTS[kind]
 
     def __call__(self, ctx: Context) -> Context:
         req, lm = ctx.request, ctx.lm
-        for kind, items in (("image", req.images), ("audio", req.audios)):
+        for kind, items in (("image", req.images), ("video", req.videos), ("audio", req.audios)):
             if items and kind not in lm.family.media:
                 raise UserError(
-                    f"{_sources(items, kind)}: {lm.path} is a {lm.family.name} model without an {kind} encoder: "
+                    f"{_sources(items, kind)}: {lm.path} is a {lm.family.name} model without "
+                    f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} encoder: "
                     f"cannot take {kind} input"
                 )
         # Media at the model's rate / within its windows; later stages read the prepared request.
         req = ctx.request = lm.family.prepare(lm, req, long_audio=self.long_audio)
-        default = self.default_image_prompt if req.images else self.default_audio_prompt if req.audios else None
-        messages = build_messages(req, lm.family, default)
+        messages = build_messages(req, lm.family, self.default_prompt(req, lm))
         template_owner = lm.processor if lm.processor is not None else lm.tokenizer
         if getattr(template_owner, "chat_template", "present") is None:
             raise UserError(f"{lm.path} has no chat template: this program needs a chat (instruct) model")

@@ -311,7 +311,8 @@ def test_cli_bad_audio_is_one_line_exit_2(tiny_dir, bad_files, tmp_path):
 def test_long_audio_option_flows_from_the_config(lm):
     from hydra import compose, initialize_config_dir
 
-    from pipeline.assemble import request_from_cfg, stages_from_cfg
+    from pipeline.assemble import stages_from_cfg
+    from pipeline.settings import check
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         default = compose("config")
@@ -324,4 +325,4 @@ def test_long_audio_option_flows_from_the_config(lm):
     with pytest.raises(UserError, match="longer than the encoder's 30 s window"):
         Pipeline(lm, stages).run(Request(prompt="x", audios=[(tone(100, 30.5), RATE)]))
     with pytest.raises(UserError, match="media.long_audio must be split or error"):
-        request_from_cfg(bogus)
+        check(bogus)

@@ -252,14 +252,13 @@ def test_config_keys_reach_the_stages_and_the_engine():
     ("engine.max_seqs=0", "engine.max_seqs must be"), ("engine.max_batch_tokens=0", "engine.max_batch_tokens must be"),
     ("kv.block_size=0", "kv.block_size must be"), ("engine.burst=0", "engine.burst must be"),
 ])
-def test_bad_engine_settings_fail_before_the_model_loads(override, message, monkeypatch):
-    import pipeline.assemble as assemble
+def test_bad_engine_settings_are_refused_where_the_config_enters(override, message):
+    from pipeline.settings import check
 
-    monkeypatch.setattr(assemble, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=[override])
     with pytest.raises(UserError, match=message) as err:
-        assemble.load_from_cfg(cfg)
+        check(cfg)  # what the CLI runs before any mode reads a setting
     assert "\n" not in str(err.value)
 
 

@@ -3,7 +3,7 @@ layers are plain attention; anything else is refused in one line before its weig
 from __future__ import annotations
 
 import pytest
-from transformers import Gemma3TextConfig
+from transformers import Llama4TextConfig
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from conftest import run_cli
@@ -12,8 +12,8 @@ from conftest import run_cli
 @pytest.mark.parametrize("make, arch, kind", [
     (lambda: Qwen3_5TextConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
      "Qwen3_5ForCausalLM", "linear_attention"),
-    (lambda: Gemma3TextConfig(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2),
-     "Gemma3ForCausalLM", "sliding_attention"),
+    (lambda: Llama4TextConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
+     "Llama4ForCausalLM", "chunked_attention"),
 ])
 def test_unknown_architecture_with_other_layers_is_refused_in_one_line(tmp_path, make, arch, kind):
     config = make()
@@ -44,3 +44,14 @@ def test_a_family_is_found_from_its_file_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(families, "__path__", [*families.__path__, str(tmp_path)])
     assert families.registry()["qwen2_vl"].name == "qwen2-vl"
     assert families.family_for_config(LlamaConfig()).name == "test-llama"
+
+
+def test_sliding_window_layers_run_as_text_when_no_family_covers_them():
+    """The paged pool holds sliding-window layers (every position kept, the window masked)."""
+    from transformers import Qwen2Config
+
+    from pipeline.families import family_for_config
+    from pipeline.memory import sliding_window
+
+    config = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    assert family_for_config(config).name == "text" and sliding_window(config) == 64

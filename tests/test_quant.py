@@ -249,13 +249,24 @@ def test_auto_leaves_tiny_models_unquantised_on_cpu(load_tiny):
         (["quant=none", "quant.quant_type=nf4"], "needs a 4-bit scheme"),
         (["quant=nf4", "quant.compute_dtype=int3"], "unknown quant.compute_dtype 'int3'"),
         (["quant=nf4", "quant.skip_modules=[lm head]"], "not a module name"),
-        (["quant=int8", "quant.threshold=high"], "quant.threshold must be a number"),
     ],
 )
 def test_bad_quant_settings_are_one_line_errors(overrides, message):
     with pytest.raises(UserError, match=message) as err:
         quantization_config(compose_quant(*overrides))
     assert "\n" not in str(err.value)
+
+
+def test_a_quant_setting_of_the_wrong_type_is_refused_while_composing():
+    """The settings schema types the quant group: the CLI reports Hydra's error in one line."""
+    from hydra.errors import ConfigCompositionException
+
+    from pipeline.__main__ import one_line
+
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_quant("quant=int8", "quant.threshold=high")
+    assert one_line(err.value) == ("quant.threshold=high: Value 'high' of type 'str' could not be converted to "
+                                   "Float")
 
 
 @pytest.mark.parametrize(

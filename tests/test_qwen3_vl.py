@@ -8,6 +8,7 @@ import torch
 
 from conftest import generate_oracle
 from pipeline import Pipeline, Request
+from pipeline.media import load_video
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 from test_engine import submit_staggered
 from test_quant import linears
@@ -71,3 +72,21 @@ def test_nf4_keeps_the_tower_and_deepstack_mergers_unquantised_and_matches_gener
     ids = inputs.pop("input_ids")
     inputs.pop("attention_mask")
     assert ask(make_pipe(lm), [A]).token_ids == generate_oracle(lm, ids, N, ignore_eos=True, **inputs)
+
+
+@pytest.mark.parametrize("kinds", [["video"], ["image", "video"]], ids=["video", "image-then-video"])
+def test_video_matches_generate(load_tiny, tmp_path, kinds):
+    """One placeholder run per temporal patch with timestamp text between: the text keeps its own
+    embeddings, the runs get the tower's, and their deepstack rows go to the decoder."""
+    from test_video import drawn, oracle as video_oracle, write_clip
+
+    lm = load_tiny(FAMILY)
+    clip = write_clip(tmp_path / "clip.mp4", drawn(16), 8, "mpeg4")
+    images = [A] if "image" in kinds else []
+    request = Request(prompt=PROMPT, images=images, videos=[load_video(clip, fps=4)], media_order=kinds,
+                      max_new_tokens=N, ignore_eos=True)
+    result = make_pipe(lm).run(request)
+    prompt_ids, tokens = video_oracle(lm, kinds, images, [clip], fps=4, text=PROMPT, n=N)
+    assert (result.prompt_ids, result.token_ids) == (prompt_ids, tokens)
+    assert result.metrics["video_tokens"] == prompt_ids.count(lm.config.video_token_id)
+    assert result.metrics["video_frames"] == 8

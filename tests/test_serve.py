@@ -38,6 +38,23 @@ def wav_b64(seconds: float = 1.0, rate: int = 16000) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def mp4_bytes(frames: int = 8, fps: int = 4) -> bytes:
+    """A small clip (a box moving over noise) written with PyAV, as an upload would carry it."""
+    import av
+
+    rng = np.random.default_rng(3)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("libx264" if "libx264" in av.codecs_available else "mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(frames):
+            pixels = rng.integers(0, 60, (48, 64, 3), dtype=np.uint8)
+            pixels[8:22, 4 * i : 4 * i + 14] = (240, 20, 20)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        out.mux(stream.encode())
+    return buf.getvalue()
+
+
 def image_message(text: str, uri: str) -> dict:
     return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": text}]}
 
@@ -117,6 +134,33 @@ def test_audio_chat_equals_the_pipeline(tiny_dir, load_tiny, tmp_path):
                            extra_body={"ignore_eos": True})
     assert got.choices[0].message.content == text == alone.text
     assert got.usage.prompt_tokens == alone.prompt_tokens
+
+
+def test_video_url_equals_the_pipeline(vl, client, load_tiny):
+    from pipeline import Pipeline, Request
+    from pipeline.media import load_video
+    from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
+
+    raw = mp4_bytes()
+    clip = vl.media / "clip.mp4"
+    clip.write_bytes(raw)
+    pipe = Pipeline(load_tiny("qwen2-vl", dtype="float64"), {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(),
+                                                              "prefill": Prefill(), "decode": DecodeLoop()})
+    alone = pipe.run(Request(prompt="What happens?", videos=[load_video(clip)], max_new_tokens=8, ignore_eos=True))
+
+    def ask(url: str):
+        part = {"type": "video_url", "video_url": {"url": url}}
+        return chat(client, [{"role": "user", "content": [part, {"type": "text", "text": "What happens?"}]}],
+                    max_tokens=8, extra_body={"ignore_eos": True})
+
+    for url in ("data:video/mp4;base64," + base64.b64encode(raw).decode(), f"file://{clip}"):
+        got = ask(url)
+        assert got.choices[0].message.content == alone.text and got.usage.prompt_tokens == alone.prompt_tokens
+    first_pad = alone.prompt_ids.index(pipe.lm.config.video_token_id)
+    assert got.model_extra["metrics"]["kv_reused_tokens"] > first_pad  # the same clip again: from the prefix cache
+    with pytest.raises(APIStatusError) as err:
+        ask("data:video/mp4;base64," + base64.b64encode(raw[: len(raw) // 2]).decode())
+    assert err.value.status_code == 400 and "messages[0].content[0]: corrupt or unreadable video" in str(err.value)
 
 
 def test_n_choices_with_a_seed_reproduce(client):

@@ -21,9 +21,12 @@ MODEL_CLASSES = {
     "qwen2-vl": tf.Qwen2VLForConditionalGeneration,
     "qwen2.5-vl": tf.Qwen2_5_VLForConditionalGeneration,
     "qwen2-audio": tf.Qwen2AudioForConditionalGeneration,
+    "gemma3": tf.Gemma3ForConditionalGeneration,
+    "qwen3-vl": tf.Qwen3VLForConditionalGeneration,
 }
 TEXT = ("qwen3", "llama")
-VISION = ("qwen2-vl", "qwen2.5-vl")
+VISION = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+GEMMA = ("gemma3",)
 
 
 @pytest.fixture(scope="session")
@@ -68,6 +71,11 @@ def _inputs(family: str, proc, text: str = "Describe this.", image=None, audio=N
         msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
         prompt = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         return prompt, proc(text=[prompt], images=[image], return_tensors="pt")
+    if family in GEMMA:  # the template writes the BOS (as the processor's own apply_chat_template knows)
+        msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+        prompt = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return prompt, proc(text=[prompt], images=[image if image is not None else _image()], return_tensors="pt",
+                            add_special_tokens=False)
     audio = audio if audio is not None else _sine()
     msgs = [{"role": "user", "content": [{"type": "audio", "audio": audio}, {"type": "text", "text": text}]}]
     prompt = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
@@ -84,11 +92,16 @@ def test_loads_renders_and_generates(loaded, family):
         assert prompt == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nDescribe this.<|eot_id|>"
                           "<|start_header_id|>assistant<|end_header_id|>\n\n")
     elif family in VISION:
-        assert prompt == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-                          "<|vision_start|><|image_pad|><|vision_end|>Describe this.<|im_end|>\n"
-                          "<|im_start|>assistant\n")
+        system = "" if family == "qwen3-vl" else "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        assert prompt == (f"{system}<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this."
+                          "<|im_end|>\n<|im_start|>assistant\n")
         n_img = int(inputs["image_grid_thw"].prod()) // 4
         assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == n_img > 0
+    elif family in GEMMA:
+        assert prompt == "<bos><start_of_turn>user\n<start_of_image>Describe this.<end_of_turn>\n<start_of_turn>model\n"
+        assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == model.config.mm_tokens_per_image
+        ids = proc.tokenizer.convert_tokens_to_ids
+        assert inputs["input_ids"][0, :2].tolist() == [ids("<bos>"), ids("<start_of_turn>")]  # one BOS
     else:
         assert prompt == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
                           "Audio 1: <|audio_bos|><|AUDIO|><|audio_eos|>\nDescribe this.<|im_end|>\n"
@@ -118,6 +131,14 @@ def test_config_ids_match_tokenizer(built, family):
     if family == "llama":
         assert tok.bos_token == "<|begin_of_text|>" and text_cfg.bos_token_id == tok.bos_token_id
         assert gen.eos_token_id == [ids("<|end_of_text|>"), ids("<|eot_id|>")]
+    elif family in GEMMA:
+        assert tok.bos_token == "<bos>" and text_cfg.bos_token_id == tok.bos_token_id
+        assert tok.eos_token == "<eos>" and tok.pad_token == "<pad>"
+        assert gen.eos_token_id == [ids("<eos>"), ids("<end_of_turn>")]
+        assert (tok.boi_token, tok.eoi_token, tok.image_token) == ("<start_of_image>", "<end_of_image>",
+                                                                  "<image_soft_token>")
+        assert (cfg.boi_token_id, cfg.eoi_token_id, cfg.image_token_id) == (ids(tok.boi_token), ids(tok.eoi_token),
+                                                                            ids(tok.image_token))
     else:
         assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
         assert gen.eos_token_id == [ids("<|im_end|>"), ids("<|endoftext|>")]
@@ -149,10 +170,15 @@ def test_chat_template_round_trips(built, family):
         proc = tf.AutoProcessor.from_pretrained(d)
         assert proc.chat_template == tiny.CHAT_TEMPLATES[family]
         assert type(proc).__name__ == {"qwen2-vl": "Qwen2VLProcessor", "qwen2.5-vl": "Qwen2_5_VLProcessor",
-                                       "qwen2-audio": "Qwen2AudioProcessor"}[family]
-        if family in VISION:
+                                       "qwen2-audio": "Qwen2AudioProcessor", "gemma3": "Gemma3Processor",
+                                       "qwen3-vl": "Qwen3VLProcessor"}[family]
+        if family in GEMMA:
+            assert type(proc.image_processor).__name__ == "Gemma3ImageProcessor"
+            assert proc.image_seq_length == tf.AutoConfig.from_pretrained(d).mm_tokens_per_image
+        elif family in VISION:
             assert type(proc.image_processor).__name__ == "Qwen2VLImageProcessor"
-            assert type(proc.video_processor).__name__ == "Qwen2VLVideoProcessor"
+            video = "Qwen3VLVideoProcessor" if family == "qwen3-vl" else "Qwen2VLVideoProcessor"
+            assert type(proc.video_processor).__name__ == video
             assert proc.image_processor.size["longest_edge"] == tiny.MAX_PIXELS
         else:
             assert type(proc.feature_extractor).__name__ == "WhisperFeatureExtractor"
@@ -218,6 +244,7 @@ def test_cached_dir_is_built_once(tmp_path, monkeypatch):
     assert tf.AutoConfig.from_pretrained(d).model_type == "qwen2_vl"
     with pytest.raises(ValueError):
         tiny.tiny_model_dir("gpt2")
+    assert not list(tmp_path.glob("*shapes*"))
 
 
 def test_4bit_nf4_load_and_generate(built):

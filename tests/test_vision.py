@@ -17,6 +17,7 @@ from PIL import Image
 from conftest import ROOT, generate_oracle, run_cli
 from pipeline import KVCache, Pipeline, Request, UserError, load_model
 from pipeline.assemble import processor_kwargs, request_from_cfg
+from pipeline.settings import check
 from pipeline.media import content_hash, load_image
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 
@@ -205,9 +206,9 @@ def test_processor_settings_from_config():
     assert processor_kwargs(cfg()) is None  # nulls mean: the model's own preprocessor config
     assert processor_kwargs(cfg("model.processor.max_pixels=50000")) == {"max_pixels": 50000}
     with pytest.raises(UserError, match="min_pixels .* above max_pixels"):
-        processor_kwargs(cfg("model.processor.min_pixels=9000", "model.processor.max_pixels=100"))
+        check(cfg("model.processor.min_pixels=9000", "model.processor.max_pixels=100"))
     with pytest.raises(UserError, match="model.processor.max_pixels"):
-        processor_kwargs(cfg("model.processor.max_pixels=0"))
+        check(cfg("model.processor.max_pixels=0"))
 
 
 def test_image_without_prompt_gets_the_default_question(load_tiny):
@@ -257,13 +258,13 @@ def test_bad_image_file_is_one_line_naming_it(tmp_path, case):
 
 
 def test_pixel_limit_is_configurable(tmp_path):
-    shapes = ROOT / "examples" / "shapes.png"  # 320x240 = 76,800 pixels
-    assert len(request_from_cfg(cfg(f"input={shapes}", "media.max_image_pixels=76800")).images) == 1
+    photo = ROOT / "examples" / "photo.jpg"  # 320x240 = 76,800 pixels
+    assert len(request_from_cfg(cfg(f"input={photo}", "media.max_image_pixels=76800")).images) == 1
     with pytest.raises(UserError) as err:
-        request_from_cfg(cfg(f"input={shapes}", "media.max_image_pixels=76799"))
-    assert "shapes.png" in str(err.value) and "76,800" in str(err.value)
+        request_from_cfg(cfg(f"input={photo}", "media.max_image_pixels=76799"))
+    assert "photo.jpg" in str(err.value) and "76,800" in str(err.value)
     with pytest.raises(UserError, match="media.max_image_pixels"):
-        request_from_cfg(cfg(f"input={shapes}", "media.max_image_pixels=-1"))
+        check(cfg(f"input={photo}", "media.max_image_pixels=-1"))
 
 
 def test_image_to_a_text_model_names_the_file(load_tiny):

@@ -24,8 +24,9 @@ def registry() -> dict[str, type[Family]]:
 
 def family_for_config(config: Any) -> Family:
     """The family that knows how to run a model with this config. An architecture no family
-    covers runs as a generic text model only when its layers are plain attention (what the
-    paged KV cache holds); anything else is refused in one line, before the weights load."""
+    covers runs as a generic text model only when its layers are full or sliding-window
+    attention (what the paged KV cache holds); anything else is refused in one line, before the
+    weights load."""
     from pipeline.memory import uncacheable_layers
 
     model_type = getattr(config, "model_type", "")
@@ -36,8 +37,9 @@ def family_for_config(config: Any) -> Family:
             arch = ", ".join(getattr(config, "architectures", None) or [model_type or "this model"])
             known = ", ".join(sorted({cls.name for cls in families.values()}))
             raise UserError(
-                f"{arch} is not supported: its {', '.join(sorted(other))} layers are not plain attention, which "
-                f"is all the generic text family handles (families: {known}, and text models with plain attention)"
+                f"{arch} is not supported: its {', '.join(sorted(other))} layers are not full or sliding-window "
+                f"attention, which is all the generic text family handles (families: {known}, and text models "
+                "with such attention)"
             )
         return TextFamily()
     return families[model_type]()

@@ -9,8 +9,10 @@ Adding a family (what ``qwen2_vl.py`` and ``qwen2_audio.py`` did):
    decode-bytes figure), and the hooks its model needs: ``content`` (a user message's parts),
    ``prepare`` / ``process`` (media through its processor), ``token_keys`` (content hashes at
    placeholder positions), ``prompt_positions`` / ``decode_positions`` (e.g. 3-D rope rows),
-   and for its encoders ``image_spans`` + ``encode_images`` or ``audio_spans`` + ``encode_audio``
-   (the stages in ``stages/vision.py`` and ``stages/audio.py`` only ask these).
+   and for its encoders ``image_spans`` + ``encode_images``, ``video_spans`` + ``encode_videos`` or
+   ``audio_spans`` + ``encode_audio``
+   (the stages in ``stages/vision.py`` and ``stages/audio.py`` only ask these);
+   ``bidirectional_spans`` where prompt tokens attend both ways (Gemma 3's image blocks).
 2. ``conf/model/<name>.yaml``: ``name`` and the hub ``path`` of its reference checkpoint.
 3. ``pipeline/tiny/<name>.py``: its tiny random-weight builder for the tests, which compare
    greedy output with ``generate()``: ``FAMILY``, ``RANK``, ``ROLES``, ``SPECIAL_TOKENS`` (in the
@@ -18,8 +20,9 @@ Adding a family (what ``qwen2_vl.py`` and ``qwen2_audio.py`` did):
    ``make_processor`` (the real processor classes). ``pipeline/tiny/registry.py`` finds it.
 4. Tests: greedy equality with ``generate()`` for each modality it takes, nf4 included.
 
-Its layers must be plain attention (the paged KV pool holds nothing else yet): a model with
-sliding-window or linear-attention layers is refused in one line until the pool learns them.
+Its layers must be full or sliding-window attention (the paged KV pool keeps every position
+for both; a sliding layer's attention masks keys older than its window): a model with other
+layers (linear attention, chunked attention, convolutions) is refused in one line.
 """
 from __future__ import annotations
 
@@ -47,12 +50,16 @@ class Family:
     encoder_modules: tuple[str, ...] = ()
     uses_processor = False  # load AutoProcessor (media) rather than AutoTokenizer
 
-    def content(self, text: str, images: int, audios: int) -> Any:
-        """One user message's content: a plain string for text models (their templates expect it)."""
+    def content(self, text: str, images: int, audios: int, kinds: Sequence[str] | None = None) -> Any:
+        """One user message's content: a plain string for text models (their templates expect it).
+
+        ``kinds``: the media kinds in prompt order (``["image", "video", "image"]``), so mixed
+        prompts keep the order they were given in; without it, the images, then the audio clips.
+        """
         if not self.media:
             return text
-        items: list[dict] = [{"type": "image"} for _ in range(images)]
-        items += [{"type": "audio"} for _ in range(audios)]
+        order = list(kinds) if kinds is not None else ["image"] * images + ["audio"] * audios
+        items: list[dict] = [{"type": kind} for kind in order]
         items.append({"type": "text", "text": text})
         return items
 
@@ -90,6 +97,12 @@ class Family:
         """
         return torch.tensor([[position]], device=ctx.input_ids.device)
 
+    # --- attention ----------------------------------------------------------------------------
+    def bidirectional_spans(self, ctx: "Context") -> list[tuple[int, int]]:
+        """[start, end) prompt spans whose tokens all see each other during prefill (Gemma 3's
+        image blocks; the paged attention ors them into the causal mask). The engine never ends
+        a prefill chunk inside one, so a block is computed with all of its keys. Default: none."""
+        return []
 
     # --- extra forward inputs ---------------------------------------------------------------
     def chunk_extras(self, ctx: "Context", begin: int, end: int) -> dict | None:
@@ -99,8 +112,9 @@ class Family:
 
     def lm_inputs(self, chunks: Sequence[Any], device: torch.device) -> dict[str, Any]:
         """The language-model keyword inputs for one packed forward, built from its chunks'
-        ``extras`` (in packed token order). Only called when some chunk has extras."""
-        raise NotImplementedError(f"{type(self).__name__} gives chunk extras but no lm_inputs")
+        ``extras`` (in packed token order); called only when some chunk has extras. Default:
+        none (extras the paged attention reads itself, such as bidirectional ``blocks``)."""
+        return {}
 
 
 class TextFamily(Family):

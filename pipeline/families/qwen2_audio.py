@@ -16,7 +16,7 @@ import dataclasses
 import math
 import numbers
 import os
-from typing import TYPE_CHECKING, Any, Hashable
+from typing import TYPE_CHECKING, Any, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -43,8 +43,9 @@ class Qwen2AudioFamily(Family):
     encoder_modules = ("audio_tower", "multi_modal_projector")
 
     # --- prompt ---------------------------------------------------------------------------
-    def content(self, text: str, images: int, audios: int) -> Any:
-        """Audio items carry an ``audio`` key: the published template tests for the key, not the type."""
+    def content(self, text: str, images: int, audios: int, kinds: Sequence[str] | None = None) -> Any:
+        """Audio items carry an ``audio`` key: the published template tests for the key, not the type.
+        (Audio is its only medium, so ``kinds`` has no order to add.)"""
         items: list[dict] = [{"type": "audio", "audio": f"audio {i + 1}"} for i in range(audios)]
         items.append({"type": "text", "text": text})
         return items

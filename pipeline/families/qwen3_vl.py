@@ -1,4 +1,5 @@
-"""Qwen3-VL: Qwen2-VL's placeholders, cache keys and 4-row positions, plus **deepstack**.
+"""Qwen3-VL: Qwen2-VL's placeholders, cache keys and 4-row positions, plus **deepstack**, for
+images and video.
 
 What is particular to it:
 
@@ -9,8 +10,11 @@ What is particular to it:
   (``ctx.model_inputs[DEEPSTACK]``), each prefill chunk carries its slice
   (``chunk_extras``), and the packed forward hands them to the decoder in packed order
   (``lm_inputs``), so chunked, batched and partly cached prompts get exactly those additions;
-- interleaved M-RoPE (``mrope_interleaved``) and timestamps between video frames are the
-  model's and processor's business: positions come from its own ``get_rope_index``;
+- a video is one placeholder run per temporal patch, each after its timestamp text
+  (``<0.5 seconds>``); a video's span covers them all, and ``encode_videos`` hands the text
+  positions their own embeddings back, so merging the span changes only the placeholders;
+- interleaved M-RoPE (``mrope_interleaved``) is the model's business: positions come from its
+  own ``get_rope_index``, which splits each video into its temporal patches;
 - the 4B Instruct template has no thinking switch (``thinking=`` changes nothing), the
   Thinking checkpoints always think.
 """
@@ -20,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
-from pipeline.families.qwen2_vl import Qwen2VLFamily
+from pipeline.families.qwen2_vl import Qwen2VLFamily, select_items, video_spans
 
 if TYPE_CHECKING:
     from pipeline.context import Context
@@ -38,40 +42,62 @@ class Qwen3VLFamily(Qwen2VLFamily):
     def encode_images(self, ctx: "Context", items: list[int]) -> tuple[torch.Tensor, float]:
         """The embeddings of images ``items`` through the tower, and the megapixels it saw; their
         deepstack features are kept per prompt position for the prefill chunks."""
-        lm = ctx.lm
-        grid = ctx.model_inputs["image_grid_thw"]
-        pixel_values = ctx.model_inputs["pixel_values"]
-        if len(items) != grid.shape[0]:  # patch rows are concatenated per image: keep those of `items`
-            ends = grid.prod(-1).cumsum(0).tolist()
-            pixel_values = torch.cat([pixel_values[(ends[k - 1] if k else 0) : ends[k]] for k in items], dim=0)
-            grid = grid[items]
-        device = next(lm.model.model.visual.parameters()).device
-        out = lm.model.model.get_image_features(pixel_values.to(device), grid.to(device))
-        features = torch.cat(list(out.pooler_output), dim=0)
-        deepstack = [torch.cat(list(layer), dim=0) for layer in out.deepstack_features]
-        spans = self.image_spans(ctx)
-        self._keep_deepstack(ctx, [spans[k] for k in items], deepstack)
-        patch = int(lm.config.vision_config.patch_size)
-        megapixels = float(grid[:, 1:].prod(-1).sum()) * patch * patch / 1e6
-        return features, megapixels
+        grid, pixel_values = select_items(ctx.model_inputs["image_grid_thw"], ctx.model_inputs["pixel_values"], items)
+        features = self._encode(ctx, "get_image_features", pixel_values, grid, self.image_spans(ctx), items,
+                                self.image_token_id(ctx))
+        return features, float(grid[:, 1:].prod(-1).sum()) * self._patch_area(ctx) / 1e6
 
-    @staticmethod
-    def _keep_deepstack(ctx: "Context", spans: Sequence[tuple[int, int]], deepstack: list[torch.Tensor]) -> None:
-        """Write the deepstack rows of the encoded items at their prompt positions."""
-        length = ctx.input_ids.shape[1]
+    def video_spans(self, ctx: "Context") -> list[tuple[int, int]]:
+        """[first, last + 1) of each video's placeholders: the processor writes one run per
+        temporal patch with its timestamp text (``<0.5 seconds>``) between them, so a span also
+        covers that text (``encode_videos`` gives those positions their own embeddings back)."""
+        return video_spans(ctx)
+
+    def encode_videos(self, ctx: "Context", items: list[int]) -> tuple[torch.Tensor, float]:
+        """Rows for the whole span of each video in ``items``: the tower's embeddings at its
+        placeholders, and the prompt's own embeddings at the timestamp text between them."""
+        grid, pixel_values = select_items(ctx.model_inputs["video_grid_thw"], ctx.model_inputs["pixel_values_videos"], items)
+        spans = self.video_spans(ctx)
+        token = self.video_token_id(ctx)
+        features = self._encode(ctx, "get_video_features", pixel_values, grid, spans, items, token)
+        rows, offset = [], 0
+        for k in items:
+            start, end = spans[k]
+            span = ctx.inputs_embeds[0, start:end].clone()
+            pads = ctx.input_ids[0, start:end] == token
+            count = int(pads.sum())
+            span[pads] = features[offset : offset + count].to(span.dtype)
+            rows.append(span)
+            offset += count
+        frames = torch.tensor([ctx.request.videos[k].num_frames for k in items], dtype=torch.float64)
+        megapixels = float((grid[:, 1:].prod(-1).double() * frames).sum()) * self._patch_area(ctx) / 1e6
+        return torch.cat(rows, dim=0), megapixels
+
+    def _encode(self, ctx: "Context", hook: str, pixel_values: torch.Tensor, grid: torch.Tensor,
+                spans: Sequence[tuple[int, int]], items: list[int], token: int) -> torch.Tensor:
+        """The tower's embeddings of ``items`` (concatenated); their deepstack features are kept
+        at the items' placeholder positions (``ctx.model_inputs[DEEPSTACK]``)."""
+        model = ctx.lm.model.model
+        device = next(model.visual.parameters()).device
+        out = getattr(model, hook)(pixel_values.to(device), grid.to(device))
+        ids = ctx.input_ids[0]
+        positions = torch.cat([start + (ids[start:end] == token).nonzero().view(-1) for start, end in
+                               (spans[k] for k in items)])
         kept = ctx.model_inputs.get(DEEPSTACK)
         if kept is None:
-            rows = deepstack[0]
-            kept = (torch.zeros(length, dtype=torch.bool),
-                    rows.new_zeros(len(deepstack), length, rows.shape[-1]))
-            ctx.model_inputs[DEEPSTACK] = kept
+            length, layers = ids.shape[0], len(out.deepstack_features)
+            hidden = out.deepstack_features[0][0].shape[-1]
+            kept = ctx.model_inputs[DEEPSTACK] = (torch.zeros(length, dtype=torch.bool),
+                                                  torch.zeros(layers, length, hidden, dtype=out.deepstack_features[0][0].dtype))
         mask, features = kept
-        offset = 0
-        for start, end in spans:
-            mask[start:end] = True
-            for layer, rows in enumerate(deepstack):
-                features[layer, start:end] = rows[offset : offset + end - start].to(features.dtype)
-            offset += end - start
+        mask[positions] = True
+        for layer, rows in enumerate(out.deepstack_features):
+            features[layer, positions] = torch.cat(list(rows), dim=0).to(features.device, features.dtype)
+        return torch.cat(list(out.pooler_output), dim=0)
+
+    @staticmethod
+    def _patch_area(ctx: "Context") -> int:
+        return int(ctx.lm.config.vision_config.patch_size) ** 2
 
     # --- the extra decoder input -------------------------------------------------------------
     def chunk_extras(self, ctx: "Context", begin: int, end: int) -> dict | None:

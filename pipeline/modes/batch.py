@@ -2,8 +2,9 @@
 
 Input (kind decided by the file name):
 - ``*.jsonl`` / ``*.ndjson``: one JSON object per line: ``id`` (string or integer; the line
-  number when left out), ``prompt``, optional ``images`` / ``audios`` (paths relative to the
-  file's folder, or absolute) and per-item settings (``max_new_tokens``, ``system_prompt``,
+  number when left out), ``prompt``, optional ``images`` / ``videos`` / ``audios`` (paths
+  relative to the file's folder, or absolute; the message shows the images, then the videos,
+  then the audio; videos are sampled by ``media.video_fps`` / ``media.video_max_frames``) and per-item settings (``max_new_tokens``, ``system_prompt``,
   ``ignore_eos``, ``stop``, ``thinking``). Blank lines are skipped.
 - anything else: one prompt per line; blank lines and lines starting with ``#`` are skipped;
   the id is the line number.
@@ -57,7 +58,7 @@ PART_GLOB = "results.part*.jsonl"
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # Per-item settings a JSONL line may carry (each checked by _setting).
 ITEM_SETTINGS = ("max_new_tokens", "system_prompt", "ignore_eos", "stop", "thinking")
-ITEM_KEYS = ("id", "prompt", "images", "audios") + ITEM_SETTINGS
+ITEM_KEYS = ("id", "prompt", "images", "videos", "audios") + ITEM_SETTINGS
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Item:
     prompt: str | None = None
     images: list[str] = field(default_factory=list)
     audios: list[str] = field(default_factory=list)
+    videos: list[str] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -125,15 +127,16 @@ def _json_item(path: Path, n: int, line: str) -> Item:
         raise UserError(f"{where}: id must be a non-empty string or an integer (got {item_id!r})")
     images = _paths(where, path.parent, obj, "images")
     audios = _paths(where, path.parent, obj, "audios")
+    videos = _paths(where, path.parent, obj, "videos")
     prompt = obj.get("prompt")
     if prompt is not None and not isinstance(prompt, str):
         raise UserError(f"{where}: prompt must be a string (got {type(prompt).__name__})")
     if prompt is not None and not prompt.strip():
         raise UserError(f"{where}: the prompt is empty")
-    if prompt is None and not (images or audios):
-        raise UserError(f"{where}: no prompt (give \"prompt\", or images/audios to describe)")
+    if prompt is None and not (images or audios or videos):
+        raise UserError(f"{where}: no prompt (give \"prompt\", or images/videos/audios to describe)")
     settings = {key: _setting(where, key, obj[key]) for key in ITEM_SETTINGS if key in obj}
-    return Item(id=item_id, line=n, prompt=prompt, images=images, audios=audios, settings=settings)
+    return Item(id=item_id, line=n, prompt=prompt, images=images, audios=audios, videos=videos, settings=settings)
 
 
 def _paths(where: str, base: Path, obj: dict, key: str) -> list[str]:
@@ -250,12 +253,13 @@ def item_request(cfg: DictConfig, item: Item) -> Request:
     """The item's Request: the run's settings, then the item's own; its media loaded (and checked)."""
     from pipeline.media import media_kind
 
-    for kind, paths in (("image", item.images), ("audio", item.audios)):
+    for kind, paths in (("image", item.images), ("video", item.videos), ("audio", item.audios)):
         for p in paths:
             if media_kind(p) != kind:
-                raise UserError(f"{p}: listed under {kind}s but it is not an {kind} file")
+                article = "an" if kind[0] in "aeiou" else "a"
+                raise UserError(f"{p}: listed under {kind}s but it is not {article} {kind} file")
     with open_dict(cfg):
-        cfg.input = item.images + item.audios or None
+        cfg.input = item.images + item.videos + item.audios or None
     return request_from_cfg(cfg, prompt=item.prompt, id=item.key, **item.settings)
 
 

@@ -11,16 +11,19 @@ from typing import Callable, TextIO
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.assemble import input_paths, load_from_cfg, max_image_pixels, pipeline_from_cfg, request_from_cfg
+from pipeline.assemble import (
+    input_paths, load_from_cfg, max_image_pixels, pipeline_from_cfg, request_from_cfg, video_sampling,
+)
 from pipeline.chat import ChatSession
 from pipeline.errors import UserError
 from pipeline.metrics import format_table
 from pipeline.outputs import run_dir
 
-COMMANDS = "/help /reset /undo /image PATH /audio PATH /stats /exit"
+COMMANDS = "/help /reset /undo /image PATH /video PATH /audio PATH /stats /exit"
 HELP = """\
 Type a message and press Enter. Commands:
   /image PATH   attach an image to your next message
+  /video PATH   attach a video clip to your next message (mp4, webm, mov, animated gif)
   /audio PATH   attach an audio file to your next message
   /undo         drop the last exchange (the cache rolls back, nothing is recomputed)
   /reset        clear the conversation and the cache
@@ -52,6 +55,7 @@ class Repl:
             "/reset": self.cmd_reset,
             "/undo": self.cmd_undo,
             "/image": lambda arg: self.cmd_attach("image", arg),
+            "/video": lambda arg: self.cmd_attach("video", arg),
             "/audio": lambda arg: self.cmd_attach("audio", arg),
             "/stats": self.cmd_stats,
             "/exit": lambda arg: False,
@@ -150,11 +154,12 @@ class Repl:
             self.note(f"usage: /{kind} PATH")
             return True
         try:
-            self.session.attach(path, kind)  # type: ignore[arg-type]
+            item = self.session.attach(path, kind)  # type: ignore[arg-type]
         except UserError as err:
             self.note(f"error: {err}")
             return True
-        self.note(f"[{kind} {path} attached to your next message]")
+        detail = f" ({item.data.num_frames} frames over {item.data.duration:.1f} s)" if item.kind == "video" else ""
+        self.note(f"[{kind} {path}{detail} attached to your next message]")
         return True
 
     def cmd_stats(self, arg: str) -> bool:
@@ -172,6 +177,7 @@ def main(cfg: DictConfig) -> None:
     # once the model is known (attach checks the model has an encoder for them).
     settings = request_from_cfg(OmegaConf.merge(cfg, {"input": None}), prompt=None)
     pixel_guard = max_image_pixels(cfg)
+    video_fps, video_max_frames = video_sampling(cfg)
     lm = load_from_cfg(cfg)
     session = ChatSession(
         pipeline_from_cfg(cfg, lm),
@@ -182,6 +188,8 @@ def main(cfg: DictConfig) -> None:
         thinking=settings.thinking,
         log_path=run_dir() / "chat.jsonl",
         max_image_pixels=pixel_guard,
+        video_fps=video_fps,
+        video_max_frames=video_max_frames,
     )
     for path in input_paths(cfg):  # input=PATH: media for the first message
         session.attach(path)

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from pipeline.assemble import load_from_cfg, max_image_pixels, pipeline_from_cfg, request_from_cfg, stages_from_cfg
+from pipeline.assemble import (
+    load_from_cfg, max_image_pixels, pipeline_from_cfg, request_from_cfg, stages_from_cfg, video_sampling,
+)
 from pipeline.errors import UserError, whole_number
 from pipeline.serve.app import ServeSettings, create_app, log
 from pipeline.serve.media import MediaPolicy
@@ -28,6 +30,7 @@ def settings_from_cfg(cfg: DictConfig) -> ServeSettings:
     max_audio_s = s.max_audio_s
     if isinstance(max_audio_s, bool) or not isinstance(max_audio_s, (int, float)) or max_audio_s <= 0:
         raise UserError(f"serve.max_audio_s must be a number > 0 (got {max_audio_s!r})")
+    video_fps, video_max_frames = video_sampling(cfg)
     key = s.api_key if s.api_key is not None else os.environ.get("MM_PIPELINE_API_KEY") or None
     if key is not None and not str(key).strip():
         raise UserError("serve.api_key is empty: give a key or leave it null")
@@ -43,8 +46,11 @@ def settings_from_cfg(cfg: DictConfig) -> ServeSettings:
             allow_remote=bool(s.allow_remote_media),
             max_images=whole_number("serve.max_images", s.max_images, minimum=0),
             max_audios=whole_number("serve.max_audios", s.max_audios, minimum=0),
+            max_videos=whole_number("serve.max_videos", s.get("max_videos", 2), minimum=0),
             max_image_pixels=max_image_pixels(cfg),
             max_audio_s=float(max_audio_s),
+            video_fps=video_fps,
+            video_max_frames=video_max_frames,
         ),
     )
 

@@ -30,10 +30,10 @@ from pipeline.engine import Cancelled, Handle
 from pipeline.errors import UserError
 from pipeline.pipeline import Pipeline
 from pipeline.serve.bridge import Submission
-from pipeline.serve.media import MediaPolicy, audio_from_base64, image_from_url
+from pipeline.serve.media import MediaPolicy, audio_from_base64, image_from_url, video_from_url
 from pipeline.serve.metrics import ServerMetrics
 from pipeline.serve.protocol import (
-    FINISH, AudioPart, ChatCompletionRequest, CompletionRequest, ImagePart, Sampling, TextPart,
+    FINISH, AudioPart, ChatCompletionRequest, CompletionRequest, ImagePart, Sampling, TextPart, VideoPart,
 )
 
 PAGE = Path(__file__).parent / "static" / "chat.html"
@@ -236,8 +236,8 @@ class _API:
         except ValueError as err:
             raise APIError(400, str(err), code="invalid_value") from None
 
-    def _messages(self, body: ChatCompletionRequest) -> tuple[list[dict], list, list]:
-        """OpenAI messages -> chat-template messages with media placeholders, images, audios."""
+    def _messages(self, body: ChatCompletionRequest) -> tuple[list[dict], list, list, list]:
+        """OpenAI messages -> chat-template messages with media placeholders, images, audios, videos."""
         lm, policy = self.pipe.lm, self.settings.media
         if not body.messages:
             raise UserError("messages is empty")
@@ -245,6 +245,7 @@ class _API:
         messages: list[dict] = []
         images: list = []
         audios: list = []
+        videos: list = []
         for m, msg in enumerate(body.messages):
             role = "system" if msg.role == "developer" else msg.role
             content = msg.content or ""
@@ -259,14 +260,20 @@ class _API:
                 if isinstance(part, TextPart):
                     parts.append({"type": "text", "text": part.text})
                     continue
-                kind = "image" if isinstance(part, ImagePart) else "audio"
+                kind = "image" if isinstance(part, ImagePart) else "video" if isinstance(part, VideoPart) else "audio"
                 if kind not in family.media:
-                    raise UserError(f"{where}: {lm.path} is a {family.name} model without an {kind} encoder")
+                    article = "an" if kind[0] in "aeiou" else "a"
+                    raise UserError(f"{where}: {lm.path} is a {family.name} model without {article} {kind} encoder")
                 if isinstance(part, ImagePart):
                     if len(images) >= policy.max_images:
                         raise UserError(f"{where}: more than serve.max_images ({policy.max_images}) images")
                     images.append(image_from_url(part.image_url.url, where, policy))
                     parts.append({"type": "image"})
+                elif isinstance(part, VideoPart):
+                    if len(videos) >= policy.max_videos:
+                        raise UserError(f"{where}: more than serve.max_videos ({policy.max_videos}) videos")
+                    videos.append(video_from_url(part.video_url.url, where, policy))
+                    parts.append({"type": "video"})
                 elif isinstance(part, AudioPart):
                     if len(audios) >= policy.max_audios:
                         raise UserError(f"{where}: more than serve.max_audios ({policy.max_audios}) audio clips")
@@ -278,7 +285,7 @@ class _API:
             else:
                 content = parts
             messages.append({"role": role, "content": content})
-        return messages, images, audios
+        return messages, images, audios, videos
 
     def _requests(self, body: Sampling, chat: bool, tokens: int) -> tuple[list[Request], list[int] | None]:
         """One Request per choice (plus raw prompt ids for text completions). Runs off the loop:
@@ -287,10 +294,10 @@ class _API:
         ids = None
         if chat:
             assert isinstance(body, ChatCompletionRequest)
-            messages, images, audios = self._messages(body)
+            messages, images, audios, videos = self._messages(body)
             kwargs = body.chat_template_kwargs or {}
             thinking = kwargs.get("enable_thinking")
-            common.update(messages=messages, images=images, audios=audios,
+            common.update(messages=messages, images=images, audios=audios, videos=videos,
                           thinking=None if thinking is None else bool(thinking))
         else:
             assert isinstance(body, CompletionRequest)

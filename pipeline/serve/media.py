@@ -1,5 +1,6 @@
-"""Media in requests -> what the pipeline takes: base64 data URIs, ``file://`` paths under
-``serve.allowed_media_dir``, remote URLs only when ``serve.allow_remote_media`` is on.
+"""Media in requests (images, videos, audio) -> what the pipeline takes: base64 data URIs,
+``file://`` paths under ``serve.allowed_media_dir``, remote URLs only when
+``serve.allow_remote_media`` is on.
 
 Decoding goes through the CLI's own loaders (``pipeline.media``), so every bad file gets the same
 one-line diagnosis, here naming the request part (``messages[1].content[0]``) instead of a path.
@@ -26,9 +27,12 @@ class MediaPolicy:
     allow_remote: bool = False
     max_images: int = 8
     max_audios: int = 4
-    max_image_pixels: int = 64_000_000
+    max_videos: int = 2
+    max_image_pixels: int = 64_000_000  # also bounds a video's frame size
     max_audio_s: float = 600.0
     max_remote_bytes: int = 32 << 20
+    video_fps: float = 2.0  # media.video_fps: frames sampled per second of a clip
+    video_max_frames: int = 64  # media.video_max_frames
 
 
 def _b64(data: str, where: str) -> bytes:
@@ -75,6 +79,30 @@ def _remote(url: str, where: str, policy: MediaPolicy) -> bytes:
     return raw
 
 
+def _from_url(url: str, where: str, policy: MediaPolicy, kind: str, load: Callable[[str], Any]) -> Any:
+    """A media URL through ``load``: a base64 data: URI, a file:// path under the allowed
+    folder, or a remote URL when remote media are allowed."""
+    if url.startswith("data:"):
+        header, sep, data = url.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise UserError(f"{where}: only base64 data: URIs are accepted (data:{kind}/...;base64,...)")
+        return _decoded(_b64(data, where), where, load)
+    if url.startswith("file://"):
+        return load(_local(url, where, policy))
+    if url.startswith(("http://", "https://")):
+        return _decoded(_remote(url, where, policy), where, load)
+    raise UserError(f"{where}: unsupported {kind} URL (data:, file:// or http(s)://)")
+
+
+def _checked_kind(path: str, kind: str) -> None:
+    """The file's content must be ``kind`` (a video sent as image_url is named, not misread)."""
+    from pipeline.media import media_kind
+
+    actual = media_kind(path)
+    if actual != kind:
+        raise UserError(f"{path}: {'an' if actual[0] in 'aeiou' else 'a'} {actual} file, sent as {kind}")
+
+
 def image_from_url(url: str, where: str, policy: MediaPolicy) -> Any:
     """An ``image_url`` part -> an RGB PIL image (bomb guard and decoding as the CLI's)."""
     from pipeline.media import load_image
@@ -82,19 +110,24 @@ def image_from_url(url: str, where: str, policy: MediaPolicy) -> Any:
     def load(path: str) -> Any:
         return load_image(path, max_pixels=policy.max_image_pixels)
 
-    if url.startswith("data:"):
-        header, sep, data = url.partition(",")
-        if not sep or not header.endswith(";base64"):
-            raise UserError(f"{where}: only base64 data: URIs are accepted (data:image/...;base64,...)")
-        image = _decoded(_b64(data, where), where, load)
-    elif url.startswith("file://"):
-        image = load(_local(url, where, policy))
-    elif url.startswith(("http://", "https://")):
-        image = _decoded(_remote(url, where, policy), where, load)
-    else:
-        raise UserError(f"{where}: unsupported image URL (data:, file:// or http(s)://)")
+    image = _from_url(url, where, policy, "image", load)
     image.info["source"] = where
     return image
+
+
+def video_from_url(url: str, where: str, policy: MediaPolicy) -> Any:
+    """A ``video_url`` part -> a ``Video`` sampled as the CLI samples (``media.video_fps``,
+    ``media.video_max_frames``), frames under the image pixel guard."""
+    from pipeline.media import load_video
+
+    def load(path: str) -> Any:
+        _checked_kind(path, "video")
+        return load_video(path, fps=policy.video_fps, max_frames=policy.video_max_frames,
+                          max_pixels=policy.max_image_pixels)
+
+    video = _from_url(url, where, policy, "video", load)
+    video.source = where
+    return video
 
 
 def audio_from_base64(data: str, where: str, rate: int, policy: MediaPolicy) -> tuple[Any, int]:

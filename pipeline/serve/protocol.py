@@ -1,5 +1,5 @@
 """The OpenAI request shapes this server accepts, checked by pydantic, and what they become:
-our ``Request`` (messages with media placeholders, images and audio in prompt order, sampler).
+our ``Request`` (messages with media placeholders, images, videos and audio in prompt order, sampler).
 
 Unknown fields are ignored (clients send many); known fields of the wrong type are refused.
 """
@@ -29,6 +29,17 @@ class ImagePart(_Open):
     image_url: ImageURL
 
 
+class VideoURL(_Open):
+    url: str
+
+
+class VideoPart(_Open):
+    """vLLM's extension for video: ``{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,..."}}``."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
 class AudioData(_Open):
     data: str  # base64, no data: prefix (OpenAI's input_audio)
     format: str | None = None
@@ -39,7 +50,7 @@ class AudioPart(_Open):
     input_audio: AudioData
 
 
-Part = Annotated[Union[TextPart, ImagePart, AudioPart], Field(discriminator="type")]
+Part = Annotated[Union[TextPart, ImagePart, VideoPart, AudioPart], Field(discriminator="type")]
 
 
 class Message(_Open):

@@ -8,7 +8,8 @@ family's special tokens and published chat template, and - for the multimodal fa
 real processor classes (Qwen2-VL image/video processors, Whisper feature extractor).
 
 Layout: ``common`` (sizes, special/role tokens), ``tokenizer`` (``make_tokenizer``), one
-module per family (``qwen3``, ``llama``, ``qwen2_vl``, ``qwen2_5_vl``, ``qwen2_audio``),
+module per family (``qwen3``, ``llama``, ``qwen2_vl``, ``qwen2_5_vl``, ``qwen2_audio``, ``gemma3``,
+``qwen3_vl``),
 ``registry`` (family -> module) and ``build`` (``build_tiny`` and the cache).
 
 Public API: ``FAMILIES``, ``build_tiny``, ``make_tokenizer``, ``tiny_model_dir``,

@@ -149,8 +149,9 @@ def make_tokenizer(family: str) -> PreTrainedTokenizerBase:
 
     Why: real tokenizers cannot be downloaded here; this one has the same pre-tokenizer,
     special tokens and template as the published one, so prompts render the same way.
-    Qwen families get ``Qwen2Tokenizer`` (what their hub configs name), llama gets
-    ``PreTrainedTokenizerFast`` (as Llama-3 ships).
+    Qwen families get ``Qwen2Tokenizer`` (what their hub configs name), llama and gemma3 get
+    ``PreTrainedTokenizerFast`` with a BOS post-processor (both add BOS when tokenizing, as
+    published); a module's ``NAMED_TOKENS`` become named special tokens (``tok.boi_token``).
     """
     family_module(family)  # an unknown name fails here, clearly
     from tokenizers import AddedToken, Tokenizer, processors
@@ -167,7 +168,7 @@ def make_tokenizer(family: str) -> PreTrainedTokenizerBase:
     added = [AddedToken(t, special=s, normalized=False, lstrip=False, rstrip=False, single_word=False)
              for t, s in specials]
 
-    if family == "llama":
+    if family in ("llama", "gemma3"):
         from transformers import PreTrainedTokenizerFast
 
         normalizer, pre, decoder = _backend_pipeline(family)
@@ -197,6 +198,7 @@ def make_tokenizer(family: str) -> PreTrainedTokenizerBase:
             model_max_length=131072,
             clean_up_tokenization_spaces=False,
             model_input_names=["input_ids", "attention_mask"],
+            **getattr(family_module(family), "NAMED_TOKENS", {}),  # e.g. Gemma 3's boi_token, image_token
         )
     else:
         from transformers import Qwen2Tokenizer
