@@ -81,8 +81,8 @@ class Qwen3VLFamily(Qwen2VLFamily):
         device = next(model.visual.parameters()).device
         out = getattr(model, hook)(pixel_values.to(device), grid.to(device))
         ids = ctx.input_ids[0]
-        positions = torch.cat([start + (ids[start:end] == token).nonzero().view(-1) for start, end in
-                               (spans[k] for k in items)])
+        positions = torch.cat([start + (ids[start:end] == token).nonzero().view(-1).cpu() for start, end in
+                               (spans[k] for k in items)])  # the kept rows live on the host until packed
         kept = ctx.model_inputs.get(DEEPSTACK)
         if kept is None:
             length, layers = ids.shape[0], len(out.deepstack_features)
