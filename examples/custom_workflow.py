@@ -2,8 +2,8 @@
 
     python examples/custom_workflow.py [--model DIR_OR_HUB_ID]
 
-Runs on the embedded default (a tiny random-weight model: the words are meaningless, the
-mechanics are real). The greedy branch is checked against a plain Pipeline run.
+Runs on the embedded default (a toy model trained only to name the shapes in images: to this
+text prompt its words are meaningless, the mechanics are real). The greedy branch is checked against a plain Pipeline run.
 """
 from __future__ import annotations
 

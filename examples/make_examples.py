@@ -2,9 +2,11 @@
 
     python examples/make_examples.py [OUT_DIR]
 
-shapes.png   320x240 synthetic scene: sky, ground, sun, house, tree
-photo.jpg    the same scene as a JPEG stored sideways with EXIF Orientation=6, so a loader
-             that honours EXIF gets it upright (320x240) and one that does not gets 240x320
+shapes.png   an image of the embedded default's task (pipeline.tiny.shapes.example()): two
+             filled shapes on white; `python -m pipeline input=examples/shapes.png` names them
+photo.jpg    a 320x240 synthetic scene (sky, ground, sun, house, tree) as a JPEG stored sideways
+             with EXIF Orientation=6, so a loader that honours EXIF gets it upright (320x240) and
+             one that does not gets 240x320
 tone.wav     2 s, 16 kHz, mono 16-bit: spoken words if espeak-ng is installed, else a
              little melody of sine tones (C-E-G-C)
 prompts.txt  five short prompts, one per line (with a comment and a blank line)
@@ -21,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 from PIL import Image, ImageDraw
+
+from pipeline.tiny import shapes
 
 WIDTH, HEIGHT = 320, 240
 RATE = 16_000
@@ -100,9 +104,9 @@ def speech() -> np.ndarray | None:
 
 def main(out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    scene = draw_scene()
-    scene.save(out_dir / "shapes.png", optimize=True)
-    save_photo(scene, out_dir / "photo.jpg")
+    image, _ = shapes.example()
+    image.save(out_dir / "shapes.png", optimize=True)
+    save_photo(draw_scene(), out_dir / "photo.jpg")
     wave = speech()
     if wave is None:
         wave = melody()

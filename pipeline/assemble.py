@@ -20,17 +20,29 @@ from pipeline.settings import plain as _plain
 
 
 def model_path(cfg: DictConfig) -> str:
-    """model.path, or the embedded default (built on first use) when no model is chosen."""
+    """model.path, or the embedded default (shipped in the package) when no model is chosen."""
     if cfg.model.path:
         return str(cfg.model.path)
     from pipeline.tiny import default_model_dir
+    from pipeline.tiny.shapes import COUNT_QUESTION, SHAPES_QUESTION
 
     print(
-        "mm-pipeline: no model chosen, running the embedded default: a tiny model with RANDOM weights "
-        "(its text is meaningless). Pick a real one with +model=NAME or model.path=DIR.",
+        "mm-pipeline: no model chosen, running the embedded default: a toy Qwen2-VL model trained by this "
+        f"project to name the shapes in images (ask \"{SHAPES_QUESTION}\" or \"{COUNT_QUESTION}\"; "
+        "other prompts get meaningless text). Pick a real one with +model=NAME or model.path=DIR.",
         file=sys.stderr,
     )
     return str(default_model_dir())
+
+
+def embedded_example() -> tuple[str, str]:
+    """The image and question of a run with no input and no prompt on the embedded default: its
+    example image (the same as examples/shapes.png) and the question it was trained on."""
+    from pipeline.tiny import default_model_dir, model_card
+
+    path = default_model_dir()
+    card = model_card(path) or {}
+    return str(path / card["example_image"]), card["default_prompts"]["image"]
 
 
 def quant_from_cfg(cfg: DictConfig) -> dict:
@@ -127,6 +139,10 @@ def request_from_cfg(cfg: DictConfig, **overrides: Any) -> Request:
     fps, max_frames = video_sampling(cfg)
     paths = input_paths(cfg)
     prompt = cfg.prompt
+    if prompt is None and not paths and "prompt" not in overrides and not cfg.model.path:
+        image, prompt = embedded_example()  # the first run shows the embedded default looking at an image
+        paths = [image]
+        print(f"mm-pipeline: no input given: asking \"{prompt}\" about the example image {image}", file=sys.stderr)
     media = Inputs()
     if paths:  # each file's kind by content; images and videos remember their file for messages
         media = load_inputs(paths, max_pixels=max_image_pixels(cfg), video_fps=fps, video_max_frames=max_frames)

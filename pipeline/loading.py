@@ -29,6 +29,9 @@ class LoadedModel:
     quant: str = "none"  # the scheme in force, read from the loaded layers (nf4, fp4, int8, none)
     placement: dict = field(default_factory=dict)  # device -> {dtype/quant: bytes}
     max_memory: dict = field(default_factory=dict)  # model.max_memory in bytes: budgets the KV guard honours
+    # media kind -> the question a model built by the project asks when media come without a
+    # prompt (the trained embedded default's "What shapes are in the image?"); empty otherwise
+    default_prompts: dict = field(default_factory=dict)
 
     @property
     def config(self) -> Any:
@@ -234,10 +237,20 @@ def check_offload_folder(folder: str | None) -> str | None:
 
 
 def _is_tiny(path: str) -> bool:
-    """A model this project built (random weights): quant=auto leaves it unquantised."""
+    """A model this project built (random or toy weights): quant=auto leaves it unquantised."""
     from pipeline.tiny import MARKER_FILE
 
     return (Path(path).expanduser() / MARKER_FILE).is_file()
+
+
+def _default_prompts(path: str) -> dict[str, str]:
+    """The questions a project-built model asks of media given without a prompt (its marker's
+    ``default_prompts``): the toy shapes model was trained on one question, not "Describe this image."."""
+    from pipeline.tiny import model_card
+
+    card = model_card(path) or {}
+    prompts = card.get("default_prompts") or {}
+    return {str(kind): str(text) for kind, text in prompts.items()} if isinstance(prompts, dict) else {}
 
 
 def _tied_lm_head(config: Any) -> bool:
@@ -351,6 +364,7 @@ def load_model(
         quant=q.scheme_in_force(model),
         placement=placement_of(model),
         max_memory=budgets,
+        default_prompts=_default_prompts(path),
     )
 
 

@@ -108,10 +108,19 @@ def test_exif_orientation_applied(tmp_path):
 
 
 def test_examples_load():
-    shapes = load_image(EXAMPLES / "shapes.png")
+    import importlib.util
+
+    from pipeline.tiny.shapes import example
+
+    spec = importlib.util.spec_from_file_location("make_examples", EXAMPLES / "make_examples.py")
+    make_examples = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_examples)
+    shapes = load_image(EXAMPLES / "shapes.png")  # the embedded default's task (tests/test_shapes.py)
+    assert pixels(shapes).tobytes() == pixels(example()[0]).tobytes()
     photo = load_image(EXAMPLES / "photo.jpg")
-    assert shapes.size == photo.size == (320, 240)
-    assert np.abs(pixels(shapes).astype(int) - pixels(photo).astype(int)).mean() < 4
+    scene = make_examples.draw_scene()
+    assert photo.size == scene.size == (320, 240)
+    assert np.abs(pixels(scene).astype(int) - pixels(photo).astype(int)).mean() < 4  # upright, as drawn
     with Image.open(EXAMPLES / "photo.jpg") as raw:
         assert raw.size == (240, 320)  # really stored sideways
     wave, dur = load_audio(EXAMPLES / "tone.wav", 16_000)

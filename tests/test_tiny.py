@@ -236,7 +236,7 @@ def test_media_reaches_the_model(loaded):
 
 def test_cached_dir_is_built_once(tmp_path, monkeypatch):
     monkeypatch.setenv("MM_PIPELINE_HOME", str(tmp_path))
-    d = tiny.default_model_dir()
+    d = tiny.tiny_model_dir(tiny.DEFAULT_FAMILY)
     assert d == tmp_path / f"tiny-{tiny.DEFAULT_FAMILY}-v{tiny.RECIPE_VERSION}"
     stamp = (d / "model.safetensors").stat().st_mtime_ns
     assert tiny.tiny_model_dir(tiny.DEFAULT_FAMILY) == d
@@ -244,6 +244,8 @@ def test_cached_dir_is_built_once(tmp_path, monkeypatch):
     assert tf.AutoConfig.from_pretrained(d).model_type == "qwen2_vl"
     with pytest.raises(ValueError):
         tiny.tiny_model_dir("gpt2")
+    # the embedded default is not built: it is the trained model shipped in the package
+    assert tiny.default_model_dir() == Path(tiny.__file__).parent / "shapes_model"
     assert not list(tmp_path.glob("*shapes*"))
 
 

@@ -2,23 +2,25 @@
 
 Why: the embedded default model and every test need a model that loads through the real
 ``from_pretrained(dir)`` path (config, safetensors, tokenizer, processor, chat template)
-without downloading anything.  Each family here gets random weights (seeded, so two builds
-are byte-identical), a byte-level BPE tokenizer trained on a small embedded corpus, the
-family's special tokens and published chat template, and - for the multimodal families - the
-real processor classes (Qwen2-VL image/video processors, Whisper feature extractor).
+without downloading anything.  The embedded default is a tiny Qwen2-VL *trained* by the project
+to name the shapes in images (``shapes``: the task; ``train_shapes``: the training script;
+``shapes_model/``: the shipped weights).  For tests, each family here gets random weights
+(seeded, so two builds are byte-identical), a byte-level BPE tokenizer trained on a small
+embedded corpus, the family's special tokens and published chat template, and - for the
+multimodal families - the real processor classes (Qwen2-VL image/video processors, Whisper
+feature extractor).
 
 Layout: ``common`` (sizes, special/role tokens), ``tokenizer`` (``make_tokenizer``), one
-module per family (``qwen3``, ``llama``, ``qwen2_vl``, ``qwen2_5_vl``, ``qwen2_audio``, ``gemma3``,
-``qwen3_vl``),
-``registry`` (family -> module) and ``build`` (``build_tiny`` and the cache).
+module per family (``qwen3``, ``llama``, ``qwen2_vl``, ``qwen2_5_vl``, ``qwen2_audio``, ``gemma3``),
+``registry`` (family -> module) and ``build`` (``build_tiny``, the cache, ``default_model_dir``).
 
 Public API: ``FAMILIES``, ``build_tiny``, ``make_tokenizer``, ``tiny_model_dir``,
-``default_model_dir``.
+``default_model_dir``, ``model_card``.
 """
 
 from __future__ import annotations
 
-from pipeline.tiny.build import build_tiny, default_model_dir, make_processor, tiny_model_dir
+from pipeline.tiny.build import build_tiny, default_model_dir, make_processor, model_card, tiny_model_dir
 from pipeline.tiny.common import DEFAULT_FAMILY, MARKER_FILE, RECIPE_VERSION
 from pipeline.tiny.registry import FAMILIES
 from pipeline.tiny.tokenizer import make_tokenizer
@@ -45,4 +47,5 @@ __all__ = [
     "make_processor",
     "tiny_model_dir",
     "default_model_dir",
+    "model_card",
 ]

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.tiny.common import DEFAULT_FAMILY, MARKER_FILE, RECIPE_VERSION, _generation_config
+from pipeline.tiny.common import MARKER_FILE, RECIPE_VERSION, _generation_config
 from pipeline.tiny.registry import family_module
 from pipeline.tiny.tokenizer import make_tokenizer
 
@@ -172,6 +172,30 @@ def tiny_model_dir(family: str) -> Path:
     return d
 
 
+# The embedded default: a tiny Qwen2-VL trained by ``python -m pipeline.tiny.train_shapes`` to name
+# the shapes in images (``pipeline.tiny.shapes``); its files ship in the package.
+SHAPES_MODEL_DIR = Path(__file__).resolve().parent / "shapes_model"
+
+
 def default_model_dir() -> Path:
-    """The embedded default model (a tiny ``qwen2-vl``), built on first use."""
-    return tiny_model_dir(DEFAULT_FAMILY)
+    """The embedded default model: the shipped toy shapes model (nothing to build, offline).
+
+    Why trained rather than random: the first run shows a model looking at an image and
+    answering correctly. ``tiny_model_dir(family)`` still gives random-weight models for tests.
+    """
+    if not (SHAPES_MODEL_DIR / "model.safetensors").is_file() or model_card(SHAPES_MODEL_DIR) is None:
+        raise FileNotFoundError(
+            f"the embedded default model is missing from {SHAPES_MODEL_DIR}: re-create it with "
+            "`python -m pipeline.tiny.train_shapes` (or reinstall the package)"
+        )
+    return SHAPES_MODEL_DIR
+
+
+def model_card(path: str | Path) -> dict | None:
+    """The marker of a model directory the project wrote (how it was made, what it answers), or
+    None for any other model (a hub id, someone's save_pretrained directory)."""
+    try:
+        card = json.loads((Path(path).expanduser() / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return card if isinstance(card, dict) else None

@@ -1,0 +1,391 @@
+"""Train the embedded default: a tiny Qwen2-VL that names the shapes in an image (CPU, minutes).
+
+    python -m pipeline.tiny.train_shapes [--out DIR] [--minutes N]
+
+Why: a model with random weights proves the plumbing but not the product. This one is the real
+``Qwen2VLForConditionalGeneration`` with the project's tokenizer and the real
+``Qwen2VLProcessor``, trained from scratch on the synthetic task of ``pipeline.tiny.shapes``
+through the chat template exactly as the pipeline renders a prompt (system prompt added by the
+template, one user message: the image, then the question); the loss is on the answer tokens
+and the end-of-turn token ``<|im_end|>``. Its answers can be checked by meaning.
+
+Deterministic: the data (``shapes.TRAIN_SEED``), the initialisation and the order of the
+batches are seeded, and it runs on 2 threads; a rerun on the same machine and library versions
+gives the same weights. ``--minutes`` is a safety cap: a run stopped by it has not followed the
+recipe (the script says so) and its weights differ from the committed ones.
+
+The output is a complete ``from_pretrained`` directory (safetensors, tokenizer, processor, chat
+template, generation config) plus the marker file that makes the loader treat it as the
+project's own tiny model; by default it replaces ``pipeline/tiny/shapes_model``, which ships in
+the package and is what ``default_model_dir()`` returns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import numpy as np
+
+from pipeline.tiny import shapes
+from pipeline.tiny.common import MARKER_FILE, RECIPE_VERSION, _generation_config
+
+if TYPE_CHECKING:
+    import torch
+    from PIL import Image
+    from transformers import PreTrainedModel, ProcessorMixin
+
+BASE_FAMILY = "qwen2-vl"
+SHIPPED_DIR = Path(__file__).resolve().parent / "shapes_model"
+EXAMPLE_IMAGE = "example.png"  # written next to the weights: what `python -m pipeline` asks about with no input
+THREADS = 2
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that decides the weights: sizes, optimiser, schedule, data mix, seeds."""
+
+    hidden: int = 128
+    intermediate: int = 256
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    vision_dim: int = 64
+    vision_depth: int = 2
+    vision_heads: int = 4
+    init_range: float = 0.02
+    rope_theta: float = 20.0
+    max_pixels: int = 224 * 224  # the image processor's pixel budget (dynamic resolution up to it)
+    steps: int = 1500
+    batch: int = 32
+    lr: float = 1e-3
+    min_lr_fraction: float = 0.05
+    warmup: int = 100
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    focal: float = 0.0  # focal-loss exponent on the answer tokens (0: plain cross-entropy)
+    count_fraction: float = 0.35  # share of samples asking the count question
+    data_seed: int = shapes.TRAIN_SEED
+    init_seed: int = 0
+
+
+# --------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------
+
+
+def mrope_section(head_dim: int) -> list[int]:
+    """M-RoPE split of the rotary half-dimension over (temporal, height, width), in the published
+    proportions (16, 24, 24 of 64), so height and width get most of the frequencies."""
+    half = head_dim // 2
+    t = half // 4
+    h = (half - t) // 2
+    return [t, h, half - t - h]
+
+
+def make_config(tok: Any, recipe: Recipe) -> Any:
+    """A real Qwen2-VL config at the recipe's sizes (token ids, template and processor shared
+    with the random tiny builder)."""
+    from transformers import Qwen2VLConfig
+
+    from pipeline.tiny import qwen2_vl
+
+    head_dim = recipe.hidden // recipe.heads
+    text = qwen2_vl._text_config(tok, BASE_FAMILY)
+    text.update(
+        hidden_size=recipe.hidden,
+        intermediate_size=recipe.intermediate,
+        num_hidden_layers=recipe.layers,
+        max_window_layers=recipe.layers,
+        num_attention_heads=recipe.heads,
+        num_key_value_heads=recipe.kv_heads,
+        initializer_range=recipe.init_range,
+        rope_parameters={**text["rope_parameters"], "rope_theta": recipe.rope_theta,
+                         "mrope_section": mrope_section(head_dim)},
+    )
+    return Qwen2VLConfig(
+        text_config=text,
+        vision_config=dict(depth=recipe.vision_depth, embed_dim=recipe.vision_dim, hidden_size=recipe.hidden,
+                           mlp_ratio=2, num_heads=recipe.vision_heads, in_channels=3, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, initializer_range=recipe.init_range),
+        **qwen2_vl._vision_token_ids(tok),
+        tie_word_embeddings=False,
+    )
+
+
+def make_processor(tok: Any, recipe: Recipe) -> ProcessorMixin:
+    """The real ``Qwen2VLProcessor`` of the tiny builder, with the recipe's pixel budget."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    from pipeline.tiny import qwen2_vl
+    from pipeline.tiny.common import MIN_PIXELS
+
+    kw = dict(min_pixels=MIN_PIXELS, max_pixels=recipe.max_pixels, patch_size=14, temporal_patch_size=2, merge_size=2)
+    return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**kw), tokenizer=tok,
+                            video_processor=Qwen2VLVideoProcessor(**kw), chat_template=qwen2_vl.CHAT_TEMPLATE)
+
+
+def build(recipe: Recipe, workdir: Path) -> tuple[PreTrainedModel, ProcessorMixin]:
+    """A freshly initialised model (seeded) and the processor as the pipeline loads it:
+    saved with ``save_pretrained`` and read back with ``AutoProcessor``."""
+    import torch
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    from pipeline.tiny.tokenizer import make_tokenizer
+
+    tok = make_tokenizer(BASE_FAMILY)
+    make_processor(tok, recipe).save_pretrained(workdir)
+    processor = AutoProcessor.from_pretrained(workdir)
+    torch.manual_seed(recipe.init_seed)
+    model = Qwen2VLForConditionalGeneration(make_config(tok, recipe))
+    model.generation_config = _generation_config(BASE_FAMILY, tok)
+    return model, processor
+
+
+# --------------------------------------------------------------------------------------
+# The data, rendered and tokenized as the pipeline does
+# --------------------------------------------------------------------------------------
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Image preprocessing is many tiny tensor ops: on a busy machine two OpenMP threads spend
+    far more time synchronising than computing, so it runs on one."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def prompt_text(processor: ProcessorMixin, question: str) -> str:
+    """The prompt exactly as the pipeline's Tokenize stage renders it for one image and a question."""
+    from pipeline.context import Request
+    from pipeline.families.qwen2_vl import Qwen2VLFamily
+    from stages.tokenize import build_messages
+
+    messages = build_messages(Request(prompt=question, images=["image"]), Qwen2VLFamily())
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def encode(processor: ProcessorMixin, prompts: dict[str, str], image: Image.Image, question: str,
+           answer: str) -> dict[str, Any]:
+    """One training example: prompt ids (image placeholders expanded by the processor), then the
+    answer's ids and ``<|im_end|>``; labels only on the latter."""
+    import torch
+
+    out = processor(text=[prompts[question]], images=[image], return_tensors="pt")
+    tok = processor.tokenizer
+    target = tok(answer, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
+    prompt_ids = out["input_ids"][0]
+    ids = torch.cat([prompt_ids, torch.tensor(target)])
+    labels = torch.full_like(ids, -100)
+    labels[len(prompt_ids):] = ids[len(prompt_ids):]
+    types = torch.zeros_like(ids)  # which positions are image placeholders (M-RoPE needs it)
+    types[:len(prompt_ids)] = out["mm_token_type_ids"][0]
+    return {"input_ids": ids, "labels": labels, "mm_token_type_ids": types, "pixel_values": out["pixel_values"],
+            "image_grid_thw": out["image_grid_thw"]}
+
+
+def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
+    """Right-padded batch; the patches of all images concatenated, as Qwen2-VL takes them."""
+    import torch
+
+    n = max(len(e["input_ids"]) for e in examples)
+    ids = torch.full((len(examples), n), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), n), -100, dtype=torch.long)
+    mask = torch.zeros((len(examples), n), dtype=torch.long)
+    types = torch.zeros((len(examples), n), dtype=torch.long)
+    for i, e in enumerate(examples):
+        k = len(e["input_ids"])
+        ids[i, :k], labels[i, :k], mask[i, :k], types[i, :k] = e["input_ids"], e["labels"], 1, e["mm_token_type_ids"]
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "mm_token_type_ids": types,
+            "pixel_values": torch.cat([e["pixel_values"] for e in examples]),
+            "image_grid_thw": torch.cat([e["image_grid_thw"] for e in examples])}
+
+
+def sample_batch(rng: np.random.Generator, processor: ProcessorMixin, prompts: dict[str, str], recipe: Recipe,
+                 size: int) -> dict[str, Any]:
+    examples = []
+    with one_thread():
+        for _ in range(size):
+            image, drawn = shapes.draw(rng)
+            question = shapes.COUNT_QUESTION if rng.random() < recipe.count_fraction else shapes.SHAPES_QUESTION
+            examples.append(encode(processor, prompts, image, question, shapes.answer(question, drawn)))
+        return collate(examples, processor.tokenizer.pad_token_id)
+
+
+# --------------------------------------------------------------------------------------
+# Training and evaluation
+# --------------------------------------------------------------------------------------
+
+
+def answer_loss(model: PreTrainedModel, batch: dict[str, Any], focal: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy over the answer tokens, and per sequence whether every answer token is the
+    argmax (teacher-forced, which is exactly "greedy decoding gives this answer").
+
+    ``focal`` > 0 weighs each token's cross-entropy by ``(1 - p)**focal`` (focal loss): tokens
+    the template makes certain ("a", the rest of a word, " and") stop pulling on the weights
+    once learned, so the few that need the image (colours, kinds, counts) drive the updates."""
+    import torch
+    import torch.nn.functional as F
+
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits[:, :-1]
+    labels = batch["labels"][:, 1:]
+    mask = labels != -100
+    logp = F.log_softmax(logits[mask].float(), dim=-1).gather(-1, labels[mask][:, None])[:, 0]
+    weight = (1 - logp.exp()).pow(focal) if focal > 0 else torch.ones_like(logp)
+    loss = -(weight * logp).sum() / mask.sum()
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == labels) | ~mask
+    return loss, hit.all(dim=1)
+
+
+def lr_at(step: int, recipe: Recipe) -> float:
+    """Linear warm-up, then cosine down to ``min_lr_fraction`` of the peak."""
+    if step < recipe.warmup:
+        return recipe.lr * (step + 1) / recipe.warmup
+    progress = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
+    floor = recipe.min_lr_fraction
+    return recipe.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def evaluate(model: PreTrainedModel, processor: ProcessorMixin, prompts: dict[str, str], n: int = 200,
+             seed: int = shapes.EVAL_SEED, batch: int = 50) -> dict[str, float]:
+    """Greedy exact-match rate per question on ``n`` held-out images (teacher-forced argmax)."""
+    import torch
+
+    data = shapes.dataset(seed, n)
+    scores: dict[str, float] = {}
+    model.eval()
+    for name, question in (("shapes", shapes.SHAPES_QUESTION), ("count", shapes.COUNT_QUESTION)):
+        right = 0
+        for start in range(0, n, batch):
+            with one_thread():
+                examples = [encode(processor, prompts, image, question, shapes.answer(question, drawn))
+                            for image, drawn in data[start:start + batch]]
+            with torch.no_grad():
+                _, hit = answer_loss(model, collate(examples, processor.tokenizer.pad_token_id))
+            right += int(hit.sum())
+        scores[name] = right / n
+    return scores
+
+
+def train(recipe: Recipe, out: Path, minutes: float = 15.0, progress: bool = True) -> dict[str, Any]:
+    """Train with ``recipe`` and write the model directory to ``out`` (atomically). Returns a
+    summary: steps done, seconds, final loss and held-out accuracies."""
+    import torch
+    from tqdm import tqdm
+
+    torch.set_num_threads(THREADS)
+    torch.use_deterministic_algorithms(True)
+    out = Path(out).expanduser().absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model, processor = build(recipe, work)
+        prompts = {q: prompt_text(processor, q) for q in shapes.QUESTIONS}
+        decay = [p for p in model.parameters() if p.ndim >= 2]
+        rest = [p for p in model.parameters() if p.ndim < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                                 {"params": rest, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.98))
+        rng = np.random.default_rng(recipe.data_seed)
+        start = time.monotonic()
+        smooth, acc, step = None, None, 0
+        bar = tqdm(total=recipe.steps, desc="train shapes", disable=not progress, file=sys.stderr,
+                   dynamic_ncols=True)
+        model.train()
+        for step in range(recipe.steps):
+            if time.monotonic() - start > minutes * 60:
+                print(f"\nstopped by --minutes={minutes} after {step} of {recipe.steps} steps: these weights "
+                      "did not follow the recipe", file=sys.stderr)
+                break
+            batch = sample_batch(rng, processor, prompts, recipe, recipe.batch)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, recipe)
+            loss, hit = answer_loss(model, batch, recipe.focal)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+            opt.step()
+            smooth = float(loss) if smooth is None else 0.98 * smooth + 0.02 * float(loss)
+            acc = float(hit.float().mean()) if acc is None else 0.98 * acc + 0.02 * float(hit.float().mean())
+            bar.set_postfix(loss=f"{smooth:.4f}", exact=f"{acc:.3f}", refresh=False)
+            bar.update(1)
+        else:
+            step = recipe.steps
+        bar.close()
+        seconds = time.monotonic() - start
+        scores = evaluate(model, processor, prompts)
+        summary = {"steps": step, "train_seconds": round(seconds, 1), "final_loss": smooth,
+                   "heldout_exact": scores, "recipe": asdict(recipe)}
+        save(model, processor, work, summary)
+        _replace(work, out)
+        return summary
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def save(model: PreTrainedModel, processor: ProcessorMixin, dest: Path, summary: dict[str, Any]) -> None:
+    """Weights, processor (tokenizer and chat template inside), the example image and the marker."""
+    from pipeline.tiny.build import _quiet_progress
+
+    model.eval()
+    with _quiet_progress():
+        model.save_pretrained(dest, safe_serialization=True)
+        processor.save_pretrained(dest)
+    image, _ = shapes.example()
+    image.save(dest / EXAMPLE_IMAGE, optimize=True)
+    marker = {
+        "family": BASE_FAMILY,
+        "recipe_version": RECIPE_VERSION,
+        "trained": "shapes",
+        "note": "a toy model trained by mm-pipeline (python -m pipeline.tiny.train_shapes) to name the "
+                "shapes in images; other prompts get meaningless text",
+        "default_prompts": {"image": shapes.SHAPES_QUESTION},
+        "example_image": EXAMPLE_IMAGE,
+        **summary,
+    }
+    (dest / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _replace(tmp: Path, dest: Path) -> None:
+    """Move the finished directory into place; an existing one is swapped aside, then dropped."""
+    os.chmod(tmp, 0o755)
+    if dest.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+        os.replace(dest, old / "d")
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=SHIPPED_DIR, help=f"output directory (default: {SHIPPED_DIR})")
+    parser.add_argument("--minutes", type=float, default=15.0, help="stop training after this long (a safety cap)")
+    args = parser.parse_args(argv)
+    summary = train(Recipe(), args.out, minutes=args.minutes)
+    scores = summary["heldout_exact"]
+    print(f"{args.out}: {summary['steps']} steps in {summary['train_seconds']:.0f} s, loss {summary['final_loss']:.4f}, "
+          f"held-out greedy exact match: shapes {scores['shapes']:.1%}, count {scores['count']:.1%}")
+
+
+if __name__ == "__main__":
+    main()

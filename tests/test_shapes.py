@@ -1,0 +1,202 @@
+"""The embedded default answers by meaning: the toy shapes model, checked on fresh images.
+
+The model shipped in ``pipeline/tiny/shapes_model`` was trained by
+``python -m pipeline.tiny.train_shapes`` on images from ``pipeline.tiny.shapes`` (seed
+``TRAIN_SEED``); here 200 images from a seed training never used are asked both questions,
+greedy, through the stage API (all requests in flight together on one engine), through
+``python -m pipeline mode=batch`` and with nf4 weights. A wrong answer means the vision path
+(processor, encoder, placeholder merge, 3-D positions, decode) lost information somewhere.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import ROOT, generate_oracle, run_cli
+from pipeline import Pipeline, Request, load_model
+from pipeline.tiny import default_model_dir, model_card, shapes
+from stages import DecodeLoop, Prefill, Sampler, Tokenize, VisionEncoder
+
+N = 200
+MAX_NEW = 20  # the longest answer is 13 tokens + <|im_end|>
+QUESTIONS = {"shapes": shapes.SHAPES_QUESTION, "count": shapes.COUNT_QUESTION}
+FLOOR = {"shapes": 0.95, "count": 0.98}
+NF4_FLOOR = 0.90
+
+
+@pytest.fixture(scope="module")
+def heldout() -> list[tuple[Image.Image, list[shapes.Shape]]]:
+    assert shapes.EVAL_SEED != shapes.TRAIN_SEED
+    return shapes.dataset(shapes.EVAL_SEED, N)
+
+
+@pytest.fixture(scope="module")
+def shapes_lm():
+    return load_model(str(default_model_dir()))
+
+
+def make_pipe(lm) -> Pipeline:
+    stages = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(),
+              "decode": DecodeLoop(Sampler())}
+    return Pipeline(lm, stages, max_seqs=32)
+
+
+def expected(data, question: str) -> list[str]:
+    return [shapes.answer(question, drawn) for _, drawn in data]
+
+
+def score(got: list[str], want: list[str]) -> float:
+    return sum(g == w for g, w in zip(got, want, strict=True)) / len(want)
+
+
+def answer_all(lm, data) -> dict[str, list[str]]:
+    """Every (image, question) of ``data`` submitted at once to one pipeline; greedy answers."""
+    pipe = make_pipe(lm)
+    handles = {name: [pipe.submit(Request(prompt=q, images=[image], max_new_tokens=MAX_NEW)) for image, _ in data]
+               for name, q in QUESTIONS.items()}
+    answers = {}
+    for name, hs in handles.items():
+        results = [h.result(timeout=600) for h in hs]
+        assert all(r.finish_reason in ("eos", "stop") for r in results), {r.finish_reason for r in results}
+        answers[name] = [r.text for r in results]
+    return answers
+
+
+def report(name: str, got: list[str], want: list[str]) -> str:
+    wrong = [(g, w) for g, w in zip(got, want) if g != w]
+    return f"{name}: {score(got, want):.1%} exact; first misses (got, expected): {wrong[:5]}"
+
+
+# ------------------------------------------------------------------------------ the task
+
+
+def test_generator_follows_the_task():
+    rng = np.random.default_rng(123)
+    counts = {1: 0, 2: 0}
+    for _ in range(300):
+        image, drawn = shapes.draw(rng)
+        w, h = image.size
+        assert shapes.MIN_SIDE <= w <= shapes.MAX_SIDE and shapes.MIN_SIDE <= h <= shapes.MAX_SIDE
+        counts[len(drawn)] += 1
+        pixels = np.asarray(image)
+        for s in drawn:
+            assert 0.2 * min(w, h) <= s.size <= 0.5 * min(w, h)
+            assert s.left >= 0 and s.top >= 0 and s.left + s.size <= w and s.top + s.size <= h
+            centre = pixels[s.top + s.size * 3 // 4, int(s.centre_x)]  # inside every kind of shape
+            assert tuple(centre) == shapes.COLOURS[s.colour]
+        if len(drawn) == 2:
+            a, b = drawn
+            assert b.centre_x - a.centre_x >= 0.25 * w  # left to right, far enough apart
+        colours = {tuple(c) for c in pixels.reshape(-1, 3)}
+        assert colours <= {shapes.BACKGROUND, *shapes.COLOURS.values()}  # flat colours on white
+    assert min(counts.values()) > 100
+    a, b = shapes.Shape("circle", "red", 0, 0, 30), shapes.Shape("square", "blue", 60, 0, 30)
+    assert shapes.answer(shapes.SHAPES_QUESTION, [b, a]) == "a red circle and a blue square"
+    assert shapes.answer(shapes.SHAPES_QUESTION, [b]) == "a blue square"
+    assert [shapes.answer(shapes.COUNT_QUESTION, x) for x in ([a], [a, b])] == ["one", "two"]
+    first, again = shapes.dataset(5, 3), shapes.dataset(5, 3)
+    assert [np.asarray(i).tobytes() for i, _ in first] == [np.asarray(i).tobytes() for i, _ in again]
+
+
+def test_shipped_model_is_the_default_and_says_so():
+    d = default_model_dir()
+    assert d == Path(shapes.__file__).parent / "shapes_model"
+    card = model_card(d)
+    assert card["trained"] == "shapes" and card["default_prompts"] == {"image": shapes.SHAPES_QUESTION}
+    assert (d / "model.safetensors").stat().st_size < 8_000_000
+    example = np.asarray(Image.open(d / card["example_image"]).convert("RGB"))
+    assert np.array_equal(example, np.asarray(shapes.example()[0]))
+    assert np.array_equal(np.asarray(Image.open(ROOT / "examples" / "shapes.png").convert("RGB")), example)
+
+
+# ------------------------------------------------------------------------- answers by meaning
+
+
+def test_stage_api_answers_fresh_images(shapes_lm, heldout):
+    answers = answer_all(shapes_lm, heldout)
+    for name, q in QUESTIONS.items():
+        want = expected(heldout, q)
+        assert score(answers[name], want) >= FLOOR[name], report(name, answers[name], want)
+
+
+def test_nf4_weights_still_answer(heldout):
+    pytest.importorskip("bitsandbytes")
+    lm = load_model(str(default_model_dir()), quant="nf4")
+    assert lm.quant == "nf4"
+    answers = answer_all(lm, heldout)
+    for name, q in QUESTIONS.items():
+        want = expected(heldout, q)
+        assert score(answers[name], want) >= NF4_FLOOR, report(name, answers[name], want)
+
+
+def test_cli_batch_answers_fresh_images(heldout, tmp_path):
+    items = []
+    for i, (image, _) in enumerate(heldout):
+        image.save(tmp_path / f"{i}.png")
+        for name, q in QUESTIONS.items():
+            items.append({"id": f"{name}-{i}", "prompt": q, "images": [f"{i}.png"]})
+    jsonl = tmp_path / "items.jsonl"
+    jsonl.write_text("".join(json.dumps(item) + "\n" for item in items))
+    out = tmp_path / "run"
+    proc = run_cli("mode=batch", f"input={jsonl}", "engine.max_seqs=32", f"max_new_tokens={MAX_NEW}",
+                   f"hydra.run.dir={out}", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "toy Qwen2-VL model trained by this project" in proc.stderr
+    got = {r["id"]: r["text"] for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    for name, q in QUESTIONS.items():
+        answers = [got[f"{name}-{i}"] for i in range(N)]
+        want = expected(heldout, q)
+        assert score(answers, want) >= FLOOR[name], report(name, answers, want)
+
+
+def test_greedy_equals_generate(shapes_lm, heldout):
+    pipe = make_pipe(shapes_lm)
+    for image, drawn in heldout[:4]:
+        for q in QUESTIONS.values():
+            result = pipe.run(Request(prompt=q, images=[image], max_new_tokens=MAX_NEW))
+            content = [{"type": "image", "image": image}, {"type": "text", "text": q}]
+            inputs = dict(shapes_lm.processor.apply_chat_template(
+                [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True,
+                return_dict=True, return_tensors="pt"))
+            ids = inputs.pop("input_ids")
+            inputs.pop("attention_mask")
+            assert result.prompt_ids == ids[0].tolist()
+            assert result.token_ids == generate_oracle(shapes_lm, ids, MAX_NEW, **inputs)
+            assert result.token_ids[-1] in shapes_lm.eos_token_ids
+
+
+def test_the_answer_depends_on_the_image(shapes_lm):
+    red_circle = [shapes.Shape("circle", "red", 30, 50, 60)]
+    blue_pair = [shapes.Shape("triangle", "blue", 10, 20, 50), shapes.Shape("square", "yellow", 120, 90, 60)]
+    pipe = make_pipe(shapes_lm)
+    got = {}
+    for name, drawn in (("one", red_circle), ("two", blue_pair)):
+        image = shapes.render(200, 160, drawn)
+        got[name] = [pipe.run(Request(prompt=q, images=[image], max_new_tokens=MAX_NEW)).text for q in QUESTIONS.values()]
+    assert got["one"] != got["two"]
+    assert got["one"] == ["a red circle", "one"]
+    assert got["two"] == ["a blue triangle and a yellow square", "two"]
+
+
+# ------------------------------------------------------------------------------- command line
+
+
+def test_cli_names_the_shapes_of_the_example(tmp_path):
+    _, drawn = shapes.example()
+    proc = run_cli(f"input={ROOT / 'examples' / 'shapes.png'}", f"prompt={shapes.SHAPES_QUESTION}",
+                   f"hydra.run.dir={tmp_path / 'a'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == shapes.answer(shapes.SHAPES_QUESTION, drawn) + "\n"
+    assert "RANDOM" not in proc.stderr and "toy Qwen2-VL model trained by this project" in proc.stderr
+
+
+def test_first_run_asks_about_the_example_image(tmp_path):
+    _, drawn = shapes.example()
+    proc = run_cli(f"hydra.run.dir={tmp_path}")  # what the README's first command runs
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f'asking "{shapes.SHAPES_QUESTION}" about the example image' in proc.stderr
+    assert proc.stdout == shapes.answer(shapes.SHAPES_QUESTION, drawn) + "\n"
