@@ -248,8 +248,7 @@ def _default_prompts(path: str) -> dict[str, str]:
     ``default_prompts``): the toy shapes model was trained on one question, not "Describe this image."."""
     from pipeline.tiny import model_card
 
-    card = model_card(path) or {}
-    prompts = card.get("default_prompts") or {}
+    prompts = (model_card(path) or {}).get("default_prompts") or {}
     return {str(kind): str(text) for kind, text in prompts.items()} if isinstance(prompts, dict) else {}
 
 

@@ -52,8 +52,8 @@ class Tokenize:
 
     ``default_image_prompt`` / ``default_video_prompt`` / ``default_audio_prompt`` apply when
     media come without a prompt (a video's when there is one, else an image's, else audio's).
-    Left at None, the model's own question is asked when it has one (``lm.default_prompts``: the
-    embedded default was trained on "What shapes are in the image?"), else ``GENERIC_PROMPTS``.
+    Left at None, the model's own question is asked when it has one (``lm.default_prompts``),
+    else ``GENERIC_PROMPTS``.
     ``long_audio`` (split | error): what to do with audio longer than the encoder's window.
     """
 

@@ -53,6 +53,11 @@ def score(got: list[str], want: list[str]) -> float:
     return sum(g == w for g, w in zip(got, want, strict=True)) / len(want)
 
 
+def report(name: str, got: list[str], want: list[str]) -> str:
+    wrong = [(g, w) for g, w in zip(got, want) if g != w]
+    return f"{name}: {score(got, want):.1%} exact; first misses (got, expected): {wrong[:5]}"
+
+
 def answer_all(lm, data) -> dict[str, list[str]]:
     """Every (image, question) of ``data`` submitted at once to one pipeline; greedy answers."""
     pipe = make_pipe(lm)
@@ -64,11 +69,6 @@ def answer_all(lm, data) -> dict[str, list[str]]:
         assert all(r.finish_reason in ("eos", "stop") for r in results), {r.finish_reason for r in results}
         answers[name] = [r.text for r in results]
     return answers
-
-
-def report(name: str, got: list[str], want: list[str]) -> str:
-    wrong = [(g, w) for g, w in zip(got, want) if g != w]
-    return f"{name}: {score(got, want):.1%} exact; first misses (got, expected): {wrong[:5]}"
 
 
 # ------------------------------------------------------------------------------ the task
@@ -86,8 +86,8 @@ def test_generator_follows_the_task():
         for s in drawn:
             assert 0.2 * min(w, h) <= s.size <= 0.5 * min(w, h)
             assert s.left >= 0 and s.top >= 0 and s.left + s.size <= w and s.top + s.size <= h
-            centre = pixels[s.top + s.size * 3 // 4, int(s.centre_x)]  # inside every kind of shape
-            assert tuple(centre) == shapes.COLOURS[s.colour]
+            inside = pixels[s.top + s.size * 3 // 4, int(s.centre_x)]  # inside every kind of shape
+            assert tuple(inside) == shapes.COLOURS[s.colour]
         if len(drawn) == 2:
             a, b = drawn
             assert b.centre_x - a.centre_x >= 0.25 * w  # left to right, far enough apart
@@ -155,7 +155,7 @@ def test_cli_batch_answers_fresh_images(heldout, tmp_path):
 
 def test_greedy_equals_generate(shapes_lm, heldout):
     pipe = make_pipe(shapes_lm)
-    for image, drawn in heldout[:4]:
+    for image, _ in heldout[:4]:
         for q in QUESTIONS.values():
             result = pipe.run(Request(prompt=q, images=[image], max_new_tokens=MAX_NEW))
             content = [{"type": "image", "image": image}, {"type": "text", "text": q}]
@@ -170,16 +170,25 @@ def test_greedy_equals_generate(shapes_lm, heldout):
 
 
 def test_the_answer_depends_on_the_image(shapes_lm):
-    red_circle = [shapes.Shape("circle", "red", 30, 50, 60)]
-    blue_pair = [shapes.Shape("triangle", "blue", 10, 20, 50), shapes.Shape("square", "yellow", 120, 90, 60)]
+    one = [shapes.Shape("circle", "red", 30, 50, 60)]
+    two = [shapes.Shape("triangle", "blue", 10, 20, 50), shapes.Shape("square", "yellow", 120, 90, 60)]
     pipe = make_pipe(shapes_lm)
     got = {}
-    for name, drawn in (("one", red_circle), ("two", blue_pair)):
+    for name, drawn in (("one", one), ("two", two)):
         image = shapes.render(200, 160, drawn)
-        got[name] = [pipe.run(Request(prompt=q, images=[image], max_new_tokens=MAX_NEW)).text for q in QUESTIONS.values()]
+        got[name] = [pipe.run(Request(prompt=q, images=[image], max_new_tokens=MAX_NEW)).text
+                     for q in QUESTIONS.values()]
     assert got["one"] != got["two"]
     assert got["one"] == ["a red circle", "one"]
     assert got["two"] == ["a blue triangle and a yellow square", "two"]
+
+
+def test_without_a_prompt_the_default_asks_its_own_question(shapes_lm, load_tiny):
+    image, drawn = shapes.example()
+    result = make_pipe(shapes_lm).run(Request(images=[image], max_new_tokens=MAX_NEW))
+    assert result.text == shapes.answer(shapes.SHAPES_QUESTION, drawn)
+    assert shapes_lm.default_prompts == {"image": shapes.SHAPES_QUESTION}
+    assert load_tiny("qwen2-vl").default_prompts == {}  # other models keep "Describe this image."
 
 
 # ------------------------------------------------------------------------------- command line
@@ -188,7 +197,7 @@ def test_the_answer_depends_on_the_image(shapes_lm):
 def test_cli_names_the_shapes_of_the_example(tmp_path):
     _, drawn = shapes.example()
     proc = run_cli(f"input={ROOT / 'examples' / 'shapes.png'}", f"prompt={shapes.SHAPES_QUESTION}",
-                   f"hydra.run.dir={tmp_path / 'a'}")
+                   f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == shapes.answer(shapes.SHAPES_QUESTION, drawn) + "\n"
     assert "RANDOM" not in proc.stderr and "toy Qwen2-VL model trained by this project" in proc.stderr

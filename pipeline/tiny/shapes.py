@@ -41,8 +41,8 @@ MIN_CENTRE_GAP = 0.25  # horizontal centres at least this fraction of the width 
 BACKGROUND = (255, 255, 255)
 COUNT_WORDS = {1: "one", 2: "two"}
 
-# Seeds: training draws from TRAIN_SEED; the held-out checks (tests, the script's final
-# evaluation) from EVAL_SEED, never used in training.
+# Seeds: training draws from TRAIN_SEED; the held-out checks (tests, the training script's final
+# evaluation) from EVAL_SEED, which training never uses.
 TRAIN_SEED = 0
 EVAL_SEED = 20240601
 EXAMPLE_SEED = 7  # examples/shapes.png and the image `python -m pipeline` asks about with no input
@@ -143,11 +143,11 @@ def dataset(seed: int, n: int) -> list[tuple[Image.Image, list[Shape]]]:
 
 
 def example() -> tuple[Image.Image, list[Shape]]:
-    """The example image (``examples/shapes.png``, and the no-input run's image): two shapes."""
+    """The example image (``examples/shapes.png``, and the no-input run's image): two different,
+    clearly visible shapes."""
     rng = np.random.default_rng(EXAMPLE_SEED)
     while True:
         image, shapes = draw(rng)
-        a, b = (shapes * 2)[:2]
-        if (len(shapes) == 2 and a.kind != b.kind and a.colour != b.colour
-                and min(a.size, b.size) >= 0.3 * min(image.size)):  # two different, clearly visible shapes
+        if (len(shapes) == 2 and shapes[0].kind != shapes[1].kind and shapes[0].colour != shapes[1].colour
+                and min(s.size for s in shapes) >= 0.3 * min(image.size)):
             return image, shapes

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 
 from pipeline.tiny import shapes
-from pipeline.tiny.common import MARKER_FILE, RECIPE_VERSION, _generation_config
+from pipeline.tiny.common import MARKER_FILE, MIN_PIXELS, RECIPE_VERSION, _generation_config
 
 if TYPE_CHECKING:
     import torch
@@ -53,28 +53,28 @@ THREADS = 2
 
 @dataclass(frozen=True)
 class Recipe:
-    """Everything that decides the weights: sizes, optimiser, schedule, data mix, seeds."""
+    """Everything that decides the weights: sizes, positions, pixels, optimiser, schedule, data mix, seeds."""
 
     hidden: int = 128
     intermediate: int = 256
-    layers: int = 2
+    layers: int = 3
     heads: int = 4
     kv_heads: int = 2
     vision_dim: int = 64
     vision_depth: int = 2
     vision_heads: int = 4
-    init_range: float = 0.02
-    rope_theta: float = 20.0
-    max_pixels: int = 224 * 224  # the image processor's pixel budget (dynamic resolution up to it)
+    init_range: float = 0.08
+    rope_theta: float = 200.0
+    max_pixels: int = 112 * 112  # the image processor's pixel budget (dynamic resolution up to it)
     steps: int = 1500
     batch: int = 32
-    lr: float = 1e-3
+    lr: float = 2e-3
     min_lr_fraction: float = 0.05
     warmup: int = 100
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     focal: float = 0.0  # focal-loss exponent on the answer tokens (0: plain cross-entropy)
-    count_fraction: float = 0.35  # share of samples asking the count question
+    count_fraction: float = 0.25  # share of samples asking the count question
     data_seed: int = shapes.TRAIN_SEED
     init_seed: int = 0
 
@@ -86,7 +86,7 @@ class Recipe:
 
 def mrope_section(head_dim: int) -> list[int]:
     """M-RoPE split of the rotary half-dimension over (temporal, height, width), in the published
-    proportions (16, 24, 24 of 64), so height and width get most of the frequencies."""
+    proportions (16, 24, 24 of 64)."""
     half = head_dim // 2
     t = half // 4
     h = (half - t) // 2
@@ -94,8 +94,11 @@ def mrope_section(head_dim: int) -> list[int]:
 
 
 def make_config(tok: Any, recipe: Recipe) -> Any:
-    """A real Qwen2-VL config at the recipe's sizes (token ids, template and processor shared
-    with the random tiny builder)."""
+    """A real Qwen2-VL config at the recipe's sizes (token ids shared with the random tiny builder).
+
+    ``rope_theta`` is far below the published 1e6: M-RoPE gives the width positions the lowest
+    rotary frequencies, and at 1e6 with a 32-wide head they barely turn across an image, so the
+    model could not tell left from right."""
     from transformers import Qwen2VLConfig
 
     from pipeline.tiny import qwen2_vl
@@ -128,7 +131,6 @@ def make_processor(tok: Any, recipe: Recipe) -> ProcessorMixin:
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     from pipeline.tiny import qwen2_vl
-    from pipeline.tiny.common import MIN_PIXELS
 
     kw = dict(min_pixels=MIN_PIXELS, max_pixels=recipe.max_pixels, patch_size=14, temporal_patch_size=2, merge_size=2)
     return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**kw), tokenizer=tok,
@@ -219,6 +221,7 @@ def collate(examples: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
 
 def sample_batch(rng: np.random.Generator, processor: ProcessorMixin, prompts: dict[str, str], recipe: Recipe,
                  size: int) -> dict[str, Any]:
+    """``size`` fresh training examples: an image from the task and one of its two questions."""
     examples = []
     with one_thread():
         for _ in range(size):
@@ -238,8 +241,7 @@ def answer_loss(model: PreTrainedModel, batch: dict[str, Any], focal: float = 0.
     argmax (teacher-forced, which is exactly "greedy decoding gives this answer").
 
     ``focal`` > 0 weighs each token's cross-entropy by ``(1 - p)**focal`` (focal loss): tokens
-    the template makes certain ("a", the rest of a word, " and") stop pulling on the weights
-    once learned, so the few that need the image (colours, kinds, counts) drive the updates."""
+    the template makes certain stop pulling on the weights once learned."""
     import torch
     import torch.nn.functional as F
 
@@ -322,8 +324,9 @@ def train(recipe: Recipe, out: Path, minutes: float = 15.0, progress: bool = Tru
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
             opt.step()
-            smooth = float(loss) if smooth is None else 0.98 * smooth + 0.02 * float(loss)
-            acc = float(hit.float().mean()) if acc is None else 0.98 * acc + 0.02 * float(hit.float().mean())
+            value, exact = loss.item(), hit.float().mean().item()
+            smooth = value if smooth is None else 0.98 * smooth + 0.02 * value
+            acc = exact if acc is None else 0.98 * acc + 0.02 * exact
             bar.set_postfix(loss=f"{smooth:.4f}", exact=f"{acc:.3f}", refresh=False)
             bar.update(1)
         else:
@@ -362,6 +365,8 @@ def save(model: PreTrainedModel, processor: ProcessorMixin, dest: Path, summary:
         **summary,
     }
     (dest / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+    for path in dest.iterdir():
+        os.chmod(path, 0o644)
 
 
 def _replace(tmp: Path, dest: Path) -> None:
