@@ -91,7 +91,7 @@ def test_generator_follows_the_task():
         if len(drawn) == 2:
             a, b = drawn
             assert b.centre_x - a.centre_x >= 0.25 * w  # left to right, far enough apart
-        colours = {tuple(c) for c in pixels.reshape(-1, 3)}
+        colours = {tuple(int(v) for v in c) for c in np.unique(pixels.reshape(-1, 3), axis=0)}
         assert colours <= {shapes.BACKGROUND, *shapes.COLOURS.values()}  # flat colours on white
     assert min(counts.values()) > 100
     a, b = shapes.Shape("circle", "red", 0, 0, 30), shapes.Shape("square", "blue", 60, 0, 30)
@@ -153,11 +153,20 @@ def test_cli_batch_answers_fresh_images(heldout, tmp_path):
         assert score(answers, want) >= FLOOR[name], report(name, answers, want)
 
 
-def test_greedy_equals_generate(shapes_lm, heldout):
+def test_greedy_equals_generate_and_training_saw_the_same_prompts(shapes_lm, heldout):
+    from pipeline.tiny.train_shapes import Encoder
+
     pipe = make_pipe(shapes_lm)
-    for image, _ in heldout[:4]:
+    encoder = Encoder(shapes_lm.processor)  # how the training script tokenized its examples
+    for image, drawn in heldout[:4]:
         for q in QUESTIONS.values():
             result = pipe.run(Request(prompt=q, images=[image], max_new_tokens=MAX_NEW))
+            trained = encoder([image], [q], [shapes.answer(q, drawn)])
+            n = len(result.prompt_ids)
+            assert trained["input_ids"][0, :n].tolist() == result.prompt_ids
+            assert (trained["labels"][0, :n] == -100).all()
+            answer = trained["labels"][0, n:]
+            assert shapes_lm.tokenizer.decode(answer[answer != -100]) == shapes.answer(q, drawn) + "<|im_end|>"
             content = [{"type": "image", "image": image}, {"type": "text", "text": q}]
             inputs = dict(shapes_lm.processor.apply_chat_template(
                 [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True,
