@@ -69,8 +69,11 @@ def video_sampling(cfg: DictConfig) -> tuple[float, int]:
 def load_from_cfg(cfg: DictConfig) -> LoadedModel:
     quant = quant_from_cfg(cfg)
     m = cfg.model
+    path = model_path(cfg)
+    if cfg.decode.speculative == "draft":  # a draft that cannot serve is refused before the target loads
+        check_draft_tokenizer(path, str(cfg.decode.draft_model), bool(m.trust_remote_code))
     return load_model(
-        model_path(cfg),
+        path,
         dtype=m.dtype,
         device_map=_plain(m.device_map),
         max_memory=_plain(m.max_memory),
@@ -79,6 +82,42 @@ def load_from_cfg(cfg: DictConfig) -> LoadedModel:
         trust_remote_code=bool(m.trust_remote_code),
         processor_kwargs=processor_kwargs(cfg),
     )
+
+
+def check_draft_tokenizer(target: str, draft: str, trust_remote_code: bool = False) -> None:
+    """decode.draft_model must exist and share the target's tokenizer (read from both folders:
+    seconds, not the minutes a large target takes to load)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.loading import _check_path, _load_error
+    from pipeline.speculative import check_same_tokenizer
+
+    toks = []
+    for name, path in (("model", target), ("decode.draft_model", draft)):
+        _check_path(path)
+        try:
+            toks.append(AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
+        except (OSError, ValueError) as err:
+            raise UserError(f"cannot load the tokenizer of {name} {path!r}: {_load_error(err)}") from None
+    check_same_tokenizer(*toks)
+
+
+def speculative_from_cfg(cfg: DictConfig, lm: LoadedModel, method: str | None = None) -> Any:
+    """decode.speculative (or ``method``) as a ``Speculative``, None when off; a draft model is
+    loaded here (once per model: bench compares methods on one), on the target's device, so
+    drafts never cross devices."""
+    from pipeline.speculative import Speculative, check_same_tokenizer
+
+    d = cfg.decode
+    method = method or d.speculative
+    if method == "none":
+        return None
+    draft = None
+    if method == "draft":
+        draft = load_model(str(d.draft_model), dtype=cfg.model.dtype, device_map=str(lm.device), quant=d.draft_quant,
+                           trust_remote_code=bool(cfg.model.trust_remote_code))
+        check_same_tokenizer(lm.tokenizer, draft.tokenizer)
+    return Speculative(method, d.num_draft, d.ngram_max, d.ngram_min, draft=draft)
 
 
 def stages_from_cfg(cfg: DictConfig) -> dict[str, Any]:
@@ -117,7 +156,11 @@ def pipeline_from_cfg(cfg: DictConfig, lm: LoadedModel, stages: dict[str, Any] |
     When its decode stage compiles (``decode.compile``, or ``stages.decode.compile`` set
     directly: the stage decides, so the two cannot disagree) it is warmed up here, before the
     first request, so TTFT never includes compiling."""
-    pipe = Pipeline(lm, stages if stages is not None else stages_from_cfg(cfg), **engine_settings(cfg))
+    stages = stages if stages is not None else stages_from_cfg(cfg)
+    decode = stages.get("decode")
+    if decode is not None and getattr(decode, "speculative", False) is None:  # a DecodeLoop not given one in Python
+        decode.speculative = speculative_from_cfg(cfg, lm)
+    pipe = Pipeline(lm, stages, **engine_settings(cfg))
     if getattr(pipe.stages.get("decode"), "compiled", None) is not None:
         print("mm-pipeline: warming up (compiling the decode step)...", file=sys.stderr)
         seconds = pipe.warmup()

@@ -109,6 +109,8 @@ class Sequence:
     chunk_size: int | None = None
     finalize: Callable[[Context], Any] | None = None
     handle: "Handle | None" = None
+    spec: Any = None  # a drafter (pipeline.speculative): decode steps verify its drafts
+    num_draft: int = 0  # drafts asked for per round
     # filled at admission
     prepared: bool = False
     prompt_len: int = 0
@@ -122,6 +124,8 @@ class Sequence:
     eos: frozenset = frozenset()
     emitted: int = 0
     pending: torch.Tensor | None = None  # logits to sample from before the next forward
+    drafts: list[int] = field(default_factory=list)  # drafted tokens in the step being run
+    draft_q: torch.Tensor | None = None  # their draft distributions (None: point masses)
     cancelled: bool = False
     done: bool = False
     started: bool = False  # admitted at least once (queue_s recorded)
@@ -200,10 +204,12 @@ class Sequence:
         return begin, end
 
     def chunk(self, begin: int, end: int, slots: list[int]) -> Chunk:
+        """Tokens [begin, end), then this step's drafts (verified: the logits of each are kept)."""
         mid = min(end, self.prompt_len)
         positions = [row[begin:mid] for row in self.positions]
-        if end > mid:  # generated tokens (decode, or recompute after a preemption)
-            after = range(max(begin, self.prompt_len), end)
+        drafts = self.drafts
+        if end + len(drafts) > mid:  # generated tokens (decode, or recompute after a preemption)
+            after = range(max(begin, self.prompt_len), end + len(drafts))
             positions = [row + [o + p for p in after] for row, o in zip(positions, self.offsets)]
         embeds = self.ctx.inputs_embeds
         extras = self.ctx.lm.family.chunk_extras(self.ctx, begin, mid) if mid > begin else None
@@ -211,10 +217,23 @@ class Sequence:
         if blocks:  # read by the paged attention (paged._query_limits)
             extras = {**(extras or {}), "blocks": blocks}
         return Chunk(
-            table=list(self.cache.blocks), start=begin, ids=self.ids[begin:end], positions=positions, slots=slots,
-            embeds=embeds[0, begin:mid] if embeds is not None and mid > begin else None, logits=end == self.known,
-            extras=extras,
+            table=list(self.cache.blocks), start=begin, ids=self.ids[begin:end] + drafts, positions=positions,
+            slots=slots, embeds=embeds[0, begin:mid] if embeds is not None and mid > begin else None,
+            logits=(1 + len(drafts)) if end == self.known else 0, extras=extras,
         )
+
+    def draft(self, budget: int) -> float:
+        """Ask the drafter for this decode step's drafts (into ``drafts``); the seconds it took."""
+        from pipeline.speculative import draft_budget
+
+        k = draft_budget(self.num_draft, len(self.ctx.generated), self.ctx.request.max_new_tokens, budget)
+        if k < 1:
+            self.drafts, self.draft_q = [], None
+            return 0.0
+        t0 = time.perf_counter()
+        self.drafts, self.draft_q = self.spec.propose(self.ids, k, self.sampler, self.ids)
+        self.ctx.metrics.count("spec_drafted", 0)  # counted when verified (a preempted step's drafts are not)
+        return time.perf_counter() - t0
 
     def history(self) -> torch.Tensor:
         """[1, prompt + generated] ids, for samplers that look back (repetition penalty)."""
@@ -511,9 +530,12 @@ class Engine:
             begin, end = seq.next_chunk(budget)
             if end <= begin:
                 continue
+            seq.drafts = []
+            if seq.spec is not None and end - begin == 1 and begin >= seq.prompt_len and not seq.prefill_only:
+                seq.ctx.metrics.add_span("draft", seq.draft(budget), 1)
             while True:
                 try:
-                    slots = seq.cache.reserve(end - begin)
+                    slots = seq.cache.reserve(end - begin + len(seq.drafts))
                     break
                 except OutOfBlocks:
                     victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
@@ -524,7 +546,7 @@ class Engine:
                 continue
             plan.append((seq, seq.chunk(begin, end, slots)))
             scheduled.add(id(seq))
-            budget -= end - begin
+            budget -= end - begin + len(seq.drafts)
             if budget <= 0:
                 break
         if not plan and self.running and not self.waiting:
@@ -557,18 +579,21 @@ class Engine:
         self.counters["steps"] += 1
         self.counters["tokens_in"] += sum(c.count for _, c in plan)
         self.counters["kv_blocks_peak"] = max(self.counters["kv_blocks_peak"], self.pool.used_blocks)
-        ready = []
-        for seq, chunk in plan:
-            if chunk.start < seq.prompt_len or chunk.count > 1:
+        ready, verifying, row = [], [], 0
+        for seq, chunk in plan:  # logits rows come in the order of the chunks, chunk.logits each
+            if seq.drafts:
+                verifying.append((seq, logits[row : row + chunk.logits]))
+            elif chunk.start < seq.prompt_len or chunk.count > 1:
                 seq.cache.append(seq.keys[chunk.start : chunk.start + chunk.count])
                 seq.ctx.metrics.add_span("prefill", seconds, 1)
                 seq.ctx.metrics.count("prefill_tokens", chunk.count)
             else:
                 self._decoded(seq, seconds, compiled)
-            if chunk.logits:
-                ready.append(seq)
+            if chunk.logits and not seq.drafts:
+                ready.append((seq, row))
+            row += chunk.logits
         sampling, rows = [], []
-        for i, seq in enumerate(ready):  # logits rows are in the order of the chunks that asked for them
+        for seq, i in ready:
             if seq.prefill_only:
                 seq.ctx.logits = logits[i : i + 1]
                 self._finish(seq)
@@ -577,6 +602,8 @@ class Engine:
                 rows.append(i)
         if sampling:
             self._choose(sampling, logits if len(rows) == logits.shape[0] else logits[rows])
+        for seq, rows_of_seq in verifying:
+            self._verify(seq, rows_of_seq, seconds)
 
     # --- decode bursts ------------------------------------------------------------------------
     def _burst_length(self, plan: list[tuple[Sequence, Chunk]]) -> int:
@@ -590,7 +617,7 @@ class Engine:
         steps = self.burst
         for seq, chunk in plan:
             decoding = chunk.count == 1 and chunk.start >= seq.prompt_len and seq.known - chunk.start == 1
-            if not decoding or seq.prefill_only or not plain_greedy(seq.sampler):
+            if not decoding or seq.prefill_only or seq.spec is not None or not plain_greedy(seq.sampler):
                 return 1
             steps = min(steps, seq.ctx.request.max_new_tokens - len(seq.ctx.generated))
         return steps
@@ -644,6 +671,27 @@ class Engine:
             if not alive:
                 break
 
+    def _verify(self, seq: Sequence, logits: torch.Tensor, seconds: float) -> None:
+        """Keep the accepted drafts and one token of the target's own; roll the cache back past
+        the rejected drafts (the forward wrote all of them)."""
+        from pipeline.speculative import verify
+
+        drafts, m = seq.drafts, seq.ctx.metrics
+        t0 = time.perf_counter()
+        tokens, accepted = verify(seq.sampler, logits, drafts, seq.draft_q, seq.ids, plain_greedy(seq.sampler))
+        sample_s = time.perf_counter() - t0
+        seq.cache.append([seq.keys[seq.cache.length]] + drafts)
+        seq.cache.rollback(seq.cache.length - (len(drafts) - accepted))
+        seq.drafts, seq.draft_q = [], None
+        m.add_span("decode", seconds, 1)
+        m.count("spec_drafted", len(drafts))
+        m.count("spec_accepted", accepted)
+        for token in tokens:
+            self._accept([seq], [token], sample_s)
+            sample_s = 0.0
+            if seq.done:
+                break
+
     @staticmethod
     def _decoded(seq: Sequence, seconds: float, compiled: bool) -> None:
         """Record one fed decode token (its key into the cache) and the step's time."""
@@ -690,6 +738,10 @@ class Engine:
     def _finish(self, seq: Sequence) -> None:
         self._remove(seq)
         ctx = seq.ctx
+        if seq.spec is not None:
+            seq.spec.close()
+            if not seq.prefill_only and ctx.cache.length > seq.known - 1:
+                ctx.cache.rollback(seq.known - 1)  # accepted drafts past an EOS or a stop string
         try:
             seq.wrap_up()
             ctx.cache.trim()
@@ -708,6 +760,8 @@ class Engine:
 
     def _fail(self, seq: Sequence, err: BaseException) -> None:
         self._remove(seq)
+        if seq.spec is not None:
+            seq.spec.close()
         try:
             if seq.release:
                 seq.ctx.cache.clear()

@@ -129,7 +129,15 @@ class Metrics:
             else None
         )
         out["prefill_tok_s"] = _rate(out["prefill_tokens"], self.seconds("prefill"))
-        out["decode_tok_s"] = _rate(out["decode_tokens"], self.seconds("decode"))
+        # Drafting (speculative decoding) is part of what a decoded token costs.
+        out["decode_tok_s"] = _rate(out["decode_tokens"], self.seconds("decode") + self.seconds("draft"))
+        if "spec_drafted" in c:  # speculative decoding: drafts proposed and kept, tokens per target forward
+            drafted, accepted = int(c["spec_drafted"]), int(c.get("spec_accepted", 0))
+            out["spec_drafted"] = drafted
+            out["spec_accepted"] = accepted
+            out["spec_accept_rate"] = accepted / drafted if drafted else None
+            steps = self.stages.get("decode", {}).get("calls", 0)
+            out["spec_tokens_per_step"] = out["decode_tokens"] / steps if steps else None
         out["sample_s"] = self.seconds("sample")
         if "megapixels" in c:  # images and video frames: vision_mp_s counts both
             out["megapixels"] = c["megapixels"]

@@ -326,7 +326,7 @@ class Chunk:
     positions: list[list[int]]
     slots: list[int]
     embeds: torch.Tensor | None = None
-    logits: bool = True  # keep the last token's logits
+    logits: int = 1  # keep the logits of its last N tokens (1: next-token; 0: none; more: verifying drafts)
     extras: dict | None = None  # the family's per-token inputs for the prompt part (Family.chunk_extras)
 
     @property
@@ -556,8 +556,8 @@ def detach(model: torch.nn.Module) -> None:
 def forward(
     lm: Any, pool: BlockPool, chunks: Sequence[Chunk], run: Any = None, device: torch.device | None = None
 ) -> torch.Tensor:
-    """One model pass over the packed chunks; returns next-token logits [n, V], one row per
-    chunk with ``logits=True``, in chunk order. ``run``: what calls the model (``run_model``,
+    """One model pass over the packed chunks; returns next-token logits [n, V]: each chunk's
+    last ``logits`` rows (usually one), in chunk order. ``run``: what calls the model (``run_model``,
     or its compiled version); ``device``: where inputs go (``lm.device``, which walks the
     parameters: the engine passes it once known)."""
     model = lm.model
@@ -579,8 +579,7 @@ def forward(
     keep, off = [], 0
     for c in chunks:
         off += c.count
-        if c.logits:
-            keep.append(off - 1)
+        keep.extend(range(off - int(c.logits), off))
     index = torch.tensor(keep or [off - 1], device=device)
     extra = lm.family.lm_inputs(chunks, device) if any(c.extras for c in chunks) else None
     pool.prepare_write()

@@ -149,6 +149,8 @@ class Pipeline:
             chunk_size=getattr(prefill, "chunk_size", None),
             finalize=self.result if result else None,
         )
+        if decode is not None and hasattr(decode, "attach"):
+            decode.attach(seq)  # speculative decoding: the sequence's own drafter
         ctx.metrics.start()
         return self.engine.submit(seq)
 

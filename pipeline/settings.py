@@ -51,6 +51,12 @@ class MediaSettings:
 @dataclass
 class DecodeSettings:
     compile: bool = False
+    speculative: str = "none"  # none | ngram | draft
+    num_draft: int = 4
+    ngram_max: int = 3
+    ngram_min: int = 1
+    draft_model: Optional[str] = None
+    draft_quant: str = "auto"
 
 
 @dataclass
@@ -121,6 +127,7 @@ class BenchSettings:
     warmup: int = 1
     seed: int = 0
     baseline: Optional[str] = None
+    speculative: Any = field(default_factory=lambda: ["none"])  # a method or a list: rows per decode.speculative
 
 
 @dataclass
@@ -201,6 +208,12 @@ def check(cfg: DictConfig) -> None:
         whole_number(f"engine.{name}", cfg.engine[name])
     if cfg.prefill.chunk_size is not None:
         whole_number("prefill.chunk_size", cfg.prefill.chunk_size)
-    from pipeline.quant import scheme_name
+    from pipeline.quant import SCHEMES, scheme_name
 
     scheme_name(plain(cfg.quant))
+    from pipeline.speculative import check_settings
+
+    d = cfg.decode
+    check_settings(d.speculative, d.num_draft, d.ngram_max, d.ngram_min, has_draft=bool(d.draft_model))
+    if d.draft_quant not in SCHEMES:
+        raise UserError(f"unknown decode.draft_quant {d.draft_quant!r}: choose one of {', '.join(SCHEMES)}")

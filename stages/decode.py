@@ -14,9 +14,10 @@ import torch
 from pipeline.context import Context
 from pipeline.errors import UserError
 from pipeline.compiled import CompiledStep, FastPathFallback
-from pipeline.engine import TextStream, fork_sampler
+from pipeline.engine import Sequence, TextStream, fork_sampler
+from pipeline.speculative import Speculative
 
-__all__ = ["DecodeLoop", "FastPathFallback", "TextStream"]  # the last two: importable from here since 0.1
+__all__ = ["DecodeLoop", "Speculative", "FastPathFallback", "TextStream"]  # the last two: importable from here since 0.1
 from stages.sampler import Sampler
 
 
@@ -27,7 +28,9 @@ class DecodeLoop:
     ``sampler``: the settings every request starts from (each request draws with its own copy,
     seeded afresh). ``compile``: decode steps run the compiled forward (``pipeline.compiled``);
     ``compile_backend`` (``inductor``, or e.g. ``aot_eager`` to check graph capture without code
-    generation) and ``compile_mode`` go to ``torch.compile``.
+    generation) and ``compile_mode`` go to ``torch.compile``. ``speculative``: a ``Speculative``
+    (n-gram lookup or a draft model) whose drafts every decode step verifies: same tokens, fewer
+    target forwards.
     """
 
     def __init__(
@@ -36,20 +39,34 @@ class DecodeLoop:
         compile: bool = False,
         compile_mode: str | None = None,
         compile_backend: str = "inductor",
+        speculative: Speculative | None = None,
     ) -> None:
         self.sampler = sampler if sampler is not None else Sampler()
         self.compile = bool(compile)
         self.compiled = CompiledStep(compile_backend, compile_mode) if self.compile else None
+        if speculative is not None and not isinstance(speculative, Speculative):
+            raise TypeError(f"speculative must be a stages.Speculative, got {type(speculative).__name__}")
+        self.speculative = speculative if speculative is not None and speculative.enabled else None
+
+    def attach(self, seq: Sequence) -> Sequence:
+        """Give a sequence its own drafter when this stage decodes speculatively."""
+        if self.speculative is not None:
+            if not isinstance(seq.sampler, Sampler):  # verification needs its filters and random draws
+                raise UserError(f"speculative decoding needs a stages.Sampler (got {type(seq.sampler).__name__}): "
+                                "set decode.speculative=none to use another sampler")
+            seq.spec = self.speculative.drafter()
+            seq.num_draft = self.speculative.num_draft
+        return seq
 
     @torch.inference_mode()
     def __call__(self, ctx: Context) -> Context:
-        from pipeline.engine import Engine, Sequence
+        from pipeline.engine import Engine
 
         if ctx.request.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1 (got {ctx.request.max_new_tokens})")
         if ctx.logits is None:
             raise ValueError("DecodeLoop needs prefill logits: run Prefill on this context first")
-        seq = Sequence(ctx, fork_sampler(self.sampler))
+        seq = self.attach(Sequence(ctx, fork_sampler(self.sampler)))
         seq.pending = ctx.logits
         Engine(ctx.lm, ctx.cache.pool, max_seqs=1, max_batch_tokens=1 << 30, compiled=self.compiled).run([seq])
         return ctx

@@ -121,11 +121,19 @@ class Sampler:
         scores = self.filtered_logits(logits, previous_ids)
         if self.greedy:
             return scores.argmax(dim=-1)
-        probs = torch.softmax(scores, dim=-1)
+        return self.draw(torch.softmax(scores, dim=-1))
+
+    def draw(self, probs: Tensor) -> Tensor:
+        """One token per row of ``probs`` (any distribution, e.g. speculative decoding's residual),
+        from this sampler's generator: seeded requests stay reproducible."""
         q = torch.empty_like(probs).exponential_(1, generator=self._generator(probs.device))
         # An Exp(1) draw of exactly 0 would turn a removed token's 0/0 into NaN, which argmax prefers.
         q.clamp_min_(torch.finfo(q.dtype).tiny)
         return (probs / q).argmax(dim=-1)
+
+    def uniform(self, device: torch.device) -> float:
+        """A U[0, 1) draw from this sampler's generator (speculative decoding's acceptance test)."""
+        return float(torch.rand((), device=device, generator=self._generator(torch.device(device))))
 
     # -- the chain; each step is the same arithmetic as its transformers counterpart ----------
 

@@ -53,6 +53,8 @@ def test_single_length_is_a_one_cell_axis():
         ("bench.warmup=-1", "bench.warmup must be an integer >= 0"),
         ("bench.baseline=vllm", "bench.baseline must be null or one of hf"),
         ("bench.batch_sizes=[0]", "bench.batch_sizes has 0"),
+        ("bench.speculative=[none,medusa]", "bench.speculative has 'medusa'"),
+        ("bench.speculative=[none,draft]", "bench.speculative has draft: set decode.draft_model"),
     ],
 )
 def test_bad_grid_values_are_one_line_errors(override, message):
@@ -83,6 +85,15 @@ def test_python_api_runs_a_grid_without_baseline(lm):
     assert [r.test for r in rows] == ["pp4+tg3"]
     assert len(rows[0].pipeline) == 2 and rows[0].baseline == [] and rows[0].ratios() == {}
     assert rows[0].stats()["tg_tok_s"]["mean"] > 0
+
+
+def test_speculative_rows_compare_methods_on_the_same_prompts(lm):
+    rows = bench.run_grid(bench.bench_pipeline(lm), BenchSettings((8,), (12,), repetitions=1, warmup=0,
+                                                                   speculative=("none", "ngram")))
+    assert [(r.test, r.speculative) for r in rows] == [("pp8+tg12 none", "none"), ("pp8+tg12 ngram", "ngram")]
+    assert rows[0].pipeline[0]["spec_accept_rate"] is None
+    assert rows[1].pipeline[0]["spec_tokens_per_step"] >= 1.0
+    assert rows[1].to_dict()["speculative"] == "ngram"
 
 
 def test_synthetic_prompt_is_seeded_and_avoids_special_tokens(lm):

@@ -49,6 +49,9 @@ class Family:
     # never mistaken for the decoder layers. The one place this list is written.
     encoder_modules: tuple[str, ...] = ()
     uses_processor = False  # load AutoProcessor (media) rather than AutoTokenizer
+    # Rows of position_ids for text tokens (each row the plain position): what a draft model
+    # reading the target's tokens as text feeds (``pipeline.speculative``).
+    position_rows = 1
 
     def content(self, text: str, images: int, audios: int, kinds: Sequence[str] | None = None) -> Any:
         """One user message's content: a plain string for text models (their templates expect it).

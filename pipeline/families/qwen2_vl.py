@@ -80,6 +80,7 @@ class Qwen2VLFamily(Family):
     media = ("image", "video")
     encoder_modules = ("visual",)
     uses_processor = True
+    position_rows = 4  # the text position, then M-RoPE's temporal, height and width rows
 
     # --- tokenize ---------------------------------------------------------------------------
     def prepare(self, lm: Any, request: "Request", long_audio: str = "split") -> "Request":

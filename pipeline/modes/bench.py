@@ -31,7 +31,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
-from pipeline.assemble import load_from_cfg, pipeline_from_cfg
+from pipeline.assemble import load_from_cfg, pipeline_from_cfg, speculative_from_cfg
 from pipeline.context import Request
 from pipeline.errors import UserError, whole_number
 from pipeline.loading import LoadedModel
@@ -55,6 +55,7 @@ class BenchSettings:
     warmup: int = 1
     seed: int = 0
     baseline: str | None = None
+    speculative: tuple[str, ...] = ("none",)  # decode.speculative per row group: none, ngram, draft
 
     @property
     def cells(self) -> list[tuple[int, int, int]]:
@@ -92,7 +93,25 @@ def settings_from_cfg(cfg: DictConfig) -> BenchSettings:
         warmup=whole_number("bench.warmup", b.get("warmup"), 0),
         seed=whole_number("bench.seed", b.get("seed"), 0),
         baseline=baseline,
+        speculative=_methods(b.get("speculative", ["none"]), bool(cfg.decode.get("draft_model"))),
     )
+
+
+def _methods(value: Any, has_draft: bool) -> tuple[str, ...]:
+    """bench.speculative: the decode.speculative values to compare, row by row."""
+    from pipeline.speculative import METHODS
+
+    if isinstance(value, (ListConfig, DictConfig)):
+        value = OmegaConf.to_container(value, resolve=True)
+    items = value if isinstance(value, (list, tuple)) else [value]
+    if not items:
+        raise UserError("bench.speculative is empty: give e.g. bench.speculative=[none,ngram]")
+    for item in items:
+        if item not in METHODS:
+            raise UserError(f"bench.speculative has {item!r}: each must be one of {', '.join(METHODS)}")
+    if "draft" in items and not has_draft:
+        raise UserError("bench.speculative has draft: set decode.draft_model=DIR_OR_HUB_ID")
+    return tuple(dict.fromkeys(items))
 
 
 def check_fits(pipe: Pipeline, settings: BenchSettings) -> None:
@@ -151,7 +170,8 @@ def time_pipeline(pipe: Pipeline, prompts: list[list[int]], gen: int) -> dict:
     for ctx in ctxs:
         ctx.cache.clear()
     out = _figures(len(prompts[0]), gen, first - start, end - start, len(prompts))
-    for key in ("prefill_tok_s", "decode_tok_s", "sample_s", "kv_cache_bytes", "peak_memory_bytes", "bandwidth_gb_s"):
+    for key in ("prefill_tok_s", "decode_tok_s", "sample_s", "kv_cache_bytes", "peak_memory_bytes", "bandwidth_gb_s",
+                "spec_accept_rate", "spec_tokens_per_step"):
         out[key] = m.get(key)
     return out
 
@@ -219,6 +239,7 @@ class Row:
     prompt_tokens: int
     gen_tokens: int
     batch: int = 1
+    speculative: str = "none"
     pipeline: list[dict] = field(default_factory=list)
     baseline: list[dict] = field(default_factory=list)
 
@@ -239,6 +260,7 @@ class Row:
             "prompt_tokens": self.prompt_tokens,
             "gen_tokens": self.gen_tokens,
             "batch": self.batch,
+            "speculative": self.speculative,
             "pipeline": {"stats": self.stats("pipeline"), "samples": self.pipeline},
         }
         if self.baseline:
@@ -247,35 +269,51 @@ class Row:
         return out
 
 
-def run_grid(pipe: Pipeline, settings: BenchSettings, on_run: Callable[[], None] | None = None) -> list[Row]:
+def run_grid(pipe: Pipeline, settings: BenchSettings, on_run: Callable[[], None] | None = None,
+             speculative: dict[str, Any] | None = None) -> list[Row]:
     """Warm up, then time every cell ``repetitions`` times (pipeline and baseline alternating).
 
     ``pipe`` needs ``prefill`` and ``decode`` stages (other stages are not run); its decode
-    sampler should be greedy for the baseline comparison to mean anything.
+    sampler should be greedy for the baseline comparison to mean anything. ``speculative``:
+    method name -> ``Speculative`` (None for plain decoding); each cell gets a row per method,
+    run one after the other on the same prompts (``settings.speculative`` when not given: only
+    ``none`` needs no draft model).
     """
     missing = [name for name in ("prefill", "decode") if name not in pipe.stages]
     if missing:
         raise UserError(f"bench: the pipeline has no {' or '.join(missing)} stage")
     check_fits(pipe, settings)
     lm = pipe.lm
+    if speculative is None:
+        from pipeline.speculative import Speculative
+
+        speculative = {m: Speculative(m) if m != "none" else None for m in settings.speculative}
+    decode = pipe.stages["decode"]
+    configured = decode.speculative
     rows: list[Row] = []
-    for p, g, b in settings.cells:
-        # Sequence i of every cell gets the same prompt (seed + i): the B=1 cells match the old grid.
-        prompts = [synthetic_prompt(lm, p, settings.seed + i) for i in range(b)]
-        row = Row(f"pp{p}+tg{g}" + (f" B{b}" if b > 1 else ""), p, g, b)
-        for rep in range(settings.warmup + settings.repetitions):
-            sample = time_pipeline(pipe, prompts, g)
-            if rep >= settings.warmup:
-                row.pipeline.append(sample)
-            if on_run is not None:
-                on_run()
-            if settings.baseline == "hf":
-                sample = time_generate(lm, prompts, g)
-                if rep >= settings.warmup:
-                    row.baseline.append(sample)
-                if on_run is not None:
-                    on_run()
-        rows.append(row)
+    try:
+        for p, g, b in settings.cells:
+            # Sequence i of every cell gets the same prompt (seed + i): the B=1 cells match the old grid.
+            prompts = [synthetic_prompt(lm, p, settings.seed + i) for i in range(b)]
+            for method, spec in speculative.items():
+                decode.speculative = spec
+                label = f"pp{p}+tg{g}" + (f" B{b}" if b > 1 else "") + ("" if list(speculative) == ["none"] else f" {method}")
+                row = Row(label, p, g, b, speculative=method)
+                for rep in range(settings.warmup + settings.repetitions):
+                    sample = time_pipeline(pipe, prompts, g)
+                    if rep >= settings.warmup:
+                        row.pipeline.append(sample)
+                    if on_run is not None:
+                        on_run()
+                    if settings.baseline == "hf":
+                        sample = time_generate(lm, prompts, g)
+                        if rep >= settings.warmup:
+                            row.baseline.append(sample)
+                        if on_run is not None:
+                            on_run()
+                rows.append(row)
+    finally:
+        decode.speculative = configured
     return rows
 
 
@@ -372,10 +410,12 @@ def main(cfg: DictConfig) -> None:
     cfg = OmegaConf.merge(cfg, {"stages": {"decode": {"sampler": {"_target_": "stages.Sampler"}}}})
     lm = load_from_cfg(cfg)
     pipe = pipeline_from_cfg(cfg, lm)
-    runs = len(settings.cells) * (settings.warmup + settings.repetitions) * (2 if settings.baseline else 1)
+    speculative = {m: speculative_from_cfg(cfg, lm, m) for m in settings.speculative}
+    runs = (len(settings.cells) * len(speculative) * (settings.warmup + settings.repetitions)
+            * (2 if settings.baseline else 1))
     check_fits(pipe, settings)
     with tqdm(total=runs, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
-        rows = run_grid(pipe, settings, on_run=lambda: bar.update(1))
+        rows = run_grid(pipe, settings, on_run=lambda: bar.update(1), speculative=speculative)
 
     dtype = str(lm.model.dtype).replace("torch.", "")
     title = f"{lm.path}  ({lm.device}, {dtype}, quant={lm.quant})"

@@ -11,7 +11,7 @@ and the end-of-turn token ``<|im_end|>``. Its answers can be checked by meaning.
 
 Deterministic: the data (``shapes.TRAIN_SEED``), the initialisation and the order of the
 batches are seeded, and it runs on 2 threads; a rerun on the same machine and library versions
-gives the same weights (12 to 15 minutes on 2 cores).
+gives the same weights (10 to 12 minutes on 2 idle cores).
 
 The output is a complete ``from_pretrained`` directory (safetensors, tokenizer, processor, chat
 template, generation config) plus the marker file that makes the loader treat it as the
