@@ -3,7 +3,8 @@
     python examples/custom_workflow.py [--model DIR_OR_HUB_ID]
 
 Runs on the embedded default (a toy model trained only to name the shapes in images: to this
-text prompt its words are meaningless, the mechanics are real). The greedy branch is checked against a plain Pipeline run.
+text prompt its words are meaningless, the mechanics are real). The greedy branch is checked
+against a plain Pipeline run.
 """
 from __future__ import annotations
 
