@@ -678,7 +678,7 @@ class Engine:
 
         drafts, m = seq.drafts, seq.ctx.metrics
         t0 = time.perf_counter()
-        tokens, accepted = verify(seq.sampler, logits, drafts, seq.draft_q, seq.ids, plain_greedy(seq.sampler))
+        tokens, accepted = verify(seq.sampler, logits, drafts, seq.draft_q, seq.ids)
         sample_s = time.perf_counter() - t0
         seq.cache.append([seq.keys[seq.cache.length]] + drafts)
         seq.cache.rollback(seq.cache.length - (len(drafts) - accepted))

@@ -167,7 +167,6 @@ class ModelDrafter:
 
     def propose(self, ids: Sequence[int], k: int, sampler: Any, history: list[int]) -> tuple[list[int], torch.Tensor | None]:
         """``k`` drafted tokens and, when sampling, the draft's distribution of each [k, V]."""
-        from pipeline.engine import plain_greedy
         from pipeline.paged import OutOfBlocks
 
         try:
@@ -175,9 +174,8 @@ class ModelDrafter:
             logits = self._feed(ids[self.cache.length :])
             drafts: list[int] = []
             qs: list[torch.Tensor] = []
-            greedy = plain_greedy(sampler) or sampler.greedy
             for i in range(k):
-                if greedy:
+                if sampler.greedy:
                     token = int(logits[0].argmax())
                 else:
                     q = torch.softmax(sampler.filtered_logits(logits, [history + drafts]), dim=-1)[0]
@@ -200,18 +198,20 @@ class ModelDrafter:
 # --------------------------------------------------------------------------------------
 
 
-def verify(sampler: Any, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, history: list[int],
-           greedy_fast: bool) -> tuple[list[int], int]:
+def verify(sampler: Any, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
+           history: list[int]) -> tuple[list[int], int]:
     """The tokens to keep, and how many of them are accepted drafts.
 
     ``logits`` [len(drafts) + 1, V]: row i is the target's prediction after the i-th draft (row 0
     after the last accepted token). The kept tokens are the accepted drafts, then one token of
     the target's own: the correction at the first rejection, or a bonus token when all pass.
     ``q``: the draft's distributions ([len(drafts), V]); None means each draft was certain (a
-    point mass: n-gram lookup, or a greedy draft model). ``greedy_fast``: plain argmax, no
-    filters, compared on the device in one go.
+    point mass: n-gram lookup, or a greedy draft model). Plain greedy (argmax, no filters) is
+    compared in one go.
     """
-    if greedy_fast:
+    from pipeline.engine import plain_greedy
+
+    if plain_greedy(sampler):
         best = logits.argmax(dim=-1).tolist()
         m = 0
         while m < len(drafts) and drafts[m] == best[m]:

@@ -253,7 +253,7 @@ def test_speculative_sampling_draws_from_the_target_distribution(drafter):
         else:
             drafts = [int(rng.choice(vocab, p=q[0].numpy())), int(rng.choice(vocab, p=q[1].numpy()))]
             dist = q
-        out, _ = verify(sampler, logits, drafts, dist, [], greedy_fast=False)
+        out, _ = verify(sampler, logits, drafts, dist, [])
         first[out[0]] += 1
         if len(out) > 1:
             second[out[0], out[1]] += 1

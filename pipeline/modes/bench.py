@@ -410,7 +410,9 @@ def main(cfg: DictConfig) -> None:
     cfg = OmegaConf.merge(cfg, {"stages": {"decode": {"sampler": {"_target_": "stages.Sampler"}}}})
     lm = load_from_cfg(cfg)
     pipe = pipeline_from_cfg(cfg, lm)
-    speculative = {m: speculative_from_cfg(cfg, lm, m) for m in settings.speculative}
+    configured = getattr(pipe.stages.get("decode"), "speculative", None)  # decode.speculative's own, its draft model loaded once
+    speculative = {m: configured if configured is not None and configured.method == m else speculative_from_cfg(cfg, lm, m)
+                   for m in settings.speculative}
     runs = (len(settings.cells) * len(speculative) * (settings.warmup + settings.repetitions)
             * (2 if settings.baseline else 1))
     check_fits(pipe, settings)
