@@ -117,7 +117,7 @@ def speculative_from_cfg(cfg: DictConfig, lm: LoadedModel, method: str | None = 
         draft = load_model(str(d.draft_model), dtype=cfg.model.dtype, device_map=str(lm.device), quant=d.draft_quant,
                            trust_remote_code=bool(cfg.model.trust_remote_code))
         check_same_tokenizer(lm.tokenizer, draft.tokenizer)
-    return Speculative(method, d.num_draft, d.ngram_max, d.ngram_min, draft=draft)
+    return Speculative(method, d.num_draft, d.ngram_max, d.ngram_min, draft=draft, compile=bool(d.draft_compile))
 
 
 def stages_from_cfg(cfg: DictConfig) -> dict[str, Any]:
@@ -154,14 +154,16 @@ def engine_settings(cfg: DictConfig) -> dict:
 def pipeline_from_cfg(cfg: DictConfig, lm: LoadedModel, stages: dict[str, Any] | None = None) -> Pipeline:
     """The stage chain (``stages``, or built from cfg.stages) on the configured pool and engine.
     When its decode stage compiles (``decode.compile``, or ``stages.decode.compile`` set
-    directly: the stage decides, so the two cannot disagree) it is warmed up here, before the
-    first request, so TTFT never includes compiling."""
+    directly: the stage decides, so the two cannot disagree), or its draft model does
+    (``decode.draft_compile``), it is warmed up here, before the first request, so TTFT never
+    includes compiling."""
     stages = stages if stages is not None else stages_from_cfg(cfg)
     decode = stages.get("decode")
     if decode is not None and getattr(decode, "speculative", False) is None:  # a DecodeLoop not given one in Python
         decode.speculative = speculative_from_cfg(cfg, lm)
     pipe = Pipeline(lm, stages, **engine_settings(cfg))
-    if getattr(pipe.stages.get("decode"), "compiled", None) is not None:
+    spec = getattr(decode, "speculative", None)
+    if getattr(decode, "compiled", None) is not None or getattr(spec, "compiled", None) is not None:
         print("mm-pipeline: warming up (compiling the decode step)...", file=sys.stderr)
         seconds = pipe.warmup()
         print(f"mm-pipeline: warm-up took {seconds:.1f} s (metrics warmup_s, not part of ttft_s)", file=sys.stderr)

@@ -57,6 +57,7 @@ class DecodeSettings:
     ngram_min: int = 1
     draft_model: Optional[str] = None
     draft_quant: str = "auto"
+    draft_compile: bool = False
 
 
 @dataclass

@@ -194,6 +194,36 @@ def test_sequences_batched_together_get_their_solo_tokens(load_tiny, drafts):
         assert [h.result(timeout=300).token_ids for h in handles] == solo, spec.method
 
 
+def test_compiled_draft_steps_draft_what_the_eager_draft_drafts(load_tiny, drafts):
+    """``decode.draft_compile``: the draft's greedy bursts under torch.compile (aot_eager: the
+    same graph capture, no code generation) give the same drafts, so the same acceptance."""
+    lm = load_tiny("qwen3")
+    _, want = oracle(lm, n=40)
+    eager = Speculative("draft", num_draft=4, draft=drafts("qwen3"))
+    compiled = Speculative("draft", num_draft=4, draft=drafts("qwen3"), compile=True, compile_backend="aot_eager",
+                           draft_memory=1 << 20)  # small: aot_eager copies the mutated pool on every step
+    results = [pipe_for(lm, spec).run(request_for(lm, n=40)) for spec in (eager, compiled)]
+    assert [r.token_ids for r in results] == [want, want]
+    assert results[0].metrics["spec_accepted"] == results[1].metrics["spec_accepted"] > 0
+    assert compiled.compiled._greedy is not None and compiled.compiled.broken is None
+    assert eager.compiled is None and Speculative("ngram", compile=True).compiled is None  # n-gram has no model
+
+
+def test_draft_compile_follows_decode_compile_unless_set(tiny_dir, load_tiny):
+    from hydra import compose, initialize_config_dir
+
+    from conftest import ROOT
+    from pipeline.assemble import speculative_from_cfg
+
+    draft = [f"decode.draft_model={tiny_dir('qwen3')}", "decode.speculative=draft"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfgs = [compose(config_name="config", overrides=draft + extra)
+                for extra in ([], ["decode.compile=true"], ["decode.compile=true", "decode.draft_compile=false"],
+                              ["decode.draft_compile=true"])]
+    lm = load_tiny("qwen3")
+    assert [speculative_from_cfg(cfg, lm).compiled is not None for cfg in cfgs] == [False, True, False, True]
+
+
 def test_chat_turns_and_undo_stay_exact(load_tiny):
     lm = load_tiny("qwen3")
     plain = ChatSession(pipe_for(lm), max_new_tokens=16)

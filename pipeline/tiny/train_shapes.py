@@ -22,13 +22,7 @@ the package and is what ``default_model_dir()`` returns.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
-import shutil
-import sys
-import tempfile
-import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import numpy as np
 
 from pipeline.tiny import shapes
-from pipeline.tiny.common import MARKER_FILE, RECIPE_VERSION, _generation_config
+from pipeline.tiny.common import RECIPE_VERSION, _generation_config
+from pipeline.tiny.training import fit, save_model, written_whole
 
 if TYPE_CHECKING:
     import torch
@@ -272,15 +267,6 @@ def answer_loss(model: PreTrainedModel, batch: dict[str, Any]) -> tuple[torch.Te
     return loss, hit.all(dim=1)
 
 
-def lr_at(step: int, recipe: Recipe) -> float:
-    """Linear warm-up, then cosine down to ``min_lr_fraction`` of the peak."""
-    if step < recipe.warmup:
-        return recipe.lr * (step + 1) / recipe.warmup
-    progress = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
-    floor = recipe.min_lr_fraction
-    return recipe.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def evaluate(model: PreTrainedModel, encoder: Encoder, n: int = 200, seed: int = shapes.EVAL_SEED,
              batch: int = 50) -> dict[str, float]:
     """Greedy exact-match rate per question on ``n`` held-out images (teacher-forced argmax)."""
@@ -306,63 +292,30 @@ def train(recipe: Recipe, out: Path, progress: bool = True) -> dict[str, Any]:
     """Train with ``recipe`` and write the model directory to ``out`` (atomically). Returns a
     summary: steps, seconds, final loss and held-out accuracies."""
     import torch
-    from tqdm import tqdm
 
     torch.set_num_threads(THREADS)
     torch.use_deterministic_algorithms(True)
-    out = Path(out).expanduser().absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with written_whole(out) as work:
         model, processor = build(recipe, work)
         encoder = Encoder(processor)
-        decay = [p for p in model.parameters() if p.ndim >= 2]
-        rest = [p for p in model.parameters() if p.ndim < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
-                                 {"params": rest, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.98))
         rng = np.random.default_rng(recipe.data_seed)
-        start = time.monotonic()
-        smooth = acc = None
-        model.train()
-        with tqdm(total=recipe.steps, desc="train shapes", disable=not progress, file=sys.stderr,
-                  dynamic_ncols=True) as bar:
-            for step in range(recipe.steps):
-                batch = sample_batch(rng, encoder, recipe, recipe.batch)
-                for group in opt.param_groups:
-                    group["lr"] = lr_at(step, recipe)
-                loss, hit = answer_loss(model, batch)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
-                opt.step()
-                value, exact = loss.item(), hit.float().mean().item()
-                smooth = value if smooth is None else 0.98 * smooth + 0.02 * value
-                acc = exact if acc is None else 0.98 * acc + 0.02 * exact
-                bar.set_postfix(loss=f"{smooth:.4f}", exact=f"{acc:.3f}", refresh=False)
-                bar.update(1)
-        seconds = time.monotonic() - start
-        scores = evaluate(model, encoder)
-        summary = {"steps": recipe.steps, "train_seconds": round(seconds, 1), "final_loss": round(smooth, 5),
-                   "heldout_exact": scores, "recipe": asdict(recipe)}
+
+        def loss_of(batch: dict[str, Any]) -> tuple[torch.Tensor, float]:
+            loss, hit = answer_loss(model, batch)
+            return loss, hit.float().mean().item()
+
+        fitted = fit(model, recipe, lambda step: sample_batch(rng, encoder, recipe, recipe.batch), loss_of,
+                     "train shapes", metric="exact", progress=progress)
+        summary = {"steps": recipe.steps, **fitted, "heldout_exact": evaluate(model, encoder), "recipe": asdict(recipe)}
         save(model, processor, work, summary)
-        _replace(work, out)
-        return summary
-    finally:
-        if work.exists():
-            shutil.rmtree(work, ignore_errors=True)
+    return summary
 
 
 def save(model: PreTrainedModel, processor: ProcessorMixin, dest: Path, summary: dict[str, Any]) -> None:
     """Weights, processor (tokenizer and chat template inside), the example image and the marker."""
-    from pipeline.tiny.build import _quiet_progress
-
-    model.eval()
-    with _quiet_progress():
-        model.save_pretrained(dest, safe_serialization=True)
-        processor.save_pretrained(dest)
     image, _ = shapes.example()
     image.save(dest / EXAMPLE_IMAGE, optimize=True)
-    marker = {
+    save_model(model, dest, {
         "family": BASE_FAMILY,
         "recipe_version": RECIPE_VERSION,
         "trained": "shapes",
@@ -371,22 +324,9 @@ def save(model: PreTrainedModel, processor: ProcessorMixin, dest: Path, summary:
         "default_prompts": {"image": shapes.SHAPES_QUESTION},
         "example_image": EXAMPLE_IMAGE,
         **summary,
-    }
-    (dest / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+    }, processor)
     for path in dest.iterdir():
         os.chmod(path, 0o644)
-
-
-def _replace(tmp: Path, dest: Path) -> None:
-    """Move the finished directory into place; an existing one is swapped aside, then dropped."""
-    os.chmod(tmp, 0o755)
-    if dest.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-        os.replace(dest, old / "d")
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)
 
 
 def main(argv: list[str] | None = None) -> None:

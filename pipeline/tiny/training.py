@@ -1,0 +1,120 @@
+"""What the project's trained tiny models share: the optimiser and its schedule, the training
+loop, and writing the finished model directory in one move.
+
+Why one place: the embedded default (``train_shapes``) and the speculative-decoding pair
+(``train_copy``) are trained the same way; only their data, loss and sizes differ.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
+
+from pipeline.tiny.common import MARKER_FILE
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+
+class Schedule(Protocol):
+    """The recipe fields the loop reads (each trainer's ``Recipe`` has them)."""
+
+    steps: int
+    lr: float
+    min_lr_fraction: float
+    warmup: int
+    weight_decay: float
+    grad_clip: float
+
+
+def lr_at(step: int, recipe: Schedule) -> float:
+    """Linear warm-up, then cosine down to ``min_lr_fraction`` of the peak."""
+    if step < recipe.warmup:
+        return recipe.lr * (step + 1) / recipe.warmup
+    progress = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
+    floor = recipe.min_lr_fraction
+    return recipe.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def fit(
+    model: PreTrainedModel,
+    recipe: Schedule,
+    next_batch: Callable[[int], Any],
+    loss_of: Callable[[Any], tuple[torch.Tensor, float]],
+    desc: str,
+    metric: str = "acc",
+    progress: bool = True,
+) -> dict[str, float]:
+    """``recipe.steps`` AdamW steps (no weight decay on norms and biases, clipped gradients);
+    ``next_batch(step)`` gives a batch, ``loss_of(batch)`` its loss and an accuracy shown as
+    ``metric`` on the progress bar. Returns the training seconds and the smoothed final loss."""
+    import torch
+    from tqdm import tqdm
+
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.98))
+    start = time.monotonic()
+    smooth = acc = None
+    model.train()
+    with tqdm(total=recipe.steps, desc=desc, disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+        for step in range(recipe.steps):
+            batch = next_batch(step)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, recipe)
+            loss, accuracy = loss_of(batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+            opt.step()
+            value = loss.item()
+            smooth = value if smooth is None else 0.98 * smooth + 0.02 * value
+            acc = accuracy if acc is None else 0.98 * acc + 0.02 * accuracy
+            bar.set_postfix({"loss": f"{smooth:.4f}", metric: f"{acc:.3f}"}, refresh=False)
+            bar.update(1)
+    model.eval()
+    return {"train_seconds": round(time.monotonic() - start, 1), "final_loss": round(smooth, 5)}
+
+
+@contextmanager
+def written_whole(out: Path) -> Iterator[Path]:
+    """A private directory beside ``out`` to write into; moved into place only when the block
+    finishes, so an interrupted run never leaves a half-written model where a loader looks."""
+    out = Path(out).expanduser().absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield work
+        os.chmod(work, 0o755)
+        if out.exists():  # swapped aside, then dropped
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / "d")
+            os.replace(work, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(work, out)
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def save_model(model: PreTrainedModel, dest: Path, marker: dict[str, Any], *others: Any) -> None:
+    """Weights (safetensors), ``others`` (a processor or tokenizer), then the marker file that
+    makes the loader treat the directory as the project's own tiny model."""
+    from pipeline.tiny.build import _quiet_progress
+
+    with _quiet_progress():
+        model.save_pretrained(dest, safe_serialization=True)
+        for other in others:
+            other.save_pretrained(dest)
+    (dest / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
