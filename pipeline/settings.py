@@ -46,6 +46,7 @@ class MediaSettings:
     long_audio: str = "split"  # split | error
     video_fps: float = 2.0
     video_max_frames: int = 64
+    use_audio_in_video: bool = False  # hear a video's own audio track (Qwen2.5-Omni)
 
 
 @dataclass

@@ -55,6 +55,8 @@ class Tokenize:
     Left at None, the model's own question is asked when it has one (``lm.default_prompts``),
     else ``GENERIC_PROMPTS``.
     ``long_audio`` (split | error): what to do with audio longer than the encoder's window.
+    ``use_audio_in_video``: a video's own audio track is heard with it, by models that can
+    (a family with ``audio_in_video``: Qwen2.5-Omni); a video given to another model is refused.
     """
 
     GENERIC_PROMPTS = {"image": "Describe this image.", "video": "Describe this video.",
@@ -66,11 +68,13 @@ class Tokenize:
         default_audio_prompt: str | None = None,
         long_audio: str = "split",
         default_video_prompt: str | None = None,
+        use_audio_in_video: bool = False,
     ) -> None:
         self.default_image_prompt = default_image_prompt
         self.default_audio_prompt = default_audio_prompt
         self.default_video_prompt = default_video_prompt
         self.long_audio = long_audio
+        self.use_audio_in_video = bool(use_audio_in_video)
 
     def default_prompt(self, req: Request, lm: Any = None) -> str | None:
         """The question asked of the request's media when it has no prompt: this stage's setting,
@@ -94,7 +98,11 @@ class Tokenize:
                     f"cannot take {kind} input"
                 )
         # Media at the model's rate / within its windows; later stages read the prepared request.
-        req = ctx.request = lm.family.prepare(lm, req, long_audio=self.long_audio)
+        hear = {"use_audio_in_video": True} if self.use_audio_in_video and req.videos else {}
+        if hear and not getattr(lm.family, "audio_in_video", False):
+            raise UserError(f"media.use_audio_in_video: {lm.path} is a {lm.family.name} model: it cannot hear a "
+                            "video's audio track (set media.use_audio_in_video=false)")
+        req = ctx.request = lm.family.prepare(lm, req, long_audio=self.long_audio, **hear)
         messages = build_messages(req, lm.family, self.default_prompt(req, lm))
         template_owner = lm.processor if lm.processor is not None else lm.tokenizer
         if getattr(template_owner, "chat_template", "present") is None:

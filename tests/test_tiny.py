@@ -23,10 +23,12 @@ MODEL_CLASSES = {
     "qwen2-audio": tf.Qwen2AudioForConditionalGeneration,
     "gemma3": tf.Gemma3ForConditionalGeneration,
     "qwen3-vl": tf.Qwen3VLForConditionalGeneration,
+    "qwen2.5-omni": tf.Qwen2_5OmniThinkerForConditionalGeneration,
 }
 TEXT = ("qwen3", "llama")
 VISION = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 GEMMA = ("gemma3",)
+OMNI = ("qwen2.5-omni",)  # asked with audio here (images and video: tests/test_omni.py)
 
 
 @pytest.fixture(scope="session")
@@ -103,9 +105,10 @@ def test_loads_renders_and_generates(loaded, family):
         ids = proc.tokenizer.convert_tokens_to_ids
         assert inputs["input_ids"][0, :2].tolist() == [ids("<bos>"), ids("<start_of_turn>")]  # one BOS
     else:
+        audio = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+        audio = audio if family in OMNI else f"Audio 1: {audio}\n"
         assert prompt == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-                          "Audio 1: <|audio_bos|><|AUDIO|><|audio_eos|>\nDescribe this.<|im_end|>\n"
-                          "<|im_start|>assistant\n")
+                          f"{audio}Describe this.<|im_end|>\n<|im_start|>assistant\n")
         assert inputs["input_features"].shape[1] == 128
         assert int((inputs["input_ids"] == model.config.audio_token_id).sum()) > 0
     with torch.inference_mode():
@@ -149,6 +152,11 @@ def test_config_ids_match_tokenizer(built, family):
         assert cfg.vision_end_token_id == ids("<|vision_end|>")
     if family == "qwen2-audio":
         assert cfg.audio_token_index == cfg.audio_token_id == ids("<|AUDIO|>")
+    if family in OMNI:  # the processor reads the markers by name
+        named = {"image": "<|IMAGE|>", "video": "<|VIDEO|>", "audio": "<|AUDIO|>"}
+        for kind, token in named.items():
+            assert getattr(tok, f"{kind}_token") == token and getattr(cfg, f"{kind}_token_id") == ids(token)
+        assert (cfg.vision_start_token_id, cfg.audio_start_token_id) == (ids("<|vision_bos|>"), ids("<|audio_bos|>"))
     # every special token is one token and survives a round trip
     for t in tok.get_added_vocab():
         assert tok(t, add_special_tokens=False)["input_ids"] == [ids(t)]
@@ -171,7 +179,7 @@ def test_chat_template_round_trips(built, family):
         assert proc.chat_template == tiny.CHAT_TEMPLATES[family]
         assert type(proc).__name__ == {"qwen2-vl": "Qwen2VLProcessor", "qwen2.5-vl": "Qwen2_5_VLProcessor",
                                        "qwen2-audio": "Qwen2AudioProcessor", "gemma3": "Gemma3Processor",
-                                       "qwen3-vl": "Qwen3VLProcessor"}[family]
+                                       "qwen3-vl": "Qwen3VLProcessor", "qwen2.5-omni": "Qwen2_5OmniProcessor"}[family]
         if family in GEMMA:
             assert type(proc.image_processor).__name__ == "Gemma3ImageProcessor"
             assert proc.image_seq_length == tf.AutoConfig.from_pretrained(d).mm_tokens_per_image

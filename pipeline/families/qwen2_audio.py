@@ -94,10 +94,11 @@ class Qwen2AudioFamily(Family):
                 parts = split_audio(wave, rate, window_s)
             audios += [(p, rate) for p in parts]
             chunks_per_item.append(len(parts))
-        messages = request.messages
-        if messages and any(n > 1 for n in chunks_per_item):
-            messages = _expand_audio_items(messages, chunks_per_item)
-        return dataclasses.replace(request, audios=audios, messages=messages)
+        messages, order = request.messages, request.media_order
+        if any(n > 1 for n in chunks_per_item):
+            messages = _expand_audio_items(messages, chunks_per_item) if messages else messages
+            order = _expand_audio_order(order, chunks_per_item) if order is not None else order
+        return dataclasses.replace(request, audios=audios, messages=messages, media_order=order)
 
     def process(self, lm: Any, text: str, request: "Request") -> dict:
         """Log-mel features for the (prepared) audios, and the prompt with each placeholder expanded."""
@@ -207,6 +208,12 @@ def _waveform(item: Any, rate: int, i: int) -> tuple[torch.Tensor, str]:
     if not bool(torch.isfinite(wave).all()):
         raise UserError(f"{label}: audio contains NaN or infinite samples")
     return resample(wave, source_rate, rate), label
+
+
+def _expand_audio_order(order: list[str], chunks_per_item: list[int]) -> list[str]:
+    """``Request.media_order`` with each audio entry repeated once per chunk its clip was split into."""
+    chunks = iter(chunks_per_item)
+    return [kind for entry in order for kind in ([entry] * next(chunks) if entry == "audio" else [entry])]
 
 
 def _expand_audio_items(messages: list[dict], chunks_per_item: list[int]) -> list[dict]:

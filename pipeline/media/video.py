@@ -15,6 +15,11 @@ chosen frames, so a long clip never sits decoded in memory.
 
 Every problem with the file (missing, not a video, corrupt, no decodable frame) is one
 ``UserError`` whose one-line message starts with the file's path.
+
+The clip's own audio track is kept too (``Video.audio``: mono, at the file's rate), decoded at
+load time so that it outlives the file (a served upload is deleted once read): a model that
+hears video (Qwen2.5-Omni with ``media.use_audio_in_video``) takes it from there. A track
+PyAV cannot decode leaves ``audio`` None rather than failing a clip only watched.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+import torch
 from PIL import Image
 
 from pipeline.errors import UserError
@@ -51,6 +57,7 @@ class Video:
     total_frames: int
     duration: float
     source: str | None = None  # how messages name it: the file, or a request part
+    audio: tuple[torch.Tensor, int] | None = None  # its own sound track: (mono float32 wave, rate), if any
 
     def __post_init__(self) -> None:
         f = self.frames
@@ -63,8 +70,9 @@ class Video:
 
     @classmethod
     def from_frames(cls, frames: Sequence[Image.Image | np.ndarray] | np.ndarray, fps: float,
-                    source: str | None = None) -> "Video":
-        """A clip from frames already sampled at ``fps`` frames per second (Python API use)."""
+                    source: str | None = None, audio: tuple[torch.Tensor, int] | None = None) -> "Video":
+        """A clip from frames already sampled at ``fps`` frames per second (Python API use), with
+        its sound track ``(wave, rate)`` when it has one."""
         if not fps > 0:
             raise ValueError(f"fps must be > 0 (got {fps})")
         arrays = [np.asarray(f.convert("RGB")) if isinstance(f, Image.Image) else np.asarray(f) for f in frames]
@@ -72,7 +80,7 @@ class Video:
             raise ValueError("Video.from_frames: no frames")
         stacked = np.ascontiguousarray(np.stack(arrays).astype(np.uint8, copy=False))
         n = len(stacked)
-        return cls(stacked, list(range(n)), [k / fps for k in range(n)], n, n / fps, source)
+        return cls(stacked, list(range(n)), [k / fps for k in range(n)], n, n / fps, source, audio)
 
     @property
     def info(self) -> dict:
@@ -179,7 +187,32 @@ def load_video(
         raise UserError(f"{path}: corrupt or unreadable video ({reason})") from None
     if not frames:
         raise UserError(f"{path}: no video frames (zero decodable frames)")
-    return Video(np.stack(frames), indices, [t - start for t in times], total, duration, str(path))
+    return Video(np.stack(frames), indices, [t - start for t in times], total, duration, str(path),
+                 load_audio_track(p))
+
+
+def load_audio_track(path: str | os.PathLike) -> tuple[torch.Tensor, int] | None:
+    """The first audio stream of a media file as ``(mono float32 wave, its rate)``, channels
+    averaged as ``load_audio`` does; None when there is none or PyAV cannot decode it."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.audio:
+                return None
+            stream = container.streams.audio[0]
+            to_float = av.AudioResampler(format="fltp")  # planar float, same layout and rate: exact
+            parts: list[np.ndarray] = []
+            for frame in container.decode(stream):
+                parts += [f.to_ndarray() for f in to_float.resample(frame)]
+            parts += [f.to_ndarray() for f in to_float.resample(None)]
+            rate = int(stream.codec_context.sample_rate or stream.rate or 0)
+    except Exception:  # av.FFmpegError and decoder surprises: the pictures are still good
+        return None
+    if not parts or rate <= 0:
+        return None
+    wave = np.concatenate(parts, axis=1).mean(axis=0, dtype=np.float32)
+    return (torch.from_numpy(np.ascontiguousarray(wave)), rate) if wave.size and np.isfinite(wave).all() else None
 
 
 def _video_stream(container: Any, path: str | os.PathLike) -> Any:

@@ -214,6 +214,7 @@ def make_tokenizer(family: str) -> PreTrainedTokenizerBase:
             errors="replace",
             split_special_tokens=False,
             clean_up_tokenization_spaces=False,
+            **getattr(family_module(family), "NAMED_TOKENS", {}),  # e.g. Qwen2.5-Omni's image_token, audio_token
         )
         # Qwen2Tokenizer registers eos/pad itself; add the rest in the published order.
         tok.add_tokens(added)
