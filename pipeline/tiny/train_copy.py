@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipeline.tiny.common import MARKER_FILE, RECIPE_VERSION, _generation_config, _text_kwargs
-from pipeline.tiny.training import fit, save_model, written_whole
+from pipeline.tiny.training import fit, reproducible, save_model, written_whole
 
 if TYPE_CHECKING:
     import torch
@@ -279,9 +279,7 @@ def train(recipe: Recipe, out: Path, progress: bool = True, threads: int = THREA
 
     from pipeline.tiny.tokenizer import make_tokenizer
 
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True)
-    with written_whole(out) as work:
+    with reproducible(threads), written_whole(out) as work:
         tok = make_tokenizer(FAMILY)
         task = Task(tok)
         torch.manual_seed(recipe.init_seed)

@@ -32,7 +32,7 @@ import numpy as np
 
 from pipeline.tiny import shapes
 from pipeline.tiny.common import RECIPE_VERSION, _generation_config
-from pipeline.tiny.training import fit, save_model, written_whole
+from pipeline.tiny.training import fit, reproducible, save_model, written_whole
 
 if TYPE_CHECKING:
     import torch
@@ -293,9 +293,7 @@ def train(recipe: Recipe, out: Path, progress: bool = True) -> dict[str, Any]:
     summary: steps, seconds, final loss and held-out accuracies."""
     import torch
 
-    torch.set_num_threads(THREADS)
-    torch.use_deterministic_algorithms(True)
-    with written_whole(out) as work:
+    with reproducible(THREADS), written_whole(out) as work:
         model, processor = build(recipe, work)
         encoder = Encoder(processor)
         rng = np.random.default_rng(recipe.data_seed)

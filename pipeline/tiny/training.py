@@ -87,6 +87,24 @@ def fit(
 
 
 @contextmanager
+def reproducible(threads: int) -> Iterator[None]:
+    """Deterministic kernels on ``threads`` threads inside the block; the caller's settings are
+    restored after. Why restore: deterministic mode also fills every new tensor, so a process
+    that trains and then serves would touch all of a lazily used KV pool at once."""
+    import torch
+
+    before = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before[0])
+        torch.use_deterministic_algorithms(before[1], warn_only=before[2])
+
+
+@contextmanager
 def written_whole(out: Path) -> Iterator[Path]:
     """A private directory beside ``out`` to write into; moved into place only when the block
     finishes, so an interrupted run never leaves a half-written model where a loader looks."""
