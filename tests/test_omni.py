@@ -275,3 +275,34 @@ def test_cli_hears_the_video_and_matches_generate(tiny_dir, lm, files, tmp_path)
     expected = oracle(lm, ["video", "image", "audio"], [load_image(files["png"])], [load_audio(files["wav"], RATE)[0]],
                       [video], heard=True)
     assert (result["prompt_ids"], result["token_ids"]) == expected
+
+
+def test_served_and_batched_answers_equal_generate(tiny_dir, lm, files, tmp_path):
+    """An image and a sound in one message over the OpenAI API (``mode=serve``), and the same
+    request as a line of ``mode=batch``: the thinker's own answer both ways."""
+    import base64
+
+    from openai import OpenAI
+    from serving import serving
+
+    expected = oracle(lm, ["image", "audio"], [load_image(files["png"])], [load_audio(files["wav"], RATE)[0]])
+    want = lm.tokenizer.decode(expected[1], skip_special_tokens=True)
+    png = "data:image/png;base64," + base64.b64encode(files["png"].read_bytes()).decode()
+    content = [{"type": "image_url", "image_url": {"url": png}},
+               {"type": "input_audio", "input_audio": {"data": base64.b64encode(files["wav"].read_bytes()).decode(),
+                                                       "format": "wav"}},
+               {"type": "text", "text": PROMPT}]
+    with serving(tmp_path, f"model.path={tiny_dir(FAMILY)}") as server:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = client.chat.completions.create(model=str(tiny_dir(FAMILY)), messages=[{"role": "user", "content": content}],
+                                             max_tokens=N, extra_body={"ignore_eos": True})
+    assert got.choices[0].message.content == want
+    assert got.usage.prompt_tokens == len(expected[0])
+
+    items = tmp_path / "items.jsonl"
+    items.write_text(json.dumps({"id": "a", "prompt": PROMPT, "images": [str(files["png"])],
+                                 "audios": [str(files["wav"])], "max_new_tokens": N, "ignore_eos": True}) + "\n")
+    proc = run_cli(f"model.path={tiny_dir(FAMILY)}", "mode=batch", f"input={items}", f"hydra.run.dir={tmp_path / 'batch'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in next((tmp_path / "batch").glob("*.jsonl")).read_text().splitlines()]
+    assert [(r["id"], r["token_ids"]) for r in rows] == [("a", expected[1])]
