@@ -231,7 +231,7 @@ class Sequence:
             self.drafts, self.draft_q = [], None
             return 0.0
         t0 = time.perf_counter()
-        self.drafts, self.draft_q = self.spec.propose(self.ids, k, self.sampler, self.ids)
+        self.drafts, self.draft_q = self.spec.propose(self.ids, k, self.sampler)
         self.ctx.metrics.count("spec_drafted", 0)  # counted when verified (a preempted step's drafts are not)
         return time.perf_counter() - t0
 
@@ -630,32 +630,20 @@ class Engine:
         A row that ends inside the burst (EOS, a stop string) had its later tokens computed for
         nothing; they are dropped, and so are their slots (``_finish`` trims the cache).
         """
-        from pipeline.paged import greedy_steps, padded_table
+        from pipeline.paged import burst_state, run_burst
 
         try:
             for seq, chunk in plan:
                 seq.cache.reserve(steps)  # the step's one slot already reserved, the rest now
         except OutOfBlocks:
             steps = 1  # no room to run ahead: one step, the slots reserved so far used as they come
-        device, bs = self.device, self.pool.block_size
         chunks = [c for _, c in plan]
-        width = max(2, max(-(-(c.start + steps) // bs) for c in chunks))  # >= 2: no size-1 specialisation
-        tables = [padded_table(seq.cache.blocks, width) for seq, _ in plan]
-        rows = len(chunks[0].positions)
-        positions = torch.tensor([[c.positions[r][0] for c in chunks] for r in range(rows)], device=device)
-        state = (
-            torch.tensor([[c.ids[0] for c in chunks]], device=device),
-            positions.unsqueeze(1) if rows > 1 else positions,
-            torch.tensor([c.start + 1 for c in chunks], device=device),
-            torch.tensor(tables, device=device),
-        )
+        positions = [[c.positions[r][0] for c in chunks] for r in range(len(chunks[0].positions))]
         pool = self.pool
+        state = burst_state(pool, [c.ids[0] for c in chunks], positions, [c.start for c in chunks],
+                            [seq.cache.blocks for seq, _ in plan], steps, self.device)
         t0 = time.perf_counter()
-        pool.prepare_write()
-        if self.compiled is not None:
-            chosen = self.compiled.greedy_steps(self.lm, pool, state, steps)
-        else:
-            chosen = greedy_steps(self.lm.model, pool, state, steps)
+        chosen = run_burst(self.lm, pool, state, steps, self.compiled)
         tokens = torch.cat(chosen).tolist()  # [steps][rows]: the one host read of the burst
         compiled = self.compiled is not None and self.compiled.why_not(self.lm) is None
         seconds = (time.perf_counter() - t0) / steps

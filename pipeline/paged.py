@@ -651,6 +651,37 @@ def greedy_step(
     return logits.argmax(dim=-1).view(1, -1), positions + 1, lengths + 1
 
 
+def burst_state(
+    pool: BlockPool,
+    fed: Sequence[int],
+    positions: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    tables: Sequence[Sequence[int]],
+    steps: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, ...]:
+    """The state ``greedy_steps`` starts from, for rows that each feed one token: ``fed`` [B],
+    ``positions`` [position rows][B] the fed tokens' positions, ``starts`` [B] each row's cache
+    length before it, ``tables`` [B] their block tables, padded to cover the ``steps`` positions
+    the burst writes (at least 2 blocks wide: no size-1 specialisation when compiled)."""
+    width = max(2, max(-(-(s + steps) // pool.block_size) for s in starts))
+    pos = torch.tensor([list(row) for row in positions], device=device)
+    return (
+        torch.tensor([list(fed)], device=device),
+        pos.unsqueeze(1) if len(positions) > 1 else pos,
+        torch.tensor([s + 1 for s in starts], device=device),
+        torch.tensor([padded_table(t, width) for t in tables], device=device),
+    )
+
+
+def run_burst(lm: Any, pool: BlockPool, state: tuple[torch.Tensor, ...], steps: int, compiled: Any = None) -> list[torch.Tensor]:
+    """``greedy_steps`` from ``state``, on ``compiled`` (a ``CompiledStep``) when given."""
+    pool.prepare_write()
+    if compiled is not None:
+        return compiled.greedy_steps(lm, pool, state, steps)
+    return greedy_steps(lm.model, pool, state, steps)
+
+
 def greedy_steps(
     model: torch.nn.Module,
     pool: BlockPool,

@@ -124,7 +124,7 @@ class NgramDrafter:
         self.index: dict[tuple[int, ...], int] = {}
         self.seen = 0  # tokens of ``ids`` indexed so far
 
-    def propose(self, ids: Sequence[int], k: int, sampler: Any = None, history: Any = None) -> tuple[list[int], None]:
+    def propose(self, ids: Sequence[int], k: int, sampler: Any = None) -> tuple[list[int], None]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix
         n-gram of ``ids``; none when nothing matches. No draft distribution (a point mass)."""
         if len(ids) < self.seen:  # another conversation in the same drafter: start over
@@ -182,25 +182,12 @@ class ModelDrafter:
         """Feed ``fed`` and run ``steps`` greedy steps, each chosen token fed straight back
         (``paged.greedy_steps``, compiled or not), one host read at the end: the engine's decode
         burst on the draft's own cache. Writes ``fed`` and the first ``steps - 1`` chosen tokens."""
-        from pipeline.paged import greedy_steps, padded_table
+        from pipeline.paged import burst_state, run_burst
 
         start = self.cache.length
         self.cache.reserve(steps)
-        bs = self.pool.block_size
-        width = max(2, -(-(start + steps) // bs))  # >= 2: no size-1 specialisation when compiled
-        device = self.device
-        positions = torch.full((self.rows, 1), start, device=device)
-        state = (
-            torch.tensor([[fed]], device=device),
-            positions.unsqueeze(1) if self.rows > 1 else positions,
-            torch.tensor([start + 1], device=device),
-            torch.tensor([padded_table(self.cache.blocks, width)], device=device),
-        )
-        self.pool.prepare_write()
-        if self.compiled is not None:
-            chosen = self.compiled.greedy_steps(self.lm, self.pool, state, steps)
-        else:
-            chosen = greedy_steps(self.lm.model, self.pool, state, steps)
+        state = burst_state(self.pool, [fed], [[start]] * self.rows, [start], [self.cache.blocks], steps, self.device)
+        chosen = run_burst(self.lm, self.pool, state, steps, self.compiled)
         tokens = torch.cat(chosen).view(-1).tolist()
         self.cache.append([fed] + tokens[:-1])
         return tokens
@@ -217,7 +204,7 @@ class ModelDrafter:
                 self._steps(token, 1)
         return self._steps(new[-1], k)
 
-    def propose(self, ids: Sequence[int], k: int, sampler: Any, history: list[int]) -> tuple[list[int], torch.Tensor | None]:
+    def propose(self, ids: list[int], k: int, sampler: Any) -> tuple[list[int], torch.Tensor | None]:
         """``k`` drafted tokens and, when sampling, the draft's distribution of each [k, V]."""
         from pipeline.paged import OutOfBlocks
 
@@ -230,7 +217,7 @@ class ModelDrafter:
             drafts: list[int] = []
             qs: list[torch.Tensor] = []
             for i in range(k):  # sampling: each draft drawn from q, which the rejection rule needs
-                q = torch.softmax(sampler.filtered_logits(logits, [history + drafts]), dim=-1)[0]
+                q = torch.softmax(sampler.filtered_logits(logits, [ids + drafts]), dim=-1)[0]
                 token = int(sampler.draw(q))
                 qs.append(q)
                 drafts.append(token)

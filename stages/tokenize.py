@@ -99,7 +99,7 @@ class Tokenize:
                 )
         # Media at the model's rate / within its windows; later stages read the prepared request.
         hear = {"use_audio_in_video": True} if self.use_audio_in_video and req.videos else {}
-        if hear and not getattr(lm.family, "audio_in_video", False):
+        if hear and not lm.family.audio_in_video:
             raise UserError(f"media.use_audio_in_video: {lm.path} is a {lm.family.name} model: it cannot hear a "
                             "video's audio track (set media.use_audio_in_video=false)")
         req = ctx.request = lm.family.prepare(lm, req, long_audio=self.long_audio, **hear)

@@ -117,7 +117,7 @@ class KnowingDrafter:
     def __init__(self, answer: list[int], prompt_len: int) -> None:
         self.answer, self.prompt_len = answer, prompt_len
 
-    def propose(self, ids, k, sampler=None, history=None):
+    def propose(self, ids, k, sampler=None):
         done = len(ids) - self.prompt_len
         drafts = list(self.answer[done : done + k])
         if len(drafts) > 1:

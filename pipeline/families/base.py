@@ -52,6 +52,7 @@ class Family:
     # Rows of position_ids for text tokens (each row the plain position): what a draft model
     # reading the target's tokens as text feeds (``pipeline.speculative``).
     position_rows = 1
+    audio_in_video = False  # hears a video's own audio track (media.use_audio_in_video)
 
     def content(self, text: str, images: int, audios: int, kinds: Sequence[str] | None = None) -> Any:
         """One user message's content: a plain string for text models (their templates expect it).
