@@ -48,6 +48,8 @@ class CompiledStep:
         """Why this model cannot take the compiled step (None: it can)."""
         if self.broken:
             return self.broken
+        if getattr(lm, "recurrent", False):
+            return "linear-attention layers (recurrent states) decode eagerly"
         quantizer = getattr(lm.model, "hf_quantizer", None)
         if quantizer is not None and not getattr(quantizer, "is_compileable", False):
             return f"{lm.quant} quantised weights ({type(quantizer).__name__}) cannot be compiled"

@@ -49,6 +49,9 @@ class Context:
     text: str = ""
     finish_reason: str | None = None
     extras: dict = field(default_factory=dict)  # per-family or per-stage facts worth reporting
+    # Where the prompt's reply header starts (Tokenize, for models with recurrent states): the
+    # next chat turn shares the prompt at least up to here, so the state there is kept.
+    reply_start: int | None = None
 
 
 @dataclass

@@ -162,6 +162,11 @@ class Sequence:
             raise UserError(f"the prompt ({total} tokens) plus max_new_tokens ({req.max_new_tokens}) exceed the "
                             f"model's context of {context} tokens")
         ctx.cache.ensure_capacity(total + (0 if self.prefill_only else req.max_new_tokens - 1))
+        # Recurrent layers: keep the state where the next chat turn comes back to (the prompt's
+        # end, its reply header) and at the last block boundary a repeat of this prompt can
+        # reuse (the prefix cache serves other requests there; one token is always computed).
+        bs = ctx.cache.block_size
+        ctx.cache.checkpoint_at(total, (total - 1) // bs * bs, *([ctx.reply_start] if ctx.reply_start else []))
         family, m = ctx.lm.family, ctx.metrics
         if self.pending is None:  # not prefilled yet: keep what the cache (and the prefix cache) holds
             start = reused if reused is not None else ctx.cache.reuse(ctx.token_keys)
@@ -219,6 +224,7 @@ class Sequence:
         return Chunk(
             table=list(self.cache.blocks), start=begin, ids=self.ids[begin:end] + drafts, positions=positions,
             slots=slots, embeds=embeds[0, begin:mid] if embeds is not None and mid > begin else None,
+            state=self.cache.state_io,
             logits=(1 + len(drafts)) if end == self.known else 0, extras=extras,
         )
 
@@ -434,8 +440,11 @@ class Engine:
             self._cond.notify_all()
 
     def stats(self) -> dict:
-        """Engine figures: sequences, blocks, prefix-cache hit rate, preemptions, tokens in/out."""
+        """Engine figures: sequences, blocks (and recurrent-state slots), prefix-cache hit rate,
+        preemptions, tokens in/out."""
         pool = self.pool
+        states = {} if pool.states is None else {
+            "state_slots_free": pool.states.free_slots, "state_slots_total": pool.states.num_slots - 1}
         return {
             "running": len(self.running),
             "waiting": len(self.waiting) + len(self._inbox),
@@ -443,6 +452,7 @@ class Engine:
             "kv_blocks_free": pool.free_blocks,
             "kv_blocks_total": pool.num_blocks - 1,
             "prefix_cache_hit_rate": pool.hits / pool.lookups if pool.lookups else None,
+            **states,
             **self.counters,
             "busy_s": self.busy_s,
         }
@@ -477,7 +487,8 @@ class Engine:
         that prefill is done, then takes it from the prefix cache: requests that share a system
         prompt or an image, arriving together, compute it once.
         """
-        computing = {d for s in self.running if s.cache.length < s.prompt_len
+        # (Recurrent layers: a block is of use only with a state at its end, so nobody waits.)
+        computing = {d for s in self.running if s.cache.length < s.prompt_len and self.pool.states is None
                      for d in s.cache.future_digests(s.keys[: s.prompt_len])}
         for seq in list(self.waiting):
             if len(self.running) >= self.max_seqs:
@@ -499,8 +510,9 @@ class Engine:
             # Its prompt's blocks, plus headroom for the running ones to grow (else it is admitted
             # only to be preempted at the next block boundary).
             need = -(-(seq.known - seq.cache.length) // self.pool.block_size) + 1 + len(self.running) // 8
-            if self.running and self.pool.free_blocks < need:
-                return  # new requests wait for blocks to come back
+            states = self.pool.states
+            if self.running and (self.pool.free_blocks < need or (states is not None and states.free_slots < 2)):
+                return  # new requests wait for blocks (and state slots) to come back
             if not seq.started:
                 seq.started = True
                 m = seq.ctx.metrics
@@ -535,7 +547,7 @@ class Engine:
                 seq.ctx.metrics.add_span("draft", seq.draft(budget), 1)
             while True:
                 try:
-                    slots = seq.cache.reserve(end - begin + len(seq.drafts))
+                    slots = seq.cache.reserve(end - begin + len(seq.drafts), every_position=bool(seq.drafts))
                     break
                 except OutOfBlocks:
                     victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
@@ -560,7 +572,9 @@ class Engine:
         self.waiting.appendleft(seq)
         self.counters["preemptions"] += 1
         seq.ctx.metrics.count("preemptions")
-        if not self.running and self.pool.free_blocks == 0:
+        states = self.pool.states
+        if not self.running and (self.pool.free_blocks < -(-seq.known // self.pool.block_size)
+                                 or (states is not None and states.free_slots == 0)):
             self._fail(seq, UserError("the KV pool is full of blocks held by other caches: raise kv.memory"))
 
     def _run(self, plan: list[tuple[Sequence, Chunk]]) -> None:
@@ -612,8 +626,8 @@ class Engine:
         A burst needs a decode-only step of plain greedy sequences and nobody waiting to be
         admitted; it is as long as the sequence with the fewest tokens left allows.
         """
-        if self.burst < 2 or self.waiting or self._inbox:
-            return 1
+        if self.burst < 2 or self.waiting or self._inbox or self.pool.states is not None:
+            return 1  # (recurrent states are read and written per step, not inside a burst)
         steps = self.burst
         for seq, chunk in plan:
             decoding = chunk.count == 1 and chunk.start >= seq.prompt_len and seq.known - chunk.start == 1

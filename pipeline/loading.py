@@ -1,6 +1,8 @@
 """load_model: a hub id or a local save_pretrained directory, through transformers + accelerate."""
 from __future__ import annotations
 
+import functools
+
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -40,6 +42,14 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @functools.cached_property
+    def recurrent(self) -> bool:
+        """Has linear-attention layers (per-sequence recurrent states, ``pipeline.recurrent``):
+        such models decode step by step, eagerly, without speculation."""
+        from pipeline.recurrent import state_shape
+
+        return state_shape(self.config, torch.float32) is not None
 
     @property
     def weights_bytes(self) -> int:
@@ -288,6 +298,7 @@ def _quantization(quant: Any, config: Any, path: str, torch_dtype: Any, device_m
         tied_lm_head=_tied_lm_head(config),
         cpu_offload=explicit_offload and _has_accelerator(device_map),
         encoders=family.encoder_modules,
+        unquantised=family.unquantised_modules,
     )
 
 

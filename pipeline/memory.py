@@ -32,11 +32,14 @@ def layer_kinds(config: Any) -> list[str]:
     return _layers(config)[0]
 
 
+ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention"})  # layers that keep keys and values
+
+
 def uncacheable_layers(config: Any) -> set[str]:
-    """Layer kinds the paged KV pool cannot hold (linear attention's recurrent state, chunked
-    attention, convolutions, ...). Full and sliding-window attention it holds: it keeps every
-    position and the attention masks keys older than the window."""
-    return set(layer_kinds(config)) - {"full_attention", "sliding_attention"}
+    """Layer kinds the paged pool cannot hold (chunked attention, convolutions, ...). Full and
+    sliding-window attention it holds as KV blocks (every position kept, the attention masks keys
+    older than the window); linear attention as recurrent states (``pipeline.recurrent``)."""
+    return set(layer_kinds(config)) - ATTENTION_KINDS - {"linear_attention"}
 
 
 def sliding_window(config: Any) -> int | None:
@@ -66,11 +69,12 @@ def kv_bytes_per_layer(config: Any, tokens: int, dtype: torch.dtype) -> list[int
 
     Sliding-window layers count every position too: the paged pool keeps them all (a block is
     shared by every layer, and reuse, rollback and the prefix cache need the whole history), so
-    a sliding window saves no KV memory here.
+    a sliding window saves no KV memory here. Linear-attention layers keep none (their state is
+    per sequence, not per position: ``pipeline.recurrent``).
     """
-    layers, kv_heads, head_dim = kv_shape(config)
+    _, kv_heads, head_dim = kv_shape(config)
     size = torch.empty((), dtype=dtype).element_size()
-    return [2 * kv_heads * head_dim * tokens * size] * layers
+    return [2 * kv_heads * head_dim * tokens * size if kind in ATTENTION_KINDS else 0 for kind in layer_kinds(config)]
 
 
 def kv_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:

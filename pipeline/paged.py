@@ -37,12 +37,15 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from pipeline.errors import UserError
+from pipeline.recurrent import StateBatch, StateIO, StateSlots, attach_linear, build_state_batch, state_shape
 from pipeline.memory import (
+    ATTENTION_KINDS,
     cache_devices,
     fmt_bytes,
     free_bytes,
     kv_bytes,
     kv_shape,
+    layer_kinds,
     sliding_window,
     text_config,
     uncacheable_layers,
@@ -74,11 +77,14 @@ class BlockPool:
     threads and engines may share the pool).
     """
 
-    def __init__(self, config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device]) -> None:
+    def __init__(
+        self, config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device],
+        state_slots: int = 0, checkpoint_every: int | None = None, reserved_slots: int = 0,
+    ) -> None:
         other = uncacheable_layers(config)
         if other:
-            raise UserError(f"the paged KV cache handles full and sliding-window attention layers only; this model "
-                            f"also has {sorted(other)}")
+            raise UserError(f"the paged KV cache handles full, sliding-window and linear attention layers only; this "
+                            f"model also has {sorted(other)}")
         if getattr(text_config(config), "use_bidirectional_attention", False):
             raise UserError("this model attends both ways over all its text (an encoder or embedding model, e.g. "
                             "EmbeddingGemma): the paged KV cache decodes causal models only")
@@ -93,9 +99,16 @@ class BlockPool:
         # position for them as well; the attention masks keys older than the window.
         self.window = sliding_window(config)
         self.devices = list(devices)
-        # Per layer, keys and values as [slots, kv_heads, head_dim]; allocated before the first
-        # forward (prepare_write), on the layer's own device (accelerate may spread layers).
+        # Per attention layer, keys and values as [slots, kv_heads, head_dim]; allocated before the
+        # first forward (prepare_write), on the layer's own device (accelerate may spread layers).
+        # Linear-attention layers have none: their recurrent states live in ``states``.
+        self._attention = [kind in ATTENTION_KINDS for kind in layer_kinds(config)]
         self._kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.layers
+        self._allocated = False
+        shape = state_shape(config, dtype)
+        self.states = StateSlots(shape, state_slots, self.devices, reserved_slots) if shape is not None else None
+        # Recurrent states are checkpointed every this many tokens (a multiple of block_size).
+        self.checkpoint_every = checkpoint_every
         self.lock = threading.RLock()
         self.refs = [0] * self.num_blocks
         self._free = list(range(self.num_blocks - 1, NULL_BLOCK, -1))  # pop() gives low ids first
@@ -137,16 +150,18 @@ class BlockPool:
         as they are first used keeps a large pool free until it fills.
         """
         with self.lock:
-            if self._kv[0] is None:
+            if not self._allocated:
                 shape = (self.num_blocks * self.block_size, self.kv_heads, self.head_dim)
                 for layer, device in enumerate(self.devices or [torch.device("cpu")] * self.layers):
-                    self._kv[layer] = (torch.empty(shape, dtype=self.dtype, device=device),
-                                       torch.empty(shape, dtype=self.dtype, device=device))
+                    if self._attention[layer]:
+                        self._kv[layer] = (torch.empty(shape, dtype=self.dtype, device=device),
+                                           torch.empty(shape, dtype=self.dtype, device=device))
                 self._dirty = [NULL_BLOCK] + self._dirty
+                self._allocated = True
             if not self._dirty:
                 return
             blocks, self._dirty = self._dirty, []
-            for kv in self._kv:  # under the lock: no forward of another engine is writing them yet
+            for kv in filter(None, self._kv):  # under the lock: no forward of another engine is writing them yet
                 index = torch.tensor(blocks, device=kv[0].device)
                 for t in kv:
                     t.view(self.num_blocks, self.block_size, self.kv_heads, self.head_dim)[index] = 0
@@ -192,7 +207,7 @@ class BlockPool:
         """Copy on write: ``dst`` gets ``src``'s keys and values in every layer."""
         self.prepare_write()  # dst may be fresh: zero it first, so the copy is not zeroed later
         n = self.block_size
-        for kv in self._kv:
+        for kv in filter(None, self._kv):
             for t in kv:
                 t[dst * n : (dst + 1) * n] = t[src * n : (src + 1) * n]
 
@@ -222,6 +237,8 @@ class BlockPool:
         entry = self._cached.pop(block)
         if self._by_digest.get(entry.digest) == block:
             del self._by_digest[entry.digest]
+            if self.states is not None:
+                self.states.forget(entry.digest)
 
     def lookup(self, parent: int | None, keys: tuple) -> int | None:
         """The cached block holding ``keys`` after the chain ``parent`` (held for the caller), or None."""
@@ -237,6 +254,10 @@ class BlockPool:
             self.hold(block)
             return block
 
+    def is_cached(self, digest: int) -> bool:
+        """Whether a block with this chain hash is in the prefix cache now."""
+        return digest in self._by_digest
+
     def digest_of(self, block: int) -> int | None:
         entry = self._cached.get(block)
         return entry.digest if entry is not None else None
@@ -248,6 +269,8 @@ class BlockPool:
                 self._forget(block)
                 self._free.append(block)
             self._evictable.clear()
+            if self.states is not None:
+                self.states.clear_registry()
 
 
 def kv_memory_setting(value: Any) -> float | int | str:
@@ -261,16 +284,25 @@ def kv_memory_setting(value: Any) -> float | int | str:
     return value
 
 
-def pool_for(lm: Any, memory: float | int | str | None = None, block_size: int = 16) -> BlockPool:
+def pool_for(
+    lm: Any, memory: float | int | str | None = None, block_size: int = 16, checkpoint_every: int = 1024,
+    max_seqs: int = 8,
+) -> BlockPool:
     """A pool sized by ``memory`` (``kv_memory_setting``): bytes, a fraction of what is free now,
     or ``auto``: 80% of free CUDA memory, or on CPU 25% of available RAM up to 2 GiB (blocks are
     touched only as they are first used, so an unused part costs nothing). Free memory honours
     ``model.max_memory``; a pool that does not fit, or has no room for one block, is refused with
-    the numbers."""
+    the numbers.
+
+    A model with linear-attention layers also gets recurrent-state slots out of the same bytes
+    (``state_budget``): two per sequence in flight (``max_seqs``: its state and the one a forward
+    writes) plus one checkpoint per ``checkpoint_every`` tokens the blocks hold.
+    """
     from pipeline.errors import whole_number
 
     memory = kv_memory_setting(memory)
     block_size = whole_number("kv.block_size", block_size)
+    checkpoint_every = whole_number("kv.state_checkpoint_every", checkpoint_every)
     devices = cache_devices(lm)
     device = next((d for d in devices if d.type == "cuda"), devices[0] if devices else torch.device("cpu"))
     dtype = _kv_dtype(lm)
@@ -289,13 +321,36 @@ def pool_for(lm: Any, memory: float | int | str | None = None, block_size: int =
             raise UserError(
                 f"{asked} is more than the {fmt_bytes(free)} ({free:,} bytes) free on {device} ({source}): lower kv.memory"
             )
-    blocks = nbytes // block_bytes
+    shape = state_shape(lm.config, dtype)
+    if shape is None:
+        blocks, slots, reserved = nbytes // block_bytes, 0, 0
+    else:
+        if checkpoint_every % block_size:
+            raise UserError(f"kv.state_checkpoint_every ({checkpoint_every}) must be a multiple of kv.block_size "
+                            f"({block_size}): checkpoints at block boundaries serve the prefix cache")
+        blocks, slots, reserved = state_budget(nbytes, block_bytes, block_size, shape.slot_bytes, checkpoint_every, max_seqs)
     if blocks < 1:
+        states = f" after {slots} recurrent-state slots ({fmt_bytes(slots * shape.slot_bytes)})" if slots else ""
         raise UserError(
             f"{asked} gives {fmt_bytes(nbytes)}: not even one KV block of {block_size} tokens "
-            f"({block_bytes:,} bytes): raise kv.memory or model.max_memory"
+            f"({block_bytes:,} bytes){states}: raise kv.memory or model.max_memory"
         )
-    return BlockPool(lm.config, blocks + 1, block_size, dtype, devices)  # + the null block
+    return BlockPool(lm.config, blocks + 1, block_size, dtype, devices,  # + the null block
+                     state_slots=slots + 1 if slots else 0, checkpoint_every=checkpoint_every, reserved_slots=reserved)
+
+
+def state_budget(
+    nbytes: int, block_bytes: int, block_size: int, slot_bytes: int, checkpoint_every: int, max_seqs: int
+) -> tuple[int, int, int]:
+    """(KV blocks, state slots, slots reserved for live states) that fit in ``nbytes``: each
+    sequence in flight needs two slots; checkpoints get one slot per ``checkpoint_every`` tokens
+    of blocks, and at least two per sequence (its prompt's end and last block boundary)."""
+    live = 2 * max_seqs
+    per_token = block_bytes / block_size + slot_bytes / checkpoint_every
+    tokens = max(0, nbytes - (live + 2 * max_seqs) * slot_bytes) / per_token
+    checkpoints = max(2 * max_seqs, -(-int(tokens) // checkpoint_every))
+    blocks = int((nbytes - (live + checkpoints) * slot_bytes) // block_bytes)
+    return max(blocks, 0), live + checkpoints, live
 
 
 def _kv_dtype(lm: Any) -> torch.dtype:
@@ -326,6 +381,7 @@ class Chunk:
     positions: list[list[int]]
     slots: list[int]
     embeds: torch.Tensor | None = None
+    state: StateIO | None = None  # recurrent-state slots (models with linear-attention layers)
     logits: int = 1  # keep the logits of its last N tokens (1: next-token; 0: none; more: verifying drafts)
     extras: dict | None = None  # the family's per-token inputs for the prompt part (Family.chunk_extras)
 
@@ -361,6 +417,7 @@ class PagedBatch:
     pool: BlockPool
     slots: torch.Tensor  # [T] write slot of each packed token
     groups: list[Group]
+    states: StateBatch | None = None  # linear-attention layers' state slots (pipeline.recurrent)
 
 
 def padded_table(blocks: Sequence[int], width: int) -> list[int]:
@@ -460,7 +517,8 @@ def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device) 
         for members in (decode, prefill)
         if members
     ]
-    return PagedBatch(pool, slots, groups)
+    states = build_state_batch(pool.states, chunks, device) if pool.states is not None else None
+    return PagedBatch(pool, slots, groups, states)
 
 
 def paged_attention(
@@ -541,6 +599,7 @@ def attach(model: torch.nn.Module) -> None:
     if current != ATTENTION:
         text._mm_paged_original = current or "sdpa"
         text._attn_implementation = ATTENTION
+    attach_linear(model, state_shape(model.config, torch.float32))
     model.__dict__["_mm_paged_attached"] = True  # forward checks this, not the (slow) config
 
 

@@ -46,8 +46,8 @@ class Pipeline:
 
     Every run goes through one engine (``pipeline.engine``), so any number of threads may call
     ``run`` at once and each gets the answer it would get alone; the waiting threads take turns
-    stepping it. ``kv_memory`` / ``kv_block_size``
-    size the paged KV pool (``pipeline.paged.pool_for``); ``max_seqs`` / ``max_batch_tokens``
+    stepping it. ``kv_memory`` / ``kv_block_size`` (and, for models with linear-attention layers,
+    ``kv_state_checkpoint_every``) size the paged KV pool (``pipeline.paged.pool_for``); ``max_seqs`` / ``max_batch_tokens``
     bound the engine's batches; ``burst``: greedy decode steps run back to back (``Engine``).
     """
 
@@ -58,6 +58,7 @@ class Pipeline:
         *,
         kv_memory: float | int | str | None = None,
         kv_block_size: int = 16,
+        kv_state_checkpoint_every: int = 1024,
         max_seqs: int | None = None,
         max_batch_tokens: int = 2048,
         burst: int = 8,
@@ -66,6 +67,7 @@ class Pipeline:
         self.stages = dict(stages)
         self.kv_memory = kv_memory
         self.kv_block_size = kv_block_size
+        self.kv_state_checkpoint_every = kv_state_checkpoint_every
         self.max_seqs = max_seqs if max_seqs is not None else default_max_seqs(lm.device)
         self.max_batch_tokens = max_batch_tokens
         self.burst = burst
@@ -80,8 +82,9 @@ class Pipeline:
         """The model's KV pool for these settings: pipelines on one model with the same ``kv_memory``
         and ``kv_block_size`` share it, and so share its prefix cache."""
         if self._pool is None:
-            key = ("pool", self.kv_memory, self.kv_block_size)
-            self._pool = _shared(self.lm, key, lambda: pool_for(self.lm, self.kv_memory, self.kv_block_size))
+            key = ("pool", self.kv_memory, self.kv_block_size, self.kv_state_checkpoint_every, self.max_seqs)
+            self._pool = _shared(self.lm, key, lambda: pool_for(
+                self.lm, self.kv_memory, self.kv_block_size, self.kv_state_checkpoint_every, self.max_seqs))
         return self._pool
 
     @property
@@ -100,7 +103,7 @@ class Pipeline:
     def with_stages(self, stages: Mapping[str, Stage]) -> "Pipeline":
         """Another stage chain on the same model, pool and engine (e.g. prefill only, for scoring)."""
         other = Pipeline(self.lm, stages, kv_memory=self.kv_memory, kv_block_size=self.kv_block_size,
-                         max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens, burst=self.burst)
+                         kv_state_checkpoint_every=self.kv_state_checkpoint_every, max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens, burst=self.burst)
         other._pool, other._engine, other.warmup_s = self.pool, self.engine, self.warmup_s
         return other
 

@@ -33,6 +33,7 @@ def run_shared_prefix(
         return []
     cache = cache if cache is not None else pipe.new_cache()
     shared = shared_prefix_length(*keys) if keys is not None else common_prefix_length(pipe, requests)
+    cache.checkpoint_at(shared)  # recurrent layers: the state there is what every answer starts from
     results: list[Result] = []
     snapshot = None
     for i, request in enumerate(requests):

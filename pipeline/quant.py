@@ -93,13 +93,14 @@ def resolve_scheme(quant_cfg: Any, *, real_model: bool, device_map: Any = None, 
     return "nf4" if (real_model and on_gpu(device_map) and not prequantized) else "none"
 
 
-def skip_patterns(names: Any, *, keep_lm_head: bool = False) -> list[str]:
+def skip_patterns(names: Any, *, keep_lm_head: bool = False, always: Sequence[str] = ()) -> list[str]:
     """Module names -> patterns transformers matches at a module boundary anywhere in the path.
 
     transformers matches ``llm_int8_skip_modules`` from the start of the full module name
     (``model.visual.blocks.0...``), so a bare ``visual`` would never match; we anchor each
     name after any dotted prefix instead. Passing a list *replaces* transformers' own
-    default skips (the output embedding and tied weights), hence ``keep_lm_head``.
+    default skips (the output embedding and tied weights), hence ``keep_lm_head``;
+    ``always``: names added whatever ``names`` says (``Family.unquantised_modules``).
     """
     if names is None:
         names = []
@@ -114,6 +115,7 @@ def skip_patterns(names: Any, *, keep_lm_head: bool = False) -> list[str]:
             raise UserError(f"quant.skip_modules entry {n!r} is not a module name (like lm_head or model.visual)")
     if keep_lm_head and "lm_head" not in names:
         names.append("lm_head")
+    names.extend(always)
     return [rf"(?:.*\.)?{re.escape(n)}" for n in dict.fromkeys(names)]
 
 
@@ -136,6 +138,7 @@ def quantization_config(
     tied_lm_head: bool = False,
     cpu_offload: bool = False,
     encoders: Sequence[str] = (),
+    unquantised: Sequence[str] = (),
 ) -> Any:
     """A ``transformers.BitsAndBytesConfig`` for a resolved scheme (nf4, fp4 or int8).
 
@@ -145,6 +148,9 @@ def quantization_config(
     unquantised in the model dtype (bitsandbytes' documented way to offload).
     ``encoders``: the family's encoder modules (``Family.encoder_modules``), which a skip list
     left at null keeps unquantised along with lm_head.
+    ``unquantised``: the family's ``unquantised_modules``, kept unquantised whatever the skip
+    list says (layers bitsandbytes cannot pack, such as Gated DeltaNet's one-output-per-head
+    projections: its CPU 4-bit kernel needs out_features divisible by 32).
     """
     name = scheme_name(quant_cfg)
     if name in ("none", "auto"):
@@ -153,7 +159,8 @@ def quantization_config(
     from transformers import BitsAndBytesConfig
 
     names = _get(quant_cfg, "skip_modules", None)
-    skips = skip_patterns(["lm_head", *encoders] if names is None else names, keep_lm_head=tied_lm_head)
+    skips = skip_patterns(["lm_head", *encoders] if names is None else names, keep_lm_head=tied_lm_head,
+                          always=unquantised)
     if name == "int8":
         threshold = _get(quant_cfg, "threshold", 6.0)
         try:

@@ -65,6 +65,7 @@ class DecodeSettings:
 class KVSettings:
     memory: Any = "auto"  # bytes, "2GiB", a fraction of free memory, or auto
     block_size: int = 16
+    state_checkpoint_every: int = 1024
 
 
 @dataclass
@@ -203,6 +204,7 @@ def check(cfg: DictConfig) -> None:
     check_sampling(media.video_fps, media.video_max_frames, error=UserError,
                    names=("media.video_fps", "media.video_max_frames"))
     whole_number("kv.block_size", cfg.kv.block_size)
+    whole_number("kv.state_checkpoint_every", cfg.kv.state_checkpoint_every)
     from pipeline.paged import kv_memory_setting
 
     kv_memory_setting(plain(cfg.kv.memory))

@@ -46,6 +46,8 @@ class Speculative:
                  draft: Any = None, draft_memory: float | int | str | None = None, compile: bool = False,
                  compile_backend: str = "inductor") -> None:
         check_settings(method, num_draft, ngram_max, ngram_min, has_draft=draft is not None)
+        if draft is not None:
+            refuse_recurrent_draft(draft)
         self.method = method
         self.num_draft = int(num_draft)
         self.ngram_max, self.ngram_min = int(ngram_max), int(ngram_min)
@@ -80,6 +82,14 @@ class Speculative:
                 self._pool = pool_for(self.draft, self.draft_memory)
             return ModelDrafter(self.draft, self._pool, self.compiled)
         return None
+
+
+def refuse_recurrent_draft(draft: Any) -> None:
+    """A draft model drafts in decode bursts over its own cache, which recurrent states do not
+    support: a draft with linear-attention layers is refused in one line (as a target it works)."""
+    if getattr(draft, "recurrent", False):
+        raise UserError("decode.draft_model has linear-attention layers (recurrent states, e.g. Qwen3.5): a draft "
+                        "model must be an attention-only model; use decode.speculative=ngram or another draft")
 
 
 def check_settings(method: str, num_draft: Any, ngram_max: Any, ngram_min: Any, *, has_draft: bool) -> None:

@@ -119,4 +119,19 @@ class Tokenize:
         ctx.model_inputs = inputs
         ctx.extras["prompt_text"] = text
         ctx.token_keys = lm.family.token_keys(ctx)
+        if getattr(lm, "recurrent", False):
+            ctx.reply_start = _reply_start(template_owner, lm.tokenizer, messages, text, ctx.input_ids.shape[1], extra)
         return ctx
+
+
+def _reply_start(owner: Any, tokenizer: Any, messages: list[dict], text: str, length: int, extra: dict) -> int | None:
+    """The prompt position where the template's generation prompt (``<|im_start|>assistant\n``
+    and, with thinking off, an empty think block) begins. A template may render an earlier
+    answer differently from how it was generated (Qwen3.5 drops the empty think block), so the
+    next chat turn shares the prompt only up to about here: a model with recurrent states keeps
+    its state at this position (``KVCache.checkpoint_at``) instead of recomputing the turn."""
+    bare = owner.apply_chat_template(messages, add_generation_prompt=False, tokenize=False, **extra)
+    if not text.startswith(bare) or len(text) == len(bare):
+        return None
+    header = len(tokenizer(text[len(bare):], add_special_tokens=False)["input_ids"])
+    return length - header if 0 < header < length else None

@@ -3,17 +3,19 @@ layers are plain attention; anything else is refused in one line before its weig
 from __future__ import annotations
 
 import pytest
-from transformers import Llama4TextConfig
+from transformers import JambaConfig, Lfm2Config, Llama4TextConfig
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from conftest import run_cli
 
+SIZES = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+
 
 @pytest.mark.parametrize("make, arch, kind", [
-    (lambda: Qwen3_5TextConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
-     "Qwen3_5ForCausalLM", "linear_attention"),
-    (lambda: Llama4TextConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2),
-     "Llama4ForCausalLM", "chunked_attention"),
+    # transformers names Jamba's Mamba layers linear_attention, as it does Qwen3.5's Gated
+    # DeltaNet: only a family that knows the layer (qwen3.5) runs it, the generic text one never
+    (lambda: JambaConfig(**SIZES), "JambaForCausalLM", "linear_attention"),
+    (lambda: Llama4TextConfig(**SIZES), "Llama4ForCausalLM", "chunked_attention"),
 ])
 def test_unknown_architecture_with_other_layers_is_refused_in_one_line(tmp_path, make, arch, kind):
     config = make()
@@ -23,6 +25,22 @@ def test_unknown_architecture_with_other_layers_is_refused_in_one_line(tmp_path,
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert arch in lines[0] and kind in lines[0] and "qwen2-vl" in lines[0] and "qwen2-audio" in lines[0]
+
+
+def test_linear_attention_runs_only_through_the_family_that_declares_it():
+    """Qwen3.5's text config has Gated DeltaNet layers: its own family runs it, while the same
+    layers under a model type no family covers are refused before any weights load, as are
+    LFM2's convolution layers."""
+    from pipeline.errors import UserError
+    from pipeline.families import family_for_config
+
+    config = Qwen3_5TextConfig(**SIZES)
+    assert "linear_attention" in config.layer_types and family_for_config(config).name == "qwen3.5-text"
+    config.model_type = "not_a_known_type"
+    with pytest.raises(UserError, match="its linear_attention layers are not full or sliding-window attention"):
+        family_for_config(config)
+    with pytest.raises(UserError, match="^Lfm2ForCausalLM is not supported: its conv layers"):
+        family_for_config(Lfm2Config(**SIZES, full_attn_idxs=[1, 3], architectures=["Lfm2ForCausalLM"]))
 
 
 def test_unknown_architecture_with_plain_attention_runs_as_text(load_tiny):

@@ -24,9 +24,12 @@ MODEL_CLASSES = {
     "gemma3": tf.Gemma3ForConditionalGeneration,
     "qwen3-vl": tf.Qwen3VLForConditionalGeneration,
     "qwen2.5-omni": tf.Qwen2_5OmniThinkerForConditionalGeneration,
+    "qwen3.5": tf.Qwen3_5ForConditionalGeneration,
+    "qwen3.5-text": tf.Qwen3_5ForCausalLM,
 }
-TEXT = ("qwen3", "llama")
-VISION = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+TEXT = ("qwen3", "llama", "qwen3.5-text")
+VISION = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3.5")
+THINK_OFF = "<think>\n\n</think>\n\n"  # what Qwen3.5-0.8B's template adds unless thinking is asked for
 GEMMA = ("gemma3",)
 OMNI = ("qwen2.5-omni",)  # asked with audio here (images and video: tests/test_omni.py)
 
@@ -90,13 +93,16 @@ def test_loads_renders_and_generates(loaded, family):
     prompt, inputs = _inputs(family, proc)
     if family == "qwen3":
         assert prompt == "<|im_start|>user\nDescribe this.<|im_end|>\n<|im_start|>assistant\n"
+    elif family == "qwen3.5-text":
+        assert prompt == "<|im_start|>user\nDescribe this.<|im_end|>\n<|im_start|>assistant\n" + THINK_OFF
     elif family == "llama":
         assert prompt == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nDescribe this.<|eot_id|>"
                           "<|start_header_id|>assistant<|end_header_id|>\n\n")
     elif family in VISION:
-        system = "" if family == "qwen3-vl" else "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        system = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        system = "" if family in ("qwen3-vl", "qwen3.5") else system
         assert prompt == (f"{system}<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this."
-                          "<|im_end|>\n<|im_start|>assistant\n")
+                          "<|im_end|>\n<|im_start|>assistant\n" + (THINK_OFF if family == "qwen3.5" else ""))
         n_img = int(inputs["image_grid_thw"].prod()) // 4
         assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == n_img > 0
     elif family in GEMMA:
@@ -179,13 +185,14 @@ def test_chat_template_round_trips(built, family):
         assert proc.chat_template == tiny.CHAT_TEMPLATES[family]
         assert type(proc).__name__ == {"qwen2-vl": "Qwen2VLProcessor", "qwen2.5-vl": "Qwen2_5_VLProcessor",
                                        "qwen2-audio": "Qwen2AudioProcessor", "gemma3": "Gemma3Processor",
-                                       "qwen3-vl": "Qwen3VLProcessor", "qwen2.5-omni": "Qwen2_5OmniProcessor"}[family]
+                                       "qwen3-vl": "Qwen3VLProcessor", "qwen2.5-omni": "Qwen2_5OmniProcessor",
+                                       "qwen3.5": "Qwen3VLProcessor"}[family]
         if family in GEMMA:
             assert type(proc.image_processor).__name__ == "Gemma3ImageProcessor"
             assert proc.image_seq_length == tf.AutoConfig.from_pretrained(d).mm_tokens_per_image
         elif family in VISION:
             assert type(proc.image_processor).__name__ == "Qwen2VLImageProcessor"
-            video = "Qwen3VLVideoProcessor" if family == "qwen3-vl" else "Qwen2VLVideoProcessor"
+            video = "Qwen3VLVideoProcessor" if family in ("qwen3-vl", "qwen3.5") else "Qwen2VLVideoProcessor"
             assert type(proc.video_processor).__name__ == video
             assert proc.image_processor.size["longest_edge"] == tiny.MAX_PIXELS
         else:

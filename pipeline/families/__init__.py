@@ -27,12 +27,14 @@ def family_for_config(config: Any) -> Family:
     covers runs as a generic text model only when its layers are full or sliding-window
     attention (what the paged KV cache holds); anything else is refused in one line, before the
     weights load."""
-    from pipeline.memory import uncacheable_layers
+    from pipeline.memory import ATTENTION_KINDS, layer_kinds
 
     model_type = getattr(config, "model_type", "")
     families = registry()
     if model_type not in families:
-        other = uncacheable_layers(config)
+        # Not even linear attention: only the families that declare it (Qwen3.5's Gated DeltaNet)
+        # run it, and transformers names Mamba, lightning and other linear layers the same way.
+        other = set(layer_kinds(config)) - ATTENTION_KINDS
         if other:
             arch = ", ".join(getattr(config, "architectures", None) or [model_type or "this model"])
             known = ", ".join(sorted({cls.name for cls in families.values()}))

@@ -21,8 +21,10 @@ Adding a family (what ``qwen2_vl.py`` and ``qwen2_audio.py`` did):
 4. Tests: greedy equality with ``generate()`` for each modality it takes, nf4 included.
 
 Its layers must be full or sliding-window attention (the paged KV pool keeps every position
-for both; a sliding layer's attention masks keys older than its window): a model with other
-layers (linear attention, chunked attention, convolutions) is refused in one line.
+for both; a sliding layer's attention masks keys older than its window), or Gated DeltaNet
+linear attention as Qwen3.5 has it (recurrent states: ``pipeline.recurrent``), declared by a
+family of its own; a model with other layers (Mamba, chunked attention, convolutions) is
+refused in one line.
 """
 from __future__ import annotations
 
@@ -48,6 +50,9 @@ class Family:
     # boundary): kept unquantised by default, not counted in the bytes a decode step reads,
     # never mistaken for the decoder layers. The one place this list is written.
     encoder_modules: tuple[str, ...] = ()
+    # Module names (matched as encoder_modules are) that quantisation never touches, whatever
+    # quant.skip_modules says: layers bitsandbytes cannot pack (``pipeline.quant``).
+    unquantised_modules: tuple[str, ...] = ()
     uses_processor = False  # load AutoProcessor (media) rather than AutoTokenizer
     # Rows of position_ids for text tokens (each row the plain position): what a draft model
     # reading the target's tokens as text feeds (``pipeline.speculative``).

@@ -25,6 +25,9 @@ class _EngineCollector:
         for name, help_text in (("running", "sequences in flight"), ("waiting", "requests waiting for admission"),
                                 ("kv_blocks_used", "KV blocks held"), ("kv_blocks_free", "KV blocks free or evictable")):
             yield GaugeMetricFamily(f"mm_{name}", help_text, value=stats[name])
+        if "state_slots_free" in stats:  # models with linear-attention layers (recurrent states)
+            yield GaugeMetricFamily("mm_state_slots_free", "recurrent-state slots free or evictable",
+                                    value=stats["state_slots_free"])
         yield CounterMetricFamily("mm_prefix_cache_hits", "full blocks taken from the prefix cache", value=pool.hits)
         yield CounterMetricFamily("mm_prefix_cache_lookups", "prefix-cache lookups", value=pool.lookups)
         yield CounterMetricFamily("mm_preemptions", "sequences preempted (recomputed later)",
