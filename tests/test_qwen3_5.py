@@ -1,7 +1,7 @@
 """Qwen3.5 (Gated DeltaNet + gated full attention) through the paged engine answers exactly like
 ``generate()``: text, one and two images, the text-only model, chunked prefill through images,
 prefix-cache hits, batched requests, chat turns and /undo, nf4, and the command line (run, batch,
-serve, bench; speculative decoding refused in one line).
+serve, bench; n-gram speculative decoding, and a Qwen3.5 draft model refused in one line).
 
 Oracle: the model's own processor (or tokenizer) and chat template on the same messages, then
 ``generate(do_sample=False)``. The cache-level operations on recurrent states (rollback,

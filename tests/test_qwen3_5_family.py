@@ -72,6 +72,20 @@ def reference(lm, request: Request) -> dict:
 # --------------------------------------------------------------------------- the tiny builders
 
 
+def own_forward(lm, ids: torch.Tensor, ref: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own forward on the processor's inputs: its logits, and the embeddings it
+    handed its decoder (caught on the way in)."""
+    seen: dict = {}
+    hook = lm.model.model.language_model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.update(embeds=kwargs["inputs_embeds"].detach().clone()), with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            logits = lm.model(input_ids=ids, **ref).logits
+    finally:
+        hook.remove()
+    return logits, seen["embeds"]
+
+
 def test_tiny_builders_make_both_layer_kinds(tiny_dir):
     vl, text = (tf.AutoConfig.from_pretrained(tiny_dir(f)) for f in (VL, TEXT))
     assert (vl.model_type, vl.architectures, text.model_type, text.architectures) == (
@@ -118,15 +132,8 @@ def test_images_placeholders_embeddings_and_positions_are_the_models(load_tiny, 
     assert int((ids == lm.config.image_token_id).sum()) == int(grid.prod(-1).sum()) // 4 > 0
     assert ctx.metrics.counters["image_tokens"] == int(grid.prod(-1).sum()) // 4
     # the embeddings the family merged are the ones the model's own forward hands its decoder
-    seen: dict = {}
-    hook = lm.model.model.language_model.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.update(embeds=kwargs["inputs_embeds"].detach().clone()), with_kwargs=True)
-    try:
-        with torch.inference_mode():
-            own = lm.model(input_ids=ids, **ref).logits
-    finally:
-        hook.remove()
-    assert torch.equal(ctx.inputs_embeds, seen["embeds"])
+    own, embeds = own_forward(lm, ids, ref)
+    assert torch.equal(ctx.inputs_embeds, embeds)
     # positions: the text row, then get_rope_index's three rows (interleaved M-RoPE)
     positions = lm.family.prompt_positions(ctx, 0)
     rope, deltas = lm.model.model.get_rope_index(ids, mm_token_type_ids=ref["mm_token_type_ids"], image_grid_thw=grid)
@@ -173,15 +180,8 @@ def test_video_spans_and_positions_are_the_models(load_tiny, kinds):
     assert int(pads.sum()) == int(grid.prod()) // 4 == ctx.metrics.counters["video_tokens"]
     runs = int((pads[1:] & ~pads[:-1]).sum()) + 1
     assert runs == 3  # one run per temporal patch, timestamp text between them
-    seen: dict = {}
-    hook = lm.model.model.language_model.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.update(embeds=kwargs["inputs_embeds"].detach().clone()), with_kwargs=True)
-    try:
-        with torch.inference_mode():
-            own = lm.model(input_ids=ids, **ref).logits
-    finally:
-        hook.remove()
-    assert torch.equal(ctx.inputs_embeds, seen["embeds"])
+    own, embeds = own_forward(lm, ids, ref)
+    assert torch.equal(ctx.inputs_embeds, embeds)
     positions = lm.family.prompt_positions(ctx, 0)
     grids = {k: ref[k] for k in ("image_grid_thw", "video_grid_thw") if k in ref}
     rope, deltas = lm.model.model.get_rope_index(ids, mm_token_type_ids=ref["mm_token_type_ids"], **grids)

@@ -12,7 +12,7 @@ feature extractor).
 
 Layout: ``common`` (sizes, special/role tokens), ``tokenizer`` (``make_tokenizer``), one
 module per family (``qwen3``, ``llama``, ``qwen2_vl``, ``qwen2_5_vl``, ``qwen2_audio``, ``gemma3``,
-``qwen3_vl``, ``qwen2_5_omni``),
+``qwen3_vl``, ``qwen2_5_omni``, ``qwen3_5`` and its text-only ``qwen3_5_text``),
 ``registry`` (family -> module) and ``build`` (``build_tiny``, the cache, ``default_model_dir``).
 
 Public API: ``FAMILIES``, ``build_tiny``, ``make_tokenizer``, ``tiny_model_dir``,
