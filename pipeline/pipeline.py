@@ -82,7 +82,9 @@ class Pipeline:
         """The model's KV pool for these settings: pipelines on one model with the same ``kv_memory``
         and ``kv_block_size`` share it, and so share its prefix cache."""
         if self._pool is None:
-            key = ("pool", self.kv_memory, self.kv_block_size, self.kv_state_checkpoint_every, self.max_seqs)
+            key = ("pool", self.kv_memory, self.kv_block_size)
+            if getattr(self.lm, "recurrent", False):  # the state slots depend on these too
+                key += (self.kv_state_checkpoint_every, self.max_seqs)
             self._pool = _shared(self.lm, key, lambda: pool_for(
                 self.lm, self.kv_memory, self.kv_block_size, self.kv_state_checkpoint_every, self.max_seqs))
         return self._pool
