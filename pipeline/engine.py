@@ -758,7 +758,8 @@ class Engine:
             return
         if seq.release:
             ctx.cache.clear()
-        seq.handle._finish(value)
+        handle, seq.handle = seq.handle, None  # no cycle once done: dropping the handle frees the cache
+        handle._finish(value)
 
     def _fail(self, seq: Sequence, err: BaseException) -> None:
         self._remove(seq)
@@ -771,5 +772,6 @@ class Engine:
                 seq.ctx.cache.trim()
         except Exception:
             seq.ctx.cache.clear()
-        if seq.handle is not None:
-            seq.handle._finish(error=err)
+        handle, seq.handle = seq.handle, None
+        if handle is not None:
+            handle._finish(error=err)

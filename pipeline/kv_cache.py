@@ -312,6 +312,10 @@ class KVCache:
         self.blocks, self._digests, self.keys = blocks, digests, list(keys[: best * bs])
         self.slot = slot
         self.checkpoints[best * bs] = self.states.hold(slot)
+        for i, digest in enumerate(digests[:-1]):  # the registered states before it: for rollbacks
+            earlier = self.states.lookup(digest)
+            if earlier is not None:
+                self.checkpoints[(i + 1) * bs] = earlier
 
     def future_digests(self, keys: Sequence[Hashable], limit: int | None = None) -> list[int]:
         """Chain hashes of the full blocks of ``keys`` past what this cache holds in full blocks

@@ -174,9 +174,12 @@ def test_prefix_cache_across_requests_stops_at_a_registered_state(lm):
     ids = words(rng, lm, 21)
     run_ids(pipe, ids)  # its cache is released; block-boundary states stay registered
     other = ids[:19] + words(rng, lm, 3)
-    out, metrics = run_ids(pipe, other)
+    cache = pipe.new_cache()
+    out, metrics = run_ids(pipe, other, cache)
     assert out == oracle(lm, other)
     assert metrics["kv_reused_tokens"] == 16  # blocks up to 16 have a state (every 8); 20 is past the common 19
+    assert {8, 16} <= set(cache.checkpoints)  # the registered states it passed are its own checkpoints too
+    assert cache.rollback(12) == 8
 
 
 def test_fork_shares_states_and_each_branch_is_exact(lm):
@@ -298,3 +301,20 @@ def test_a_chat_turn_reuses_the_previous_prompt_up_to_its_reply_header(lm):
     second = chat.send("And then?")
     assert second.token_ids == oracle(lm, second.prompt_ids)
     assert second.metrics["kv_reused_tokens"] == header
+
+
+def test_a_finished_request_frees_its_states_when_dropped(lm):
+    """No reference cycle keeps a finished request's cache (and its state slots, which can be
+    large) alive until the garbage collector runs."""
+    pipe = make_pipe(lm)
+    states = pipe.pool.states
+    free = states.free_slots
+    gc.disable()
+    try:
+        ctx = pipe.run_ids(words(random.Random(11), lm, 20), Request(max_new_tokens=N, ignore_eos=True))
+        assert states.free_slots < free
+        del ctx
+        pipe.pool.clear_prefix_cache()
+        assert states.free_slots == free and pipe.pool.used_blocks == 0
+    finally:
+        gc.enable()
