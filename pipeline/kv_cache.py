@@ -343,17 +343,20 @@ class KVCache:
             return 0
         del self.keys[n:]
         del self._digests[n // self.block_size :]
-        self.trim()
+        self._drop_unrecorded()  # (a verification's per-draft states up to n stay until the next forward)
         return n
 
     def trim(self) -> None:
-        """Return blocks past the recorded keys (reserved for a forward that did not finish)."""
+        """Return blocks (and state slots) past the recorded keys, reserved for a forward that did
+        not finish, and the per-draft states of the last verification."""
+        self._drop_unrecorded()
+        self._release_passing()
+
+    def _drop_unrecorded(self) -> None:
         self._release_from(-(-self.length // self.block_size))
         if self.state_io is not None:
             self._drop_io(self.state_io)
             self.state_io = None
-        if self._passing:
-            self._release_passing()
 
     def _release_from(self, index: int) -> None:
         for block in self.blocks[index:]:
