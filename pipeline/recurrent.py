@@ -96,7 +96,11 @@ class StateSlots:
         self.lock = threading.RLock()
         self.refs = [0] * self.num_slots
         self._free = list(range(self.num_slots - 1, ZERO_SLOT, -1))
-        self._by_digest: OrderedDict[int, int] = OrderedDict()  # prefix-cache hash -> slot, LRU first
+        self._by_digest: dict[int, int] = {}  # prefix-cache hash -> registered slot
+        self._digest_of: dict[int, int] = {}  # registered slot -> its hash
+        # Registered checkpoints nobody but the registry holds, least recently used first (as
+        # BlockPool's evictable blocks): what ``allocate`` takes when no slot is free.
+        self._idle: OrderedDict[int, None] = OrderedDict()
         self._tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (conv, matrix) slabs
 
     @property
@@ -107,7 +111,7 @@ class StateSlots:
     def free_slots(self) -> int:
         """Slots that can be handed out now (free, or holding a checkpoint only the registry keeps)."""
         with self.lock:
-            return len(self._free) + sum(1 for s in self._by_digest.values() if self.refs[s] == 1)
+            return len(self._free) + len(self._idle)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s slabs: conv [slots, channels, kernel - 1], matrix [slots, heads, dk, dv]."""
@@ -130,10 +134,9 @@ class StateSlots:
             if optional and self.free_slots <= self.reserved:
                 raise OutOfSlots
             if not self._free:
-                victim = next((d for d, s in self._by_digest.items() if self.refs[s] == 1), None)
-                if victim is None:
+                if not self._idle:
                     raise OutOfSlots
-                self.release(self._by_digest.pop(victim))
+                self.forget(next(iter(self._idle)))
             slot = self._free.pop()
             self.refs[slot] = 1
             return slot
@@ -142,6 +145,8 @@ class StateSlots:
         if slot != ZERO_SLOT:
             with self.lock:
                 self.refs[slot] += 1
+                if self.refs[slot] == 2 and slot in self._digest_of:
+                    del self._idle[self._digest_of[slot]]
         return slot
 
     def release(self, slot: int) -> None:
@@ -151,21 +156,22 @@ class StateSlots:
             self.refs[slot] -= 1
             if self.refs[slot] == 0:
                 self._free.append(slot)
+            elif self.refs[slot] == 1 and slot in self._digest_of:
+                self._idle[self._digest_of[slot]] = None  # most recently used last
 
     def register(self, digest: int, slot: int) -> None:
         """Keep ``slot`` as the state after the prefix-cache block ``digest`` (for later requests)."""
         with self.lock:
-            if digest not in self._by_digest:
-                self._by_digest[digest] = self.hold(slot)
+            if digest in self._by_digest or slot in self._digest_of:
+                return
+            self.hold(slot)
+            self._by_digest[digest], self._digest_of[slot] = slot, digest
 
     def lookup(self, digest: int) -> int | None:
         """The registered state after block ``digest``, held for the caller; None if there is none."""
         with self.lock:
             slot = self._by_digest.get(digest)
-            if slot is None:
-                return None
-            self._by_digest.move_to_end(digest)
-            return self.hold(slot)
+            return None if slot is None else self.hold(slot)
 
     def has(self, digest: int) -> bool:
         return digest in self._by_digest
@@ -175,6 +181,8 @@ class StateSlots:
         with self.lock:
             slot = self._by_digest.pop(digest, None)
             if slot is not None:
+                del self._digest_of[slot]
+                self._idle.pop(digest, None)
                 self.release(slot)
 
     def clear_registry(self) -> None:

@@ -318,3 +318,25 @@ def test_a_finished_request_frees_its_states_when_dropped(lm):
         assert states.free_slots == free and pipe.pool.used_blocks == 0
     finally:
         gc.enable()
+
+
+def test_state_slots_evict_idle_checkpoints_least_recently_used_first(lm):
+    """When no slot is free, ``allocate`` takes a registered checkpoint nobody else holds, the one
+    idle longest; a held one is never taken, and optional checkpoints leave ``reserved`` alone."""
+    from pipeline.recurrent import OutOfSlots, StateSlots
+
+    slots = StateSlots(make_pipe(lm).pool.states.shape, num_slots=4, devices=[], reserved=1)
+    a, b, c = slots.allocate(), slots.allocate(), slots.allocate()
+    for digest, slot in ((10, a), (20, b), (30, c)):
+        slots.register(digest, slot)
+    slots.release(b)
+    slots.release(a)  # idle: b, then a
+    assert slots.free_slots == 2
+    assert slots.allocate() == b and not slots.has(20) and slots.has(10)  # b idle longest
+    assert slots.lookup(10) == a and slots.free_slots == 0  # held again: not evictable
+    with pytest.raises(OutOfSlots):
+        slots.allocate()
+    slots.release(a)
+    with pytest.raises(OutOfSlots):
+        slots.allocate(optional=True)  # the last evictable slot is reserved
+    assert slots.allocate() == a and not slots.has(10)
