@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:
 from pipeline import Pipeline, Request, load_model  # noqa: E402
 from pipeline.loading import LoadedModel  # noqa: E402
 from pipeline.memory import kv_bytes  # noqa: E402
-from pipeline.paged import detach  # noqa: E402
+from pipeline.runner import detach  # noqa: E402
 
 from archs import ARCHS, build_qwen2_vl_2b  # noqa: E402
 from stages import DecodeLoop, Prefill  # noqa: E402

@@ -1,7 +1,7 @@
 """mm-pipeline: multimodal LLM inference as composable, measurable stages."""
 from pipeline.context import Context, Request, Result
 from pipeline.errors import UserError
-from pipeline.kv_cache import KVCache, Snapshot
+from pipeline.kv import KVCache, Snapshot
 from pipeline.loading import LoadedModel, load_model
 from pipeline.metrics import Metrics
 from pipeline.pipeline import Pipeline

@@ -15,7 +15,9 @@ from omegaconf import DictConfig
 from pipeline.context import Request
 from pipeline.errors import UserError
 from pipeline.loading import LoadedModel, load_model
-from pipeline.pipeline import Pipeline
+from pipeline.kv import kv_memory_setting
+from pipeline.pipeline import Pipeline, check_stages
+from pipeline.spec import Speculative, check_same_tokenizer
 from pipeline.settings import plain as _plain
 
 
@@ -90,8 +92,6 @@ def check_draft_tokenizer(target: str, draft: str, trust_remote_code: bool = Fal
     from transformers import AutoTokenizer
 
     from pipeline.loading import _check_path, _load_error
-    from pipeline.speculative import check_same_tokenizer
-
     toks = []
     for name, path in (("model", target), ("decode.draft_model", draft)):
         _check_path(path)
@@ -106,8 +106,6 @@ def speculative_from_cfg(cfg: DictConfig, lm: LoadedModel, method: str | None = 
     """decode.speculative (or ``method``) as a ``Speculative``, None when off; a draft model is
     loaded here (once per model: bench compares methods on one), on the target's device, so
     drafts never cross devices."""
-    from pipeline.speculative import Speculative, check_same_tokenizer
-
     d = cfg.decode
     method = method or d.speculative
     if method == "none":
@@ -131,13 +129,12 @@ def stages_from_cfg(cfg: DictConfig) -> dict[str, Any]:
         except InstantiationException as err:
             cause = err.__cause__ or err
             raise UserError(f"stages.{name}: {' '.join(str(cause).split())[:300]}") from None
+    check_stages(stages)
     return stages
 
 
 def kv_memory(cfg: DictConfig) -> float | int | str:
-    """kv.memory checked before the model loads (``paged.kv_memory_setting``)."""
-    from pipeline.paged import kv_memory_setting
-
+    """kv.memory checked before the model loads (``kv.kv_memory_setting``)."""
     return kv_memory_setting(_plain(cfg.kv.memory))
 
 

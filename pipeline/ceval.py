@@ -28,7 +28,7 @@ import torch
 
 from pipeline.context import Context, Request
 from pipeline.errors import UserError, whole_number
-from pipeline.kv_cache import KVCache
+from pipeline.kv import KVCache
 from pipeline.pipeline import Pipeline
 
 LETTERS: tuple[str, ...] = ("A", "B", "C", "D")

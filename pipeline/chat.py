@@ -22,7 +22,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from pipeline.context import Request, Result
 from pipeline.errors import UserError
-from pipeline.kv_cache import KVCache
+from pipeline.kv import KVCache
 from pipeline.outputs import append_jsonl
 from pipeline.pipeline import Pipeline
 

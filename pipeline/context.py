@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipeline.kv_cache import KVCache
+from pipeline.kv import KVCache
 from pipeline.metrics import Metrics
 
 

@@ -16,3 +16,8 @@ def whole_number(name: str, value: Any, minimum: int = 1, error: type[Exception]
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise error(f"{name} must be an integer >= {minimum} (got {value!r})")
     return value
+
+
+class OutOfBlocks(Exception):
+    """The KV pool has no free or evictable block (or state slot) left: the scheduler preempts a
+    sequence or lets new ones wait. Never reaches a user."""

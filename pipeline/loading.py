@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 from pipeline import quant as q
 from pipeline.errors import UserError
 from pipeline.families import Family, family_for_config
+from pipeline.kv import state_shape
 from pipeline.memory import text_config
 
 
@@ -45,10 +46,8 @@ class LoadedModel:
 
     @functools.cached_property
     def recurrent(self) -> bool:
-        """Has linear-attention layers (per-sequence recurrent states, ``pipeline.recurrent``):
+        """Has linear-attention layers (per-sequence recurrent states, ``pipeline.kv.states``):
         such models decode step by step, eagerly, without speculation."""
-        from pipeline.recurrent import state_shape
-
         return state_shape(self.config, torch.float32) is not None
 
     @property

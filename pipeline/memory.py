@@ -38,7 +38,7 @@ ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention"})  # layers t
 def uncacheable_layers(config: Any) -> set[str]:
     """Layer kinds the paged pool cannot hold (chunked attention, convolutions, ...). Full and
     sliding-window attention it holds as KV blocks (every position kept, the attention masks keys
-    older than the window); linear attention as recurrent states (``pipeline.recurrent``)."""
+    older than the window); linear attention as recurrent states (``pipeline.kv.states``)."""
     return set(layer_kinds(config)) - ATTENTION_KINDS - {"linear_attention"}
 
 
@@ -70,7 +70,7 @@ def kv_bytes_per_layer(config: Any, tokens: int, dtype: torch.dtype) -> list[int
     Sliding-window layers count every position too: the paged pool keeps them all (a block is
     shared by every layer, and reuse, rollback and the prefix cache need the whole history), so
     a sliding window saves no KV memory here. Linear-attention layers keep none (their state is
-    per sequence, not per position: ``pipeline.recurrent``).
+    per sequence, not per position: ``pipeline.kv.states``).
     """
     _, kv_heads, head_dim = kv_shape(config)
     size = torch.empty((), dtype=dtype).element_size()

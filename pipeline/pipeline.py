@@ -9,14 +9,16 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequenc
 import torch
 
 from pipeline.context import Context, Request, Result
-from pipeline.engine import Engine, Handle, Sequence as EngineSequence, fork_sampler
-from pipeline.kv_cache import KVCache
+from pipeline.engine import Engine, Handle, Phases, Sequence as EngineSequence
+from pipeline.errors import UserError
+from pipeline.kv import BlockPool, KVCache, pool_for
 from pipeline.loading import LoadedModel
 from pipeline.metrics import Metrics, decode_weight_bytes, synchronize
-from pipeline.paged import BlockPool, pool_for
+from pipeline.runner import CompiledStep, ModelRunner, fork_sampler
 
 Stage = Callable[[Context], Any]
-ENGINE_STAGES = ("prefill", "decode")  # run by the engine, batched with other requests
+ENGINE_STAGES = {"prefill": "stages.Prefill", "decode": "stages.DecodeLoop"}  # run by the engine, through hooks
+MEDIA = {"images": "image", "videos": "video", "audios": "audio"}  # Request field -> the kind a stage encodes
 
 
 _SHARED_LOCK = threading.Lock()
@@ -31,6 +33,40 @@ def _shared(lm: LoadedModel, key: tuple, make: Callable[[], Any]) -> Any:
         return table[key]
 
 
+def shared_engine(lm: LoadedModel, pool: BlockPool, compiled: CompiledStep | None = None, *, max_seqs: int = 8,
+                  max_batch_tokens: int = 2048, burst: int = 8) -> Engine:
+    """The engine (and its model runner) for this model, pool, compiled step and limits: one per
+    combination, shared by every pipeline and hand-driven stage that asks for it."""
+    key = ("engine", id(pool), id(compiled), max_seqs, max_batch_tokens, burst)
+    return _shared(lm, key, lambda: Engine(ModelRunner(lm, pool, compiled), max_seqs=max_seqs,
+                                           max_batch_tokens=max_batch_tokens, burst=burst))
+
+
+def check_stages(stages: Mapping[str, Any]) -> None:
+    """Refuse, in one line, an engine phase the engine could not honour: ``prefill`` and
+    ``decode`` run batched through their hooks, so they must be the stages' own classes (or
+    subclasses that override hooks, not ``__call__``)."""
+    for name, base in ENGINE_STAGES.items():
+        stage = stages.get(name)
+        if stage is None:
+            continue
+        check = getattr(stage, "check_phase", None)
+        if check is None:
+            raise UserError(f"stages.{name}: {type(stage).__name__} is not a {base}: the engine runs {name} for many "
+                            f"requests at once through a {base}'s hooks; subclass {base} and override those")
+        check(name)
+
+
+def check_media(stages: Mapping[str, Any], request: Request) -> None:
+    """Refuse a request with media no stage encodes (e.g. ``stages.vision_encoder=null`` and an
+    image): its placeholders would reach the model unfilled."""
+    encoded = {kind for stage in stages.values() for kind in getattr(stage, "media_kinds", ())}
+    for field, kind in MEDIA.items():
+        if getattr(request, field) and kind not in encoded:
+            raise UserError(f"the request has {field} but no stage encodes a {kind} (is stages.vision_encoder or "
+                            f"stages.audio_encoder null?)")
+
+
 def default_max_seqs(device: torch.device | str) -> int:
     """Sequences in flight by default: 32 on a GPU, 8 on a CPU."""
     return 32 if torch.device(device).type == "cuda" else 8
@@ -40,14 +76,15 @@ class Pipeline:
     """An ordered, named chain of stages. Names become metric keys (``stages.<name>.seconds``).
 
     Stages before ``prefill`` (tokenize, the media encoders, your own) run once per request
-    when the engine admits it; ``prefill`` and ``decode`` are the engine's batched steps,
-    configured by those stage objects (chunk size, sampler); stages after ``decode`` run when
-    the request ends. A stage may define ``skip(ctx) -> bool``; skipped stages record nothing.
+    when the engine admits it; ``prefill`` and ``decode`` are engine phases, run batched with
+    other requests through their hooks (``Prefill.plan_chunk``; ``DecodeLoop.process_logits``,
+    ``on_token`` and its sampler; see ``stages``); stages after ``decode`` run when the request
+    ends. A stage may define ``skip(ctx) -> bool``; skipped stages record nothing.
 
     Every run goes through one engine (``pipeline.engine``), so any number of threads may call
     ``run`` at once and each gets the answer it would get alone; the waiting threads take turns
     stepping it. ``kv_memory`` / ``kv_block_size`` (and, for models with linear-attention layers,
-    ``kv_state_checkpoint_every``) size the paged KV pool (``pipeline.paged.pool_for``); ``max_seqs`` / ``max_batch_tokens``
+    ``kv_state_checkpoint_every``) size the paged KV pool (``pipeline.kv.pool_for``); ``max_seqs`` / ``max_batch_tokens``
     bound the engine's batches; ``burst``: greedy decode steps run back to back (``Engine``).
     """
 
@@ -65,6 +102,7 @@ class Pipeline:
     ) -> None:
         self.lm = lm
         self.stages = dict(stages)
+        check_stages(self.stages)
         self.kv_memory = kv_memory
         self.kv_block_size = kv_block_size
         self.kv_state_checkpoint_every = kv_state_checkpoint_every
@@ -93,13 +131,9 @@ class Pipeline:
     def engine(self) -> Engine:
         """The engine for this pool and these batch limits (shared like the pool)."""
         if self._engine is None:
-            pool = self.pool
             compiled = getattr(self.stages.get("decode"), "compiled", None)
-            key = ("engine", id(pool), self.max_seqs, self.max_batch_tokens, self.burst, id(compiled))
-            self._engine = _shared(self.lm, key, lambda: Engine(
-                self.lm, pool, max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens, burst=self.burst,
-                compiled=compiled,
-            ))
+            self._engine = shared_engine(self.lm, self.pool, compiled, max_seqs=self.max_seqs,
+                                         max_batch_tokens=self.max_batch_tokens, burst=self.burst)
         return self._engine
 
     def with_stages(self, stages: Mapping[str, Stage]) -> "Pipeline":
@@ -132,37 +166,35 @@ class Pipeline:
         """
         if cache is not None and cache.pool is not self.pool:
             raise ValueError("this KVCache belongs to another KV pool: make it with this pipeline's new_cache()")
+        if ids is None:
+            check_media(self.stages, request)
         ctx = self.context(request, cache, on_text)
-        front = self._front() if ids is None else {}
         if ids is not None:
             ctx.input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.engine.device)
             ctx.token_keys = list(ids)
-        names = list(self.stages)
-        after = {k: self.stages[k] for k in names[names.index("decode") + 1 :]} if "decode" in self.stages else {}
         decode = self.stages.get("decode")
-        prefill = self.stages.get("prefill")
-        from stages.sampler import Sampler  # stages import pipeline: imported here, not at the top
-
-        sampler = request.sampler or (getattr(decode, "sampler", None) if decode is not None else None)
-        seq = EngineSequence(
-            ctx,
-            sampler=fork_sampler(sampler if sampler is not None else Sampler()),
-            front=front,
-            after=after,
-            prefill_only=decode is None,
-            release=cache is None and result,
-            chunk_size=getattr(prefill, "chunk_size", None),
-            finalize=self.result if result else None,
-        )
-        if decode is not None and hasattr(decode, "attach"):
-            decode.attach(seq)  # speculative decoding: the sequence's own drafter
+        sampler = request.sampler or getattr(decode, "sampler", None)
+        seq = EngineSequence(ctx, sampler=fork_sampler(sampler), phases=self._phases(ids is None, result),
+                             prefill_only=decode is None, release=cache is None and result)
+        if decode is not None:
+            seq.spec = decode.drafting(seq.sampler)  # speculative decoding: the sequence's own drafter
         ctx.metrics.start()
         return self.engine.submit(seq)
 
-    def _front(self) -> dict[str, Stage]:
+    def _phases(self, front: bool, result: bool) -> Phases:
+        """Stages before the engine phases run at admission (``front``: not for raw ids), those
+        after ``decode`` once the request ends."""
         names = list(self.stages)
-        end = next((i for i, n in enumerate(names) if n in ENGINE_STAGES), len(names))
-        return {n: self.stages[n] for n in names[:end]}
+        first = next((i for i, n in enumerate(names) if n in ENGINE_STAGES), len(names))
+        last = names.index("decode") + 1 if "decode" in self.stages else len(names)
+        decode = self.stages.get("decode")
+        return Phases(
+            front={n: self.stages[n] for n in names[:first]} if front else {},
+            after={n: self.stages[n] for n in names[last:]},
+            prefill=self.stages.get("prefill"), decode=decode,
+            finalize=self.result if result else None,
+            processors=decode.logits_processors() if decode is not None else [],
+        )
 
     @staticmethod
     def wait(handle: Handle) -> Any:
@@ -171,7 +203,7 @@ class Pipeline:
             return handle.result()
         except KeyboardInterrupt:
             handle.cancel()
-            handle._engine.drive(handle.done)
+            handle.wait()
             raise
 
     def warmup(self, prompt_tokens: int = 16, new_tokens: int = 36) -> float:

@@ -5,7 +5,7 @@ from typing import Callable, Sequence
 
 from pipeline.context import Request, Result
 from pipeline.errors import UserError
-from pipeline.kv_cache import KVCache, shared_prefix_length
+from pipeline.kv import KVCache, shared_prefix_length
 from pipeline.pipeline import Pipeline
 
 

@@ -24,6 +24,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.errors import UserError, whole_number
+from pipeline.kv import kv_memory_setting
+from pipeline.spec import check_settings
 
 SCHEMA = "mm_pipeline_schema"
 
@@ -205,8 +207,6 @@ def check(cfg: DictConfig) -> None:
                    names=("media.video_fps", "media.video_max_frames"))
     whole_number("kv.block_size", cfg.kv.block_size)
     whole_number("kv.state_checkpoint_every", cfg.kv.state_checkpoint_every)
-    from pipeline.paged import kv_memory_setting
-
     kv_memory_setting(plain(cfg.kv.memory))
     for name in ("max_batch_tokens", "burst") + (("max_seqs",) if cfg.engine.max_seqs is not None else ()):
         whole_number(f"engine.{name}", cfg.engine[name])
@@ -215,8 +215,6 @@ def check(cfg: DictConfig) -> None:
     from pipeline.quant import SCHEMES, scheme_name
 
     scheme_name(plain(cfg.quant))
-    from pipeline.speculative import check_settings
-
     d = cfg.decode
     check_settings(d.speculative, d.num_draft, d.ngram_max, d.ngram_min, has_draft=bool(d.draft_model))
     if d.draft_quant not in SCHEMES:

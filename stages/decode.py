@@ -1,32 +1,44 @@
 """DecodeLoop: one token per step from the KV cache, the Sampler choosing each token.
 
-The loop itself is the engine's (``pipeline.engine``): a request run through ``Pipeline.run``
-decodes in a batch with whatever else is in flight; driven by hand on a prefilled context,
-this stage runs the same engine on a batch of one. Either way the host reads each token as it
-comes, so EOS, stop strings and streaming act at once.
+An engine phase: a request run through ``Pipeline.run`` decodes in a batch with whatever else is
+in flight, and the engine calls this stage's hooks for every sequence:
+
+- ``process_logits(logits, contexts) -> logits``: the per-sequence logits hook, called once per
+  step with the rows of every sequence of this stage ([n, V], one Context each);
+- ``on_token(ctx, token_id) -> bool``: sees each new token; True stops the sequence
+  (``finish_reason`` "stop");
+- ``sampler``: each sequence draws with its own copy (a ``Sampler`` subclass is called on its
+  rows; only the built-in greedy sampler is argmaxed with other rows directly).
+
+Override hooks in a subclass (``stages.decode._target_=my_pkg.MyDecode``); a subclass that
+overrides ``__call__`` instead is refused before the model loads (the engine never calls it).
+Driven by hand on a prefilled context, this stage runs the model's shared engine on a batch
+of one. Either way the host reads each token as it comes, so EOS, stop strings and streaming
+act at once.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from pipeline.context import Context
+from pipeline.engine import Drafting, Phases, Sequence, TextStream
 from pipeline.errors import UserError
-from pipeline.compiled import CompiledStep, FastPathFallback
-from pipeline.engine import Sequence, TextStream, fork_sampler
-from pipeline.speculative import Speculative
+from pipeline.pipeline import shared_engine
+from pipeline.runner import CompiledStep, FastPathFallback, fork_sampler
+from pipeline.spec import Speculative
+from stages.sampler import Sampler
 
 __all__ = ["DecodeLoop", "Speculative", "FastPathFallback", "TextStream"]  # the last two: importable from here since 0.1
-from stages.sampler import Sampler
 
 
 class DecodeLoop:
-    """Samples the first token from prefill's logits, then decodes until EOS, a stop string
-    or ``max_new_tokens``. Text streams through ``ctx.on_text`` when set.
+    """Samples the first token from prefill's logits, then decodes until EOS, a stop string,
+    ``on_token`` or ``max_new_tokens``. Text streams through ``ctx.on_text`` when set.
 
     ``sampler``: the settings every request starts from (each request draws with its own copy,
-    seeded afresh). ``compile``: decode steps run the compiled forward (``pipeline.compiled``);
+    seeded afresh). ``compile``: decode steps run the compiled forward (``pipeline.runner.compiled``);
     ``compile_backend`` (``inductor``, or e.g. ``aot_eager`` to check graph capture without code
     generation) and ``compile_mode`` go to ``torch.compile``. ``speculative``: a ``Speculative``
     (n-gram lookup or a draft model) whose drafts every decode step verifies: same tokens, fewer
@@ -48,25 +60,50 @@ class DecodeLoop:
             raise TypeError(f"speculative must be a stages.Speculative, got {type(speculative).__name__}")
         self.speculative = speculative if speculative is not None and speculative.enabled else None
 
-    def attach(self, seq: Sequence) -> Sequence:
-        """Give a sequence its own drafter when this stage decodes speculatively."""
-        if self.speculative is not None:
-            if not isinstance(seq.sampler, Sampler):  # verification needs its filters and random draws
-                raise UserError(f"speculative decoding needs a stages.Sampler (got {type(seq.sampler).__name__}): "
-                                "set decode.speculative=none to use another sampler")
-            seq.spec = self.speculative.drafter()
-            seq.num_draft = self.speculative.num_draft
-        return seq
+    # --- hooks the engine calls -----------------------------------------------------------------
+    def process_logits(self, logits: torch.Tensor, contexts: list[Context]) -> torch.Tensor:
+        """Hook: this step's next-token logits [n, V] (float32) of this stage's sequences, one
+        Context each; return them processed (same shape). The base class leaves them alone and
+        is never called."""
+        return logits
 
+    def on_token(self, ctx: Context, token_id: int) -> bool:
+        """Hook: ``token_id`` was just appended to ``ctx.generated`` (and streamed); return True
+        to stop the sequence here."""
+        return False
+
+    def logits_processors(self) -> list:
+        """The processors the engine runs on this stage's rows: ``process_logits`` if overridden."""
+        return [self.process_logits] if type(self).process_logits is not DecodeLoop.process_logits else []
+
+    def drafting(self, sampler: Any) -> Drafting | None:
+        """A sequence's own drafter when this stage decodes speculatively (None otherwise)."""
+        if self.speculative is None:
+            return None
+        if not isinstance(sampler, Sampler):  # verification needs its filters and random draws
+            raise UserError(f"speculative decoding needs a stages.Sampler (got {type(sampler).__name__}): "
+                            "set decode.speculative=none to use another sampler")
+        return Drafting(self.speculative.drafter(), self.speculative.num_draft)
+
+    def check_phase(self, name: str) -> None:
+        """Refuse a subclass the engine cannot honour (called before the model loads)."""
+        if type(self).__call__ is not DecodeLoop.__call__:
+            raise UserError(f"stages.{name}: {type(self).__name__} overrides __call__, which the engine never calls "
+                            "(it decodes many requests at once): override process_logits or on_token instead")
+        if self.speculative is not None and self.logits_processors():
+            raise UserError(f"stages.{name}: {type(self).__name__} overrides process_logits, which speculative "
+                            "decoding cannot apply to drafted positions: set decode.speculative=none")
+
+    # --- by hand ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def __call__(self, ctx: Context) -> Context:
-        from pipeline.engine import Engine
-
         if ctx.request.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1 (got {ctx.request.max_new_tokens})")
         if ctx.logits is None:
             raise ValueError("DecodeLoop needs prefill logits: run Prefill on this context first")
-        seq = self.attach(Sequence(ctx, fork_sampler(self.sampler)))
+        sampler = fork_sampler(self.sampler)
+        seq = Sequence(ctx, sampler, Phases(decode=self, processors=self.logits_processors()),
+                       spec=self.drafting(sampler))
         seq.pending = ctx.logits
-        Engine(ctx.lm, ctx.cache.pool, max_seqs=1, max_batch_tokens=1 << 30, compiled=self.compiled).run([seq])
+        shared_engine(ctx.lm, ctx.cache.pool, self.compiled).run([seq])
         return ctx

@@ -19,6 +19,8 @@ from torch import Tensor
 
 __all__ = ["Sampler"]
 
+_CHOICE_METHODS = ("__call__", "filtered_logits", "_process", "_repetition_penalty")
+
 
 def _number(name: str, value: object, rule: str) -> float:
     """Coerce a config value to float, or say which setting is wrong and what is allowed."""
@@ -72,6 +74,16 @@ class Sampler:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def argmax_only(self) -> bool:
+        """Choosing is a plain argmax: greedy, no penalty, and no method of the choice
+        overridden. The engine then argmaxes such rows together with other requests' (and
+        inside decode bursts) instead of calling the sampler; a subclass that changes how tokens
+        are chosen is always called on its rows."""
+        cls = type(self)
+        return (self.greedy and self.repetition_penalty == 1.0
+                and all(getattr(cls, name) is getattr(Sampler, name) for name in _CHOICE_METHODS))
 
     def __repr__(self) -> str:
         return (

@@ -27,6 +27,8 @@ class VisionEncoder:
     the source they were sampled from).
     """
 
+    media_kinds = ("image", "video")  # what it encodes: a request with these needs it (Pipeline.check_media)
+
     def skip(self, ctx: Context) -> bool:
         """Nothing to do for a prompt without images or videos (text-only models always skip)."""
         return not (ctx.request.images or ctx.request.videos)

@@ -49,7 +49,7 @@ def load_tiny(tiny_dir):
 def fresh_prefix_cache(load_tiny):
     """Each test starts as a new process would: no prefix-cache blocks left by earlier tests
     (blocks still held by live caches stay), so its ``kv_reused_tokens`` are its own."""
-    from pipeline.paged import BlockPool
+    from pipeline.kv import BlockPool
 
     for lm in load_tiny.loaded.values():
         for obj in lm.__dict__.get("_mm_shared", {}).values():

@@ -15,7 +15,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from PIL import Image
 
-import pipeline.engine as engine_module
+import pipeline.runner.model_runner as engine_module
 from conftest import ROOT, generate_oracle
 from pipeline import Pipeline, Request, load_model
 from pipeline.chat import ChatSession

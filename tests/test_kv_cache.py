@@ -187,7 +187,7 @@ def test_prefix_cache_outlives_the_request_until_the_pool_needs_its_blocks(lm):
 def test_uninitialised_pool_memory_never_reaches_the_answer(lm, prompt, monkeypatch):
     """Masked-out slots still enter the attention product, and NaN * 0 is NaN: blocks must be
     zeroed before first use. Here the pool's memory starts out as NaN."""
-    import pipeline.paged as paged
+    import pipeline.kv.pool as paged
 
     class NaNTorch:
         def __getattr__(self, name):

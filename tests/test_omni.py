@@ -28,7 +28,7 @@ from pipeline.chat import ChatSession
 from pipeline.context import Context
 from pipeline.families.qwen2_vl import Qwen2VLFamily
 from pipeline.media import load_audio, load_image, load_video, split_audio
-from pipeline.paged import BlockPool
+from pipeline.kv import BlockPool
 from stages import AudioEncoder, DecodeLoop, Prefill, Tokenize, VisionEncoder
 from test_engine import submit_staggered
 from test_quant import linears

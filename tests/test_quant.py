@@ -195,7 +195,7 @@ def test_kv_pool_is_sized_from_the_memory_budget_and_long_requests_are_refused(t
 
 
 def test_kv_pool_uses_the_free_memory_of_the_device(load_tiny, monkeypatch):
-    import pipeline.paged as paged
+    import pipeline.kv.sizing as paged
 
     lm = load_tiny("qwen3")
     block = kv_bytes(lm.config, 16, torch.float32)

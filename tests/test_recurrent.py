@@ -226,7 +226,7 @@ def test_kv_cache_bytes_count_the_states(lm):
 
 
 def test_pool_size_counts_the_states(lm):
-    from pipeline.paged import pool_for
+    from pipeline.kv import pool_for
 
     small = make_pipe(lm).pool.states.slot_bytes
     pool = pool_for(lm, 64 * small, BLOCK, checkpoint_every=EVERY, max_seqs=2)
@@ -323,7 +323,7 @@ def test_a_finished_request_frees_its_states_when_dropped(lm):
 def test_state_slots_evict_idle_checkpoints_least_recently_used_first(lm):
     """When no slot is free, ``allocate`` takes a registered checkpoint nobody else holds, the one
     idle longest; a held one is never taken, and optional checkpoints leave ``reserved`` alone."""
-    from pipeline.recurrent import OutOfSlots, StateSlots
+    from pipeline.kv import OutOfSlots, StateSlots
 
     slots = StateSlots(make_pipe(lm).pool.states.shape, num_slots=4, devices=[], reserved=1)
     a, b, c = slots.allocate(), slots.allocate(), slots.allocate()

@@ -20,7 +20,7 @@ from PIL import Image
 from conftest import generate_oracle, run_cli
 from pipeline import Pipeline, Request, UserError, load_model
 from pipeline.chat import ChatSession
-from pipeline.speculative import NgramDrafter, Speculative, check_same_tokenizer, check_settings, verify
+from pipeline.spec import NgramDrafter, Speculative, check_same_tokenizer, check_settings, verify
 from stages import AudioEncoder, DecodeLoop, Prefill, Sampler, Tokenize, VisionEncoder
 
 N = 24

@@ -22,7 +22,7 @@ Adding a family (what ``qwen2_vl.py`` and ``qwen2_audio.py`` did):
 
 Its layers must be full or sliding-window attention (the paged KV pool keeps every position
 for both; a sliding layer's attention masks keys older than its window), or Gated DeltaNet
-linear attention as Qwen3.5 has it (recurrent states: ``pipeline.recurrent``), declared by a
+linear attention as Qwen3.5 has it (recurrent states: ``pipeline.kv.states``), declared by a
 family of its own; a model with other layers (Mamba, chunked attention, convolutions) is
 refused in one line.
 """
@@ -55,7 +55,7 @@ class Family:
     unquantised_modules: tuple[str, ...] = ()
     uses_processor = False  # load AutoProcessor (media) rather than AutoTokenizer
     # Rows of position_ids for text tokens (each row the plain position): what a draft model
-    # reading the target's tokens as text feeds (``pipeline.speculative``).
+    # reading the target's tokens as text feeds (``pipeline.spec``).
     position_rows = 1
     audio_in_video = False  # hears a video's own audio track (media.use_audio_in_video)
 

@@ -11,7 +11,7 @@ What is particular to it:
   input (no ``chunk_extras``, no ``lm_inputs``);
 - the decoder's layers are Gated DeltaNet (``linear_attention``, a recurrent state per sequence)
   and gated full attention, three to one in the published checkpoints: what the KV cache must
-  hold for them is the cache's business (``pipeline.recurrent``), not this file's;
+  hold for them is the cache's business (``pipeline.kv.states``), not this file's;
 - the small checkpoints' template does not think unless asked (``thinking=true``).
 
 ``Qwen3_5TextFamily`` runs the text-only ``Qwen3_5ForCausalLM`` (``qwen3_5_text``) with plain

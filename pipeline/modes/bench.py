@@ -38,6 +38,7 @@ from pipeline.loading import LoadedModel
 from pipeline.metrics import synchronize
 from pipeline.outputs import run_dir, save_figure, write_csv, write_json, write_text
 from pipeline.pipeline import Pipeline
+from pipeline.spec import METHODS, Speculative
 from stages import DecodeLoop, Prefill, Sampler
 
 FIGURES: tuple[str, ...] = ("pp_tok_s", "tg_tok_s", "pptg_tok_s", "ttft_s")
@@ -99,8 +100,6 @@ def settings_from_cfg(cfg: DictConfig) -> BenchSettings:
 
 def _methods(value: Any, has_draft: bool) -> tuple[str, ...]:
     """bench.speculative: the decode.speculative values to compare, row by row."""
-    from pipeline.speculative import METHODS
-
     if isinstance(value, (ListConfig, DictConfig)):
         value = OmegaConf.to_container(value, resolve=True)
     items = value if isinstance(value, (list, tuple)) else [value]
@@ -285,8 +284,6 @@ def run_grid(pipe: Pipeline, settings: BenchSettings, on_run: Callable[[], None]
     check_fits(pipe, settings)
     lm = pipe.lm
     if speculative is None:
-        from pipeline.speculative import Speculative
-
         speculative = {m: Speculative(m) if m != "none" else None for m in settings.speculative}
     decode = pipe.stages["decode"]
     configured = decode.speculative

@@ -2,7 +2,7 @@
 
     python -m pipeline.tiny.train_copy [--out DIR] [--only target|draft] [--threads N]
 
-Why: speculative decoding (``pipeline.speculative``) only pays where drafts are right. Random-weight
+Why: speculative decoding (``pipeline.spec``) only pays where drafts are right. Random-weight
 tiny models never repeat their prompt, so there prompt lookup only loses; these two models
 answer by copying, as summarisers and editors do, so the benchmark (``benchmarks/speculative.py``)
 can show what lookup and a draft model gain, and what they cost where nothing can be looked up.

@@ -21,7 +21,9 @@ from typing import Any, Sequence
 
 import torch
 
-from pipeline.paged import BlockPool, Chunk, forward, greedy_step, greedy_steps, run_model
+from pipeline.kv import BlockPool
+from pipeline.runner.batch import Chunk
+from pipeline.runner.forward import forward, greedy_step, greedy_steps, run_model
 
 
 class FastPathFallback(UserWarning):

@@ -3,7 +3,7 @@
 Per cached position it keeps a hashable key: the token id, or for media placeholders
 ``(token_id, content_hash, index)``, so that two different images with the same number of
 placeholder tokens can never match. Its operations are block operations on the shared pool
-(``pipeline.paged.BlockPool``):
+(``pipeline.kv.pool.BlockPool``):
 
 - ``reuse(keys)``: keep the longest prefix it already holds, then attach full blocks other
   requests left in the pool's prefix cache; Prefill computes only the rest.
@@ -16,7 +16,7 @@ Blocks are reserved (``reserve``) before a forward writes them and recorded (``a
 has; full blocks then enter the prefix cache. Dropping a KVCache returns its blocks.
 
 **Linear-attention layers** (Qwen3.5) keep a recurrent state per sequence, not per position
-(``pipeline.recurrent``): the cache holds the state at its length (``slot``) and **checkpoints**,
+(``pipeline.kv.states``): the cache holds the state at its length (``slot``) and **checkpoints**,
 states at earlier positions: every ``kv.state_checkpoint_every`` tokens, each prompt's end, its
 reply header and last block boundary, and positions asked for with ``checkpoint_at`` (a shared
 prefix's end) or by ``snapshot``. Going back in time (``rollback``, ``restore``, ``reuse`` of a shorter
@@ -32,8 +32,9 @@ from typing import Any, Hashable, Sequence
 
 
 from pipeline.errors import UserError
-from pipeline.paged import BlockPool, OutOfBlocks
-from pipeline.recurrent import ZERO_SLOT, OutOfSlots, StateIO
+from pipeline.errors import OutOfBlocks
+from pipeline.kv.pool import BlockPool
+from pipeline.kv.states import ZERO_SLOT, OutOfSlots, StateIO
 
 
 def shared_prefix_length(*sequences: Sequence[Hashable]) -> int:

@@ -1,0 +1,384 @@
+"""The engine loop: many requests in flight over one paged KV pool (continuous batching).
+
+    handle = engine.submit(seq)        # from any thread (Pipeline.submit builds the sequence)
+    for token_id in handle: ...        # tokens as they come
+    result = handle.result()           # or handle.cancel()
+
+A step is intake (new and cancelled requests), schedule (``Scheduler``: which sequences feed
+which tokens), run (``ModelRunner``: one packed forward, or a greedy decode burst), post-process
+(each sequence's logits processors, its sampler or the draft verification, stop checks) and
+finish. A single request is a batch of one through the same code.
+
+**Who drives.** There is no engine thread: whoever waits for a result drives the steps
+(``drive``; ``Handle.result`` and iteration call it). One thread steps at a time; the others
+wait and take over between steps. So a single caller (the CLI, a batch, a benchmark) does all
+tensor work on its own thread, as a plain loop would, and several threads share the steps.
+The server is one such caller: its driver thread (``pipeline.serve.app``) drives while any
+request is in flight. (A dedicated engine thread would hand every step to another OS thread,
+whose CPU thread pool then competes with the caller's for the same cores: measured 3-4x
+slower decode.)
+
+Errors: a request's own bad input fails that request alone (its handle raises); a failed
+forward fails the sequences in that step and the engine goes on with the rest.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Sequence as Seq
+
+import torch
+
+from pipeline.engine.handle import Cancelled, Handle
+from pipeline.engine.intake import make_chunk, prepare
+from pipeline.engine.scheduler import Scheduled, Scheduler
+from pipeline.engine.sequence import Sequence, Status
+from pipeline.errors import OutOfBlocks, whole_number
+from pipeline.runner import ModelRunner, StepOutput, apply_processors, argmax_only, choose
+from pipeline.spec import draft_budget, verify
+
+
+class Engine:
+    """Scheduler + model runner + the step. ``max_seqs``: sequences in flight;
+    ``max_batch_tokens``: tokens per forward (decode tokens first, prefill chunks fill the rest);
+    ``burst``: greedy decode steps run back to back when nobody waits (1: every step reads its
+    tokens)."""
+
+    def __init__(self, runner: ModelRunner, *, max_seqs: int = 8, max_batch_tokens: int = 2048, burst: int = 8) -> None:
+        self.runner = runner
+        self.scheduler = Scheduler(runner.pool, max_seqs, max_batch_tokens)
+        self.burst = whole_number("engine.burst", burst)
+        self._inbox: list[Sequence] = []
+        self._cond = threading.Condition()
+        self._driving = False  # a thread is inside step()
+        self.counters = {"steps": 0, "tokens_in": 0, "tokens_out": 0, "preemptions": 0, "requests": 0,
+                         "kv_blocks_peak": 0}
+        self.busy_s = 0.0
+
+    @property
+    def pool(self) -> Any:
+        return self.runner.pool
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    # --- submitting and driving ---------------------------------------------------------------
+    def submit(self, seq: Sequence) -> Handle:
+        """Queue a sequence (from any thread); returns its handle at once."""
+        handle = Handle(self, seq)
+        seq.handle = handle
+        with self._cond:
+            self._inbox.append(seq)
+            self.counters["requests"] += 1
+            self._cond.notify_all()
+        return handle
+
+    def drive(self, until: Callable[[], bool], timeout: float | None = None) -> None:
+        """Run engine steps on the calling thread until ``until()`` holds (or ``timeout`` passes);
+        while another thread is stepping, wait for it (see the module docstring)."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        with torch.inference_mode():
+            while not until():
+                if deadline is not None and time.perf_counter() >= deadline:
+                    return
+                if self._take_turn():
+                    try:
+                        self.step()
+                    finally:
+                        with self._cond:
+                            self._driving = False
+                            self._cond.notify_all()
+
+    def _take_turn(self) -> bool:
+        with self._cond:
+            if self._driving or not (self._inbox or self.scheduler.has_work()):
+                self._cond.wait(0.05)  # another thread is stepping, or our work was done by one
+                return False
+            self._driving = True
+            return True
+
+    def run(self, seqs: Seq[Sequence]) -> None:
+        """Run sequences to the end on the calling thread."""
+        handles = [self.submit(seq) for seq in seqs]
+        self.drive(lambda: all(h.done() for h in handles))
+        for handle in handles:
+            handle.result()  # raise the first error
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def stats(self) -> dict:
+        """Engine figures: sequences, blocks (and recurrent-state slots), prefix-cache hit rate,
+        preemptions, tokens in/out."""
+        pool, sched = self.pool, self.scheduler
+        states = {} if pool.states is None else {
+            "state_slots_free": pool.states.free_slots, "state_slots_total": pool.states.num_slots - 1}
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting) + len(self._inbox),
+            "kv_blocks_used": pool.used_blocks,
+            "kv_blocks_free": pool.free_blocks,
+            "kv_blocks_total": pool.num_blocks - 1,
+            "prefix_cache_hit_rate": pool.hits / pool.lookups if pool.lookups else None,
+            **states,
+            **self.counters,
+            "busy_s": self.busy_s,
+        }
+
+    # --- one step -----------------------------------------------------------------------------
+    def step(self) -> None:
+        """Intake, schedule, run, post-process, finish."""
+        t0 = time.perf_counter()
+        plan: list[Scheduled] = []
+        try:
+            self._intake()
+            plan = self.scheduler.schedule(self._draft)
+            if plan:
+                self._run(plan)
+        except BaseException as err:  # a failed step (Ctrl-C in a hook too): fail its sequences, serve the rest
+            for seq in [item.seq for item in plan] or list(self.scheduler.running):
+                self._fail(seq, err)
+        self._end_failed()
+        self.counters["preemptions"] = self.scheduler.preemptions
+        self.busy_s += time.perf_counter() - t0
+
+    def _intake(self) -> None:
+        """New requests join the queue, cancelled ones end, waiting ones are admitted, and
+        sequences handed over with prefill logits (DecodeLoop by hand) choose their first token."""
+        with self._cond:
+            for seq in self._inbox:
+                self.scheduler.add(seq)
+            self._inbox.clear()
+        sched = self.scheduler
+        for seq in [s for s in (*sched.waiting, *sched.running) if s.cancelled]:
+            self._fail(seq, Cancelled("cancelled"))
+        sched.admit(prepare, self._started)
+        self._end_failed()
+        for seq in [s for s in sched.running if s.pending is not None]:
+            logits, seq.pending = seq.pending, None
+            self._choose([seq], logits.reshape(1, -1))
+
+    @staticmethod
+    def _started(seq: Sequence) -> None:
+        m = seq.ctx.metrics
+        if m.t_start is None:  # driven by hand without metrics.start()
+            m.start()
+        m.set("queue_s", time.perf_counter() - m.t_start)
+
+    def _end_failed(self) -> None:
+        while self.scheduler.failed:
+            self._fail(*self.scheduler.failed.pop(0))
+
+    def _run(self, plan: list[Scheduled]) -> None:
+        steps = self._burst_length(plan)
+        if steps > 1:
+            self._burst(plan, steps)
+            return
+        out = self.runner.forward([make_chunk(item) for item in plan])
+        self._count_step(sum(item.count for item in plan))
+        self._postprocess(plan, out)
+
+    def _count_step(self, tokens_in: int) -> None:
+        self.counters["steps"] += 1
+        self.counters["tokens_in"] += tokens_in
+        self.counters["kv_blocks_peak"] = max(self.counters["kv_blocks_peak"], self.pool.used_blocks)
+
+    def _postprocess(self, plan: list[Scheduled], out: StepOutput) -> None:
+        """Logits rows come in plan order, each part's ``1 + drafts`` when it ends at the known
+        tokens (none for a prefill chunk before the prompt's end)."""
+        logits, row = out.logits, 0
+        choosing, rows, verifying = [], [], []
+        for item in plan:
+            seq, n = item.seq, (1 + len(item.seq.drafts) if item.end == item.seq.known else 0)
+            if seq.drafts:
+                verifying.append((seq, logits[row : row + n]))
+            else:
+                self._record(item, out)
+            if n and not seq.drafts:
+                if seq.prefill_only:
+                    seq.ctx.logits = logits[row : row + 1]
+                    self._finish(seq)
+                else:
+                    choosing.append(seq)
+                    rows.append(row)
+            row += n
+        if choosing:
+            self._choose(choosing, logits if len(rows) == logits.shape[0] else logits[rows])
+        for seq, seq_logits in verifying:
+            self._verify(seq, seq_logits, out.seconds)
+
+    def _record(self, item: Scheduled, out: StepOutput) -> None:
+        """The fed tokens' keys into the cache, and the step's time as prefill or decode."""
+        seq = item.seq
+        seq.cache.append(seq.keys[item.begin : item.end])
+        m = seq.ctx.metrics
+        if item.begin < seq.prompt_len or item.end - item.begin > 1:
+            m.add_span("prefill", out.seconds, 1)
+            m.count("prefill_tokens", item.end - item.begin)
+        else:
+            m.add_span("decode", out.seconds, 1)
+            m.info["decode_compiled"] = out.compiled or bool(m.info.get("decode_compiled"))
+
+    # --- choosing tokens ----------------------------------------------------------------------
+    def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Each sequence's logits processors (one call per processor for all its rows), then one
+        token per sequence (argmax rows together, other samplers on their own rows)."""
+        t0 = time.perf_counter()
+        logits = apply_processors(logits, [s.ctx for s in seqs], [s.phases.processors for s in seqs])
+        tokens = choose(logits, [s.sampler for s in seqs],
+                        lambda i: torch.tensor([seqs[i].ids], device=logits.device))
+        self._accept(seqs, tokens, time.perf_counter() - t0)
+
+    def _accept(self, seqs: list[Sequence], tokens: list[int], sample_s: float) -> None:
+        """The host side of one chosen token per sequence: record, stream, hooks, finish."""
+        self.counters["tokens_out"] += len(tokens)
+        for seq, token_id in zip(seqs, tokens):
+            seq.ctx.metrics.add_span("sample", sample_s, 1)
+            try:
+                reason = self._take(seq, int(token_id))
+            except BaseException as err:  # its streaming callback or hook raised (Ctrl-C in a chat): it ends
+                self._fail(seq, err)
+                continue
+            if reason is not None:
+                seq.ctx.finish_reason = reason
+                self._finish(seq)
+
+    @staticmethod
+    def _take(seq: Sequence, token_id: int) -> str | None:
+        """Record one new token; the finish reason if the sequence ends with it."""
+        ctx = seq.ctx
+        if not ctx.generated:
+            ctx.metrics.first_token()
+        ctx.generated.append(token_id)
+        seq.ids.append(token_id)
+        seq.keys.append(token_id)
+        if seq.handle is not None:
+            seq.handle.push(token_id)
+        reason = seq.output.accept(ctx.generated)
+        decode = seq.phases.decode
+        if reason is None and decode is not None and decode.on_token(ctx, token_id):
+            reason = "stop"
+        return reason
+
+    # --- decode bursts ------------------------------------------------------------------------
+    def _burst_length(self, plan: list[Scheduled]) -> int:
+        """How many decode steps this step may run back to back (1: an ordinary step).
+
+        A burst needs a decode-only step of argmax-only sequences (no logits processors, no
+        drafts) and nobody waiting to be admitted; it is as long as the sequence with the fewest
+        tokens left allows. (Recurrent states are read and written per step, not inside a burst.)
+        """
+        if self.burst < 2 or self.scheduler.waiting or self._inbox or self.pool.states is not None:
+            return 1
+        steps = self.burst
+        for item in plan:
+            seq = item.seq
+            decoding = item.end - item.begin == 1 and item.begin >= seq.prompt_len and seq.known - item.begin == 1
+            if (not decoding or seq.prefill_only or seq.spec is not None or seq.phases.processors
+                    or not argmax_only(seq.sampler)):
+                return 1
+            steps = min(steps, seq.ctx.request.max_new_tokens - len(seq.ctx.generated))
+        return steps
+
+    def _burst(self, plan: list[Scheduled], steps: int) -> None:
+        """Several greedy decode steps with no host work between them, then the host side of
+        every token in order. gpt-fast's lesson: at small batch a step's Python costs as much as
+        its arithmetic. A row that ends inside the burst (EOS, a stop string) had its later
+        tokens computed for nothing; they are dropped, and so are their slots (``_finish`` trims)."""
+        try:
+            for item in plan:
+                item.seq.cache.reserve(steps)  # the step's one slot already reserved, the rest now
+        except OutOfBlocks:
+            steps = 1  # no room to run ahead: one step, the slots reserved so far used as they come
+        chunks = [make_chunk(item) for item in plan]
+        positions = [[c.positions[r][0] for c in chunks] for r in range(len(chunks[0].positions))]
+        out = self.runner.burst([c.ids[0] for c in chunks], positions, [c.start for c in chunks],
+                                [item.seq.cache.blocks for item in plan], steps)
+        alive = list(enumerate(plan))
+        for row_tokens in out.tokens:
+            self._count_step(len(alive))
+            for _, item in alive:
+                self._record(Scheduled(item.seq, item.seq.cache.length, item.seq.cache.length + 1, []), out)
+            self._accept([item.seq for _, item in alive], [row_tokens[row] for row, _ in alive], 0.0)
+            alive = [(row, item) for row, item in alive if not item.seq.done]
+            if not alive:
+                break
+
+    # --- speculative decoding -----------------------------------------------------------------
+    @staticmethod
+    def _draft(seq: Sequence, budget: int) -> None:
+        """Ask the sequence's drafter for this decode step's drafts."""
+        spec, ctx = seq.spec, seq.ctx
+        k = draft_budget(spec.per_round, len(ctx.generated), ctx.request.max_new_tokens, budget)
+        t0 = time.perf_counter()
+        if k >= 1:
+            spec.drafts, spec.q = spec.drafter.propose(seq.ids, k, seq.sampler)
+        ctx.metrics.add_span("draft", time.perf_counter() - t0 if k >= 1 else 0.0, 1)
+        ctx.metrics.count("spec_drafted", 0)  # counted when verified (a preempted step's drafts are not)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor, seconds: float) -> None:
+        """Keep the accepted drafts and one token of the target's own; roll the cache back past
+        the rejected drafts (the forward wrote all of them)."""
+        spec, m = seq.spec, seq.ctx.metrics
+        drafts = spec.drafts
+        t0 = time.perf_counter()
+        tokens, accepted = verify(seq.sampler, logits, drafts, spec.q, seq.ids)
+        sample_s = time.perf_counter() - t0
+        seq.cache.append([seq.keys[seq.cache.length]] + drafts)
+        seq.cache.rollback(seq.cache.length - (len(drafts) - accepted))
+        spec.drafts, spec.q = [], None
+        m.add_span("decode", seconds, 1)
+        m.count("spec_drafted", len(drafts))
+        m.count("spec_accepted", accepted)
+        for token in tokens:
+            self._accept([seq], [token], sample_s)
+            sample_s = 0.0
+            if seq.done:
+                break
+
+    # --- ends ---------------------------------------------------------------------------------
+    def _finish(self, seq: Sequence) -> None:
+        self._end(seq)
+        ctx = seq.ctx
+        if seq.spec is not None and not seq.prefill_only and ctx.cache.length > seq.known - 1:
+            ctx.cache.rollback(seq.known - 1)  # accepted drafts past an EOS or a stop string
+        try:
+            if seq.output is not None:
+                ctx.text = seq.output.final_text(ctx.generated, ctx.finish_reason)
+                ctx.metrics.set("decode_tokens", max(0, len(ctx.generated) - 1))
+                ctx.metrics.set("generated_tokens", len(ctx.generated))
+            ctx.cache.trim()
+            ctx.metrics.set("kv_cache_bytes", ctx.cache.nbytes)
+            for name, stage in seq.phases.after.items():
+                with ctx.metrics.span(name):
+                    stage(ctx)
+            ctx.metrics.end()
+            value = seq.phases.finalize(ctx) if seq.phases.finalize is not None else ctx
+        except BaseException as err:
+            self._fail(seq, err)
+            return
+        if seq.release:
+            ctx.cache.clear()
+        handle, seq.handle = seq.handle, None  # no cycle once done: dropping the handle frees the cache
+        handle.finish(value)
+
+    def _fail(self, seq: Sequence, err: BaseException) -> None:
+        self._end(seq)
+        try:
+            if seq.release:
+                seq.ctx.cache.clear()
+            else:
+                seq.ctx.cache.trim()
+        except Exception:
+            seq.ctx.cache.clear()
+        handle, seq.handle = seq.handle, None
+        if handle is not None:
+            handle.finish(error=err)
+
+    def _end(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        if seq.spec is not None:
+            seq.spec.drafter.close()

@@ -1,0 +1,92 @@
+"""From a request to the model's inputs: a sequence's front stages at admission, and the chunk
+each step feeds (``make_chunk``)."""
+from __future__ import annotations
+
+from pipeline.engine.output import Output
+from pipeline.engine.scheduler import Scheduled
+from pipeline.engine.sequence import Layout, Sequence
+from pipeline.errors import UserError
+from pipeline.memory import text_config
+from pipeline.runner import Chunk
+
+
+def prepare(seq: Sequence) -> None:
+    """Everything before the first forward: the front stages (tokenize, encoders; media whose
+    positions the prefix cache holds are skipped), limits checked, prefix reuse, positions."""
+    ctx = seq.ctx
+    reused = _run_front(seq)
+    if ctx.input_ids is None or ctx.input_ids.shape[1] == 0:
+        raise UserError("the prompt has no tokens: there is nothing to prefill")
+    total = seq.prompt_len = int(ctx.input_ids.shape[1])
+    _check_limits(seq, total)
+    bs = ctx.cache.block_size
+    # Recurrent layers: keep the state where the next chat turn comes back to (the prompt's end,
+    # its reply header) and at the last block boundary a repeat of this prompt can reuse.
+    ctx.cache.checkpoint_at(total, (total - 1) // bs * bs, *([ctx.reply_start] if ctx.reply_start else []))
+    if seq.pending is None:  # not prefilled yet: keep what the cache (and the prefix cache) holds
+        start = reused if reused is not None else ctx.cache.reuse(ctx.token_keys)
+        ctx.metrics.set("prompt_tokens", total)
+        ctx.metrics.set("kv_reused_tokens", start)
+        ctx.metrics.set("prefill_tokens", 0)
+    elif ctx.cache.length != total or ctx.cache.keys != list(ctx.token_keys):
+        raise ValueError("DecodeLoop needs the context Prefill just ran on (the cache must hold exactly the prompt)")
+    family = ctx.lm.family
+    pos = family.prompt_positions(ctx, 0)
+    seq.ids = ctx.input_ids[0].tolist() + list(ctx.generated)
+    seq.keys = list(ctx.token_keys) + list(ctx.generated)
+    if not seq.prefill_only:
+        req = ctx.request
+        eos = frozenset() if req.ignore_eos else frozenset(ctx.lm.eos_token_ids)
+        seq.output = Output(ctx.lm.tokenizer, req.max_new_tokens, req.stop, eos, ctx.on_text)
+    ctx.finish_reason = None
+    seq.layout = Layout(pos.reshape(-1, pos.shape[-1]).tolist(), family.decode_positions(ctx, 0).reshape(-1).tolist(),
+                        [(int(a), int(b)) for a, b in family.bidirectional_spans(ctx)])
+
+
+def _run_front(seq: Sequence) -> int | None:
+    """The per-request stages; the prefix cache is consulted as soon as the prompt's cache keys
+    are known, so encoders skip media already cached. Returns the tokens reused (None: not yet)."""
+    ctx, reused = seq.ctx, None
+    for name, stage in seq.phases.front.items():
+        if ctx.token_keys is not None and reused is None:
+            reused = ctx.cache.reuse(ctx.token_keys)
+        skip = getattr(stage, "skip", None)
+        if skip is not None and skip(ctx):
+            continue
+        with ctx.metrics.span(name):
+            stage(ctx)
+    return reused
+
+
+def _check_limits(seq: Sequence, total: int) -> None:
+    ctx, req = seq.ctx, seq.ctx.request
+    if not seq.prefill_only and req.max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be >= 1 (got {req.max_new_tokens})")
+    context = getattr(text_config(ctx.lm.config), "max_position_embeddings", None)
+    if not seq.prefill_only and context and total + req.max_new_tokens > context:
+        raise UserError(f"the prompt ({total} tokens) plus max_new_tokens ({req.max_new_tokens}) exceed the "
+                        f"model's context of {context} tokens")
+    ctx.cache.ensure_capacity(total + (0 if seq.prefill_only else req.max_new_tokens - 1))
+
+
+def make_chunk(item: Scheduled) -> Chunk:
+    """The runner's view of a scheduled part: tokens [begin, end), then the step's drafts (whose
+    logits are all kept, for verification)."""
+    seq, begin, end = item.seq, item.begin, item.end
+    layout, ctx = seq.layout, seq.ctx
+    mid = min(end, seq.prompt_len)
+    drafts = seq.drafts
+    positions = [row[begin:mid] for row in layout.rows]
+    if end + len(drafts) > mid:  # generated tokens (decode, or recompute after a preemption)
+        after = range(max(begin, seq.prompt_len), end + len(drafts))
+        positions = [row + [o + p for p in after] for row, o in zip(positions, layout.offsets)]
+    embeds = ctx.inputs_embeds
+    extras = ctx.lm.family.chunk_extras(ctx, begin, mid) if mid > begin else None
+    spans = [(a, b) for a, b in layout.spans if a < mid and b > begin]
+    if spans:  # read by the paged attention (runner.batch._query_limits)
+        extras = {**(extras or {}), "blocks": spans}
+    return Chunk(
+        table=list(seq.cache.blocks), start=begin, ids=seq.ids[begin:end] + drafts, positions=positions,
+        slots=item.slots, embeds=embeds[0, begin:mid] if embeds is not None and mid > begin else None,
+        state=seq.cache.state_io, logits=(1 + len(drafts)) if end == seq.known else 0, extras=extras,
+    )

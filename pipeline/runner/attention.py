@@ -1,0 +1,119 @@
+"""Paged attention: the model's attention layers read and write the KV pool in place.
+
+Registered in transformers' attention-function registry (``mm_paged``): every linear layer sees
+the packed tokens; attention writes each token's key/value into its slot and attends, per
+sequence, over that sequence's blocks. Positions are passed explicitly, so Qwen2-VL's 3-D rope
+rows and merged image/audio embeddings go through unchanged. Called on anything but a paged
+batch, the function is the model's own attention (``generate()`` on the same model is
+unaffected).
+
+Why our own kernel-free attention instead of transformers' ``PagedAttentionCache``: that one
+owns its scheduler state and knows neither 3-D positions nor ``inputs_embeds``; this file is
+the few dozen lines that do, on plain ``scaled_dot_product_attention``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from pipeline.kv import state_shape
+from pipeline.memory import text_config
+from pipeline.runner.batch import PagedBatch
+from pipeline.runner.linear import attach_linear
+
+ATTENTION = "mm_paged"
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Write the packed tokens' keys/values into their slots, then attend per sequence.
+
+    ``query`` [1, heads, T, D], ``key``/``value`` [1, kv_heads, T, D] (the new tokens only).
+    A layer that passes ``sliding_window=W`` (transformers' attention modules do, None for full
+    layers) attends with the batch's window masks. Anything but a paged batch goes to the
+    model's own attention function.
+    """
+    batch: PagedBatch | None = kwargs.pop("paged", None)
+    if batch is None:
+        original = getattr(module.config, "_mm_paged_original", None) or "sdpa"
+        fn = ALL_ATTENTION_FUNCTIONS.get_interface(original, None)
+        return (fn or eager_attention_forward)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    window = kwargs.get("sliding_window")
+    if window is not None and window != batch.pool.window:
+        raise ValueError(f"layer {module.layer_idx} attends with sliding_window={window} but the KV pool was built "
+                         f"for {batch.pool.window} (the config's layer types disagree with the model)")
+    if kwargs.get("softcap") is not None:
+        raise ValueError("the paged attention has no logit soft-capping (this model's layers pass softcap)")
+    k_pool, v_pool = batch.pool.layer_kv(module.layer_idx)
+    k_pool.index_copy_(0, batch.slots, key[0].transpose(0, 1).to(k_pool.dtype))
+    v_pool.index_copy_(0, batch.slots, value[0].transpose(0, 1).to(v_pool.dtype))
+    heads, tokens, dim = query.shape[1], query.shape[2], query.shape[3]
+    flat_q = query[0].transpose(0, 1)  # [T, heads, D]
+    parts = []
+    for g in batch.groups:
+        rows, q = g.mask.shape[0], g.mask.shape[2]  # sizes from tensors: symbolic under torch.compile
+        if g.start is not None:
+            qs = flat_q[g.start : g.start + rows * q].reshape(rows, q, heads, dim).transpose(1, 2)
+        else:
+            qs = flat_q[g.q_index].transpose(1, 2)  # [B, heads, q, D]
+        ks = k_pool[g.k_slots].transpose(1, 2).to(qs.dtype)  # [B, kv_heads, K, D]
+        vs = v_pool[g.k_slots].transpose(1, 2).to(qs.dtype)
+        kv_heads = ks.shape[1]
+        mask = g.mask if window is None else g.window_mask
+        if g.q == 1 and kv_heads != heads:
+            # One query per row: the query heads sharing a key/value head become its rows
+            # (no repeated keys, one mask for all of them).
+            o = scaled_dot_product_attention(qs.reshape(rows, kv_heads, heads // kv_heads, dim), ks, vs,
+                                             attn_mask=mask, scale=scaling)
+            o = o.reshape(rows, heads, 1, dim)
+        else:
+            o = scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=kv_heads != heads)
+        parts.append((g, o.transpose(1, 2).reshape(rows * q, heads, dim)))
+    if len(parts) == 1 and parts[0][0].start == 0 and parts[0][1].shape[0] == tokens:
+        return parts[0][1].unsqueeze(0), None  # one contiguous group: already in packed order
+    out = query.new_empty(tokens, heads, dim)
+    for g, o in parts:
+        if g.start is not None:
+            out[g.start : g.start + o.shape[0]] = o
+        else:
+            out.index_copy_(0, g.dest, o.index_select(0, g.src))
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION, paged_attention)
+AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def attach(model: torch.nn.Module) -> None:
+    """Route the language model's attention through ``paged_attention`` (idempotent). Outside
+    paged forwards it calls the implementation the model had, so nothing else changes."""
+    text = text_config(model.config)
+    current = text._attn_implementation
+    if current != ATTENTION:
+        text._mm_paged_original = current or "sdpa"
+        text._attn_implementation = ATTENTION
+    attach_linear(model, state_shape(model.config, torch.float32))
+    model.__dict__["_mm_paged_attached"] = True  # forward checks this, not the (slow) config
+
+
+def detach(model: torch.nn.Module) -> None:
+    """Give the model back its own attention implementation (e.g. before transformers'
+    ``generate_batch``, which accepts only its own); the next paged forward attaches again."""
+    text = text_config(model.config)
+    if text._attn_implementation == ATTENTION:
+        text._attn_implementation = text._mm_paged_original
+    model.__dict__.pop("_mm_paged_attached", None)

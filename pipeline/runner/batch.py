@@ -1,0 +1,174 @@
+"""Batch building: the packed chunks of one forward and the index tensors attention reads.
+
+A step's new tokens (one per decoding sequence, a chunk per prefilling one) are packed into one
+row, as transformers' continuous batching does. ``build_batch`` turns the chunks into what every
+layer shares: each token's write slot, and per group of rows (decode rows together, prefill
+chunks together, each padded to its group's longest; padding reads the zeroed null block and is
+masked out) the key slots and masks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from pipeline.kv import NULL_BLOCK, BlockPool, StateIO
+from pipeline.runner.linear import StateBatch, build_state_batch
+
+
+@dataclass
+class Chunk:
+    """New tokens of one sequence for one forward: ``count`` tokens from cache position ``start``.
+
+    Plain lists, so that building a step costs a few tensors for the whole batch, not a few per
+    sequence: ``ids`` [count], ``positions`` [rows][count] (rows: 1, or 4 for Qwen2-VL's M-RoPE),
+    ``slots`` [count] where their keys/values go (from ``KVCache.reserve``). ``embeds``
+    [n <= count, hidden]: merged media embeddings of the first n tokens (the prompt part; tokens
+    generated after it, recomputed after a preemption, use ``ids``).
+    """
+
+    table: list[int]  # the sequence's block table after reserving these tokens
+    start: int
+    ids: list[int]
+    positions: list[list[int]]
+    slots: list[int]
+    embeds: torch.Tensor | None = None
+    state: StateIO | None = None  # recurrent-state slots (models with linear-attention layers)
+    logits: int = 1  # keep the logits of its last N tokens (1: next-token; 0: none; more: verifying drafts)
+    extras: dict | None = None  # the family's per-token inputs for the prompt part (Family.chunk_extras)
+
+    @property
+    def count(self) -> int:
+        return len(self.ids)
+
+
+@dataclass
+class Group:
+    """Chunks attended together, padded to ``q`` queries and ``K`` keys each.
+
+    ``start``: where the group's queries begin in the packed tokens when they are contiguous and
+    unpadded (decode rows, or a single prefill chunk): then no gather or scatter is needed.
+    Otherwise ``q_index`` [B, q] gathers them and ``dest`` / ``src`` put the real rows back.
+    """
+
+    rows: int
+    q: int
+    k_slots: torch.Tensor  # [B, K] pool slot of every key position (padding: the null block)
+    mask: torch.Tensor  # [B, 1, q, K] causal (or-ed with bidirectional blocks) within the sequence, up to its length
+    start: int | None
+    q_index: torch.Tensor | None = None
+    dest: torch.Tensor | None = None  # packed token index of each real query
+    src: torch.Tensor | None = None  # its row in the flattened [B * q] output
+    window_mask: torch.Tensor | None = None  # ``mask`` and'ed with the sliding window (models that have one)
+
+
+@dataclass
+class PagedBatch:
+    """What attention needs for one packed forward, built once and shared by every layer."""
+
+    pool: BlockPool
+    slots: torch.Tensor  # [T] write slot of each packed token
+    groups: list[Group]
+    states: StateBatch | None = None  # linear-attention layers' state slots (pipeline.recurrent)
+
+
+def padded_table(blocks: Sequence[int], width: int) -> list[int]:
+    """A block table cut or padded (with the null block) to ``width`` blocks."""
+    return list(blocks[:width]) + [NULL_BLOCK] * (width - min(len(blocks), width))
+
+
+def key_slots(table: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, blocks] block tables -> [B, blocks * block_size] pool slot of every key position."""
+    return (table.unsqueeze(-1) * block_size + torch.arange(block_size, device=table.device)).flatten(1)
+
+
+def decode_mask(k_slots: torch.Tensor, lengths: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[B, 1, 1, K] for decode rows: the one query is the last position, so causal means every
+    key within the row's length (``lengths`` [B], counting the query's own token).
+
+    ``window``: also drop keys the sliding window no longer sees. transformers' rule
+    (``masking_utils.sliding_window_overlay``) keeps key ``k`` for query ``q`` when
+    ``k > q - window``; here ``q = length - 1``, so ``k >= length - window``.
+    """
+    k_pos = torch.arange(k_slots.shape[1], device=k_slots.device)
+    mask = k_pos < lengths.view(-1, 1)
+    if window is not None:
+        mask = mask & (k_pos >= lengths.view(-1, 1) - window)
+    return mask[:, None, None, :]
+
+
+def _query_limits(chunk: Chunk, q: int) -> tuple[list[int], list[int]]:
+    """Per padded query row of ``chunk``: its position, and the first key position it may not
+    see: position + 1 (causal), or the end of the bidirectional block it lies in (the family's
+    ``bidirectional_spans``, in ``chunk.extras["blocks"]``), which it sees whole.
+
+    So OR(causal, same block) is ``key < limit``: every key before the block is causal anyway.
+    The engine never ends a chunk inside a block, so a block's keys are all in the cache or in
+    the chunk.
+    """
+    n = chunk.count
+    positions = [chunk.start + min(i, n - 1) for i in range(q)]  # padding rows repeat the last query
+    limits = [p + 1 for p in positions[:n]]
+    for begin, end in (chunk.extras or {}).get("blocks") or ():
+        lo, hi = max(begin - chunk.start, 0), min(end - chunk.start, n)
+        limits[lo:hi] = [end] * max(0, hi - lo)
+    return positions, limits + limits[-1:] * (q - n)
+
+
+def _group(
+    chunks: Sequence[Chunk], offsets: Sequence[int], block_size: int, device: torch.device, window: int | None = None
+) -> Group:
+    """Padded query / key indices and the masks of a set of chunks attended together.
+
+    ``window``: the model's sliding window; then ``window_mask`` is built too (once per batch,
+    for every sliding layer), as transformers composes it: AND(window, OR(causal, block)).
+    """
+    q = max(c.count for c in chunks)
+    blocks = max(-(-(c.start + c.count) // block_size) for c in chunks)
+    table = torch.tensor([padded_table(c.table, blocks) for c in chunks], device=device)
+    k_slots = key_slots(table, block_size)
+    k_len = torch.tensor([c.start + c.count for c in chunks], device=device)
+    window_mask = None
+    if q == 1:
+        mask = decode_mask(k_slots, k_len)
+        if window is not None:
+            window_mask = decode_mask(k_slots, k_len, window)
+    else:
+        k_pos = torch.arange(k_slots.shape[1], device=device)
+        rows = [_query_limits(c, q) for c in chunks]
+        limit = torch.tensor([lim for _, lim in rows], device=device).unsqueeze(-1)
+        mask = ((k_pos < limit) & (k_pos < k_len.view(-1, 1, 1))).unsqueeze(1)
+        if window is not None:
+            qp = torch.tensor([pos for pos, _ in rows], device=device).unsqueeze(-1)
+            window_mask = mask & (k_pos > qp - window).unsqueeze(1)
+    contiguous = all(c.count == q for c in chunks) and all(
+        offsets[i] == offsets[0] + i * q for i in range(len(chunks))
+    )
+    if contiguous:
+        return Group(len(chunks), q, k_slots, mask, start=offsets[0], window_mask=window_mask)
+    q_index = [[off + min(i, c.count - 1) for i in range(q)] for c, off in zip(chunks, offsets)]
+    dest = [off + i for c, off in zip(chunks, offsets) for i in range(c.count)]
+    src = [r * q + i for r, c in enumerate(chunks) for i in range(c.count)]
+    return Group(
+        len(chunks), q, k_slots, mask, start=None, q_index=torch.tensor(q_index, device=device),
+        dest=torch.tensor(dest, device=device), src=torch.tensor(src, device=device), window_mask=window_mask,
+    )
+
+
+def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device) -> PagedBatch:
+    """Decode rows (one token each) form one group, prefill chunks another."""
+    offsets, total = [], 0
+    for c in chunks:
+        offsets.append(total)
+        total += c.count
+    slots = torch.tensor([i for c in chunks for i in c.slots], device=device)
+    decode = [i for i, c in enumerate(chunks) if c.count == 1]
+    prefill = [i for i, c in enumerate(chunks) if c.count > 1]
+    groups = [
+        _group([chunks[i] for i in members], [offsets[i] for i in members], pool.block_size, device, pool.window)
+        for members in (decode, prefill)
+        if members
+    ]
+    states = build_state_batch(pool.states, chunks, device) if pool.states is not None else None
+    return PagedBatch(pool, slots, groups, states)

@@ -1,0 +1,167 @@
+"""The one forward pass every prefill and decode goes through, and the greedy decode burst.
+
+``forward`` packs the chunks' tokens into one row and runs the model once (``run_model``: the
+unit ``torch.compile`` sees); ``greedy_steps`` repeats a one-token greedy step with the chosen
+token fed straight back, no host work in between (a decode burst).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Sequence
+
+import torch
+
+from pipeline.kv import BlockPool
+from pipeline.runner.attention import attach
+from pipeline.runner.batch import Chunk, Group, PagedBatch, build_batch, decode_mask, key_slots, padded_table
+
+
+def forward(
+    lm: Any, pool: BlockPool, chunks: Sequence[Chunk], run: Any = None, device: torch.device | None = None
+) -> torch.Tensor:
+    """One model pass over the packed chunks; returns next-token logits [n, V]: each chunk's
+    last ``logits`` rows (usually one), in chunk order. ``run``: what calls the model (``run_model``,
+    or its compiled version); ``device``: where inputs go (``lm.device``, which walks the
+    parameters: the engine passes it once known)."""
+    model = lm.model
+    if not model.__dict__.get("_mm_paged_attached"):
+        attach(model)
+    device = device if device is not None else lm.device
+    ids = torch.tensor([[i for c in chunks for i in c.ids]], device=device)
+    rows = len(chunks[0].positions)
+    positions = torch.tensor([[p for c in chunks for p in c.positions[r]] for r in range(rows)], device=device)
+    positions = positions.unsqueeze(1) if rows > 1 else positions  # [rows, 1, T] or [1, T]
+    embeds = None
+    if any(c.embeds is not None for c in chunks):
+        embeds = model.get_input_embeddings()(ids)
+        off = 0
+        for c in chunks:
+            if c.embeds is not None:  # merged media rows cover the chunk's prompt part (a prefix of it)
+                embeds[0, off : off + len(c.embeds)] = c.embeds.to(embeds.device, embeds.dtype)
+            off += c.count
+    keep, off = [], 0
+    for c in chunks:
+        off += c.count
+        keep.extend(range(off - int(c.logits), off))
+    index = torch.tensor(keep or [off - 1], device=device)
+    extra = lm.family.lm_inputs(chunks, device) if any(c.extras for c in chunks) else None
+    pool.prepare_write()
+    logits = (run or run_model)(model, ids, embeds, positions, index, build_batch(pool, chunks, device), extra)
+    return logits[index] if logits.shape[0] == off and off != len(index) else logits  # no logits_to_keep support
+
+
+_NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+
+
+def run_model(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    embeds: torch.Tensor | None,
+    positions: torch.Tensor,
+    index: torch.Tensor,
+    batch: PagedBatch,
+    extra: dict | None = None,
+) -> torch.Tensor:
+    """The model call itself, tensors in and logits out: the unit ``torch.compile`` sees.
+
+    ``extra``: language-model inputs a family adds for prompt tokens (``Family.lm_inputs``, e.g.
+    Qwen3-VL's deepstack features), which the top-level forward would not pass through: then the
+    decoder runs on its own and the output projection is applied to the kept rows.
+    """
+    inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
+    if extra:
+        hidden = model.get_decoder()(
+            **inputs, position_ids=positions, attention_mask=_NO_MASK, use_cache=False, paged=batch, **extra
+        ).last_hidden_state
+        return model.get_output_embeddings()(hidden[0, index])
+    out = model(
+        **inputs,
+        position_ids=positions,
+        attention_mask=_NO_MASK,  # any 4-D mask is passed through as is; paged attention reads the batch
+        use_cache=False,
+        logits_to_keep=index,
+        paged=batch,
+    )
+    return out.logits[0]
+
+
+def greedy_step(
+    model: torch.nn.Module,
+    pool: BlockPool,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    lengths: torch.Tensor,
+    table: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One greedy decode token for every row, batch built and token chosen inside the call: the
+    unit a decode burst repeats with no host work in between (see ``Engine`` and
+    ``pipeline.compiled``).
+
+    ``ids`` [1, B] the tokens fed, ``positions`` [rows, 1, B] or [1, B] theirs, ``lengths`` [B]
+    each row's cache length counting the fed token, ``table`` [B, blocks] its block table
+    (padded with the null block, covering every position the burst writes). Returns the chosen
+    ids and the next step's positions and lengths.
+    """
+    bs = pool.block_size
+    last = lengths - 1
+    slots = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs
+    k_slots = key_slots(table, bs)
+    window = None if pool.window is None else decode_mask(k_slots, lengths, pool.window)
+    group = Group(ids.shape[1], 1, k_slots, decode_mask(k_slots, lengths), start=0, window_mask=window)
+    batch = PagedBatch(pool, slots, [group])
+    index = torch.arange(ids.shape[1], device=ids.device)
+    logits = run_model(model, ids, None, positions, index, batch)
+    return logits.argmax(dim=-1).view(1, -1), positions + 1, lengths + 1
+
+
+def burst_state(
+    pool: BlockPool,
+    fed: Sequence[int],
+    positions: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    tables: Sequence[Sequence[int]],
+    steps: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, ...]:
+    """The state ``greedy_steps`` starts from, for rows that each feed one token: ``fed`` [B],
+    ``positions`` [position rows][B] the fed tokens' positions, ``starts`` [B] each row's cache
+    length before it, ``tables`` [B] their block tables, padded to cover the ``steps`` positions
+    the burst writes (at least 2 blocks wide: no size-1 specialisation when compiled)."""
+    width = max(2, max(-(-(s + steps) // pool.block_size) for s in starts))
+    pos = torch.tensor([list(row) for row in positions], device=device)
+    return (
+        torch.tensor([list(fed)], device=device),
+        pos.unsqueeze(1) if len(positions) > 1 else pos,
+        torch.tensor([s + 1 for s in starts], device=device),
+        torch.tensor([padded_table(t, width) for t in tables], device=device),
+    )
+
+
+def run_burst(lm: Any, pool: BlockPool, state: tuple[torch.Tensor, ...], steps: int, compiled: Any = None) -> list[torch.Tensor]:
+    """``greedy_steps`` from ``state``, on ``compiled`` (a ``CompiledStep``) when given."""
+    pool.prepare_write()
+    if compiled is not None:
+        return compiled.greedy_steps(lm, pool, state, steps)
+    return greedy_steps(lm.model, pool, state, steps)
+
+
+def greedy_steps(
+    model: torch.nn.Module,
+    pool: BlockPool,
+    state: tuple[torch.Tensor, ...],
+    steps: int,
+    step: Any = greedy_step,
+    settled: Any = None,
+) -> list[torch.Tensor]:
+    """``steps`` greedy steps, each fed the token the last one chose; the chosen ids [1, B] of
+    each. ``settled``: a context entered for the steps after the second, whose inputs look
+    exactly like the second's (the compiled path stops re-checking its guards there)."""
+    ids, positions, lengths, table = state
+    chosen = []
+    with contextlib.ExitStack() as stack:
+        for i in range(steps):
+            if i == 2 and settled is not None:
+                stack.enter_context(settled())
+            ids, positions, lengths = step(model, pool, ids, positions, lengths, table)
+            chosen.append(ids)
+    return chosen

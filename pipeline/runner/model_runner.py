@@ -1,0 +1,76 @@
+"""The model runner: the model, the pool's device tensors and the step, in one object.
+
+Everything that touches the model during a step goes through here, so this is the one place
+that decides compiled or eager (``decode.compile``: one-token decode steps on the compiled
+step, everything else eager; a model that cannot compile falls back with one warning), and
+the place later CUDA-graph capture by batch-size bucket and the tensor-parallel step belong.
+The engine hands it chunks and gets logits (``forward``) or, for a greedy decode burst, the
+chosen tokens (``burst``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from pipeline.kv import BlockPool
+from pipeline.metrics import synchronize
+from pipeline.runner.batch import Chunk
+from pipeline.runner.compiled import CompiledStep
+from pipeline.runner.forward import burst_state, forward, run_burst
+
+
+@dataclass
+class StepOutput:
+    """What one model step gave back: next-token logits of the chunks that asked for them (in
+    chunk order), or a burst's chosen tokens [steps][rows]; the seconds per step and whether
+    the compiled step ran."""
+
+    logits: torch.Tensor | None
+    tokens: list[list[int]] | None
+    seconds: float
+    compiled: bool
+
+
+class ModelRunner:
+    """Runs packed forwards of one model over one KV pool (``compiled``: a ``CompiledStep`` for
+    one-token decode steps, or None)."""
+
+    def __init__(self, lm: Any, pool: BlockPool, compiled: CompiledStep | None = None) -> None:
+        self.lm = lm
+        self.pool = pool
+        self.compiled = compiled
+        self.device = lm.device  # (a property that walks the parameters: read once)
+
+    @property
+    def compiles(self) -> bool:
+        """Whether one-token decode steps run compiled (asked for, and this model can)."""
+        return self.compiled is not None and self.compiled.why_not(self.lm) is None
+
+    def forward(self, chunks: Sequence[Chunk]) -> StepOutput:
+        """One packed forward; compiled when every chunk is a single token (a decode step)."""
+        t0 = time.perf_counter()
+        use_compiled = self.compiled is not None and all(c.count == 1 for c in chunks)
+        run = self.compiled if use_compiled else self._eager
+        logits = run(self.lm, self.pool, chunks, device=self.device)
+        synchronize(self.device)
+        return StepOutput(logits, None, time.perf_counter() - t0, use_compiled and self.compiles)
+
+    @staticmethod
+    def _eager(lm: Any, pool: BlockPool, chunks: Sequence[Chunk], device: torch.device) -> torch.Tensor:
+        return forward(lm, pool, chunks, device=device)
+
+    def burst(
+        self, fed: Sequence[int], positions: Sequence[Sequence[int]], starts: Sequence[int],
+        tables: Sequence[Sequence[int]], steps: int,
+    ) -> StepOutput:
+        """``steps`` greedy decode steps for rows that each feed one token (``fed`` at
+        ``positions``, cache lengths ``starts``, block tables covering every slot written),
+        each chosen token fed straight back; one host read at the end."""
+        state = burst_state(self.pool, fed, positions, starts, tables, steps, self.device)
+        t0 = time.perf_counter()
+        chosen = run_burst(self.lm, self.pool, state, steps, self.compiled)
+        tokens = torch.cat(chosen).tolist()  # [steps][rows]: the one host read of the burst
+        return StepOutput(None, tokens, (time.perf_counter() - t0) / steps, self.compiles)
