@@ -18,7 +18,6 @@ from pipeline.runner import CompiledStep, ModelRunner, fork_sampler
 
 Stage = Callable[[Context], Any]
 ENGINE_STAGES = {"prefill": "stages.Prefill", "decode": "stages.DecodeLoop"}  # run by the engine, through hooks
-MEDIA = {"images": "image", "videos": "video", "audios": "audio"}  # Request field -> the kind a stage encodes
 
 
 _SHARED_LOCK = threading.Lock()
@@ -57,14 +56,18 @@ def check_stages(stages: Mapping[str, Any]) -> None:
         check(name)
 
 
-def check_media(stages: Mapping[str, Any], request: Request) -> None:
-    """Refuse a request with media no stage encodes (e.g. ``stages.vision_encoder=null`` and an
-    image): its placeholders would reach the model unfilled."""
-    encoded = {kind for stage in stages.values() for kind in getattr(stage, "media_kinds", ())}
-    for field, kind in MEDIA.items():
-        if getattr(request, field) and kind not in encoded:
-            raise UserError(f"the request has {field} but no stage encodes a {kind} (is stages.vision_encoder or "
-                            f"stages.audio_encoder null?)")
+REMOVED = {  # 0.1's keywords -> what replaced them
+    "kv_static": "the KV cache is a paged pool now: drop kv_static",
+    "kv_max_len": "the pool is sized in bytes: pass kv_memory= (bytes, a fraction of free memory, or 'auto')",
+}
+
+
+def refuse_removed(kwargs: Mapping[str, Any]) -> None:
+    """A keyword 0.1 took is refused with what to use instead (any other is a plain TypeError)."""
+    for name in kwargs:
+        if name in REMOVED:
+            raise TypeError(f"Pipeline({name}=...) was removed in 0.2: {REMOVED[name]}")
+        raise TypeError(f"Pipeline() got an unexpected keyword argument {name!r}")
 
 
 def default_max_seqs(device: torch.device | str) -> int:
@@ -99,7 +102,9 @@ class Pipeline:
         max_seqs: int | None = None,
         max_batch_tokens: int = 2048,
         burst: int = 8,
+        **removed: Any,
     ) -> None:
+        refuse_removed(removed)
         self.lm = lm
         self.stages = dict(stages)
         check_stages(self.stages)
@@ -166,8 +171,6 @@ class Pipeline:
         """
         if cache is not None and cache.pool is not self.pool:
             raise ValueError("this KVCache belongs to another KV pool: make it with this pipeline's new_cache()")
-        if ids is None:
-            check_media(self.stages, request)
         ctx = self.context(request, cache, on_text)
         if ids is not None:
             ctx.input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.engine.device)

@@ -2,6 +2,8 @@
 each step feeds (``make_chunk``)."""
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 from pipeline.engine.output import Output
 from pipeline.engine.scheduler import Scheduled
 from pipeline.engine.sequence import Layout, Sequence
@@ -9,11 +11,15 @@ from pipeline.errors import UserError
 from pipeline.memory import text_config
 from pipeline.runner import Chunk
 
+MEDIA = {"images": "image", "videos": "video", "audios": "audio"}  # Request field -> the kind a stage encodes
+
 
 def prepare(seq: Sequence) -> None:
     """Everything before the first forward: the front stages (tokenize, encoders; media whose
     positions the prefix cache holds are skipped), limits checked, prefix reuse, positions."""
     ctx = seq.ctx
+    if seq.phases.front:
+        check_media(seq.phases.front, ctx.request)
     reused = _run_front(seq)
     if ctx.input_ids is None or ctx.input_ids.shape[1] == 0:
         raise UserError("the prompt has no tokens: there is nothing to prefill")
@@ -41,6 +47,17 @@ def prepare(seq: Sequence) -> None:
     ctx.finish_reason = None
     seq.layout = Layout(pos.reshape(-1, pos.shape[-1]).tolist(), family.decode_positions(ctx, 0).reshape(-1).tolist(),
                         [(int(a), int(b)) for a, b in family.bidirectional_spans(ctx)])
+
+
+def check_media(stages: Mapping[str, Any], request: Any) -> None:
+    """Refuse a request with media no stage encodes (e.g. ``stages.vision_encoder=null`` and an
+    image): its placeholders would reach the model unfilled. Stages say what they encode
+    (``media_kinds``)."""
+    encoded = {kind for stage in stages.values() for kind in getattr(stage, "media_kinds", ())}
+    for name, kind in MEDIA.items():
+        if getattr(request, name) and kind not in encoded:
+            raise UserError(f"the request has {name} but no stage encodes a {kind} (is stages.vision_encoder or "
+                            f"stages.audio_encoder null?)")
 
 
 def _run_front(seq: Sequence) -> int | None:

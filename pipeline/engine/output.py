@@ -3,20 +3,66 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence as Seq
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
 
 class TextStream:
-    """Incremental detokenisation: emits only text that is complete (no half UTF-8 characters)."""
+    """Incremental detokenisation: ``text`` is the complete text so far (never half a UTF-8
+    character), equal to ``tokenizer.decode(ids, skip_special_tokens=True)`` once complete.
+
+    Why: re-decoding the whole answer for every token is quadratic in its length; here each token
+    decodes only a few recent ids and ``text`` grows by appending.  Tokenizers with a
+    ``tokenizers`` backend use that library's own ``DecodeStream``; others a window of ids through
+    ``tokenizer.decode`` (vLLM's prefix/read offsets).
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""
+        self._backend = _fast_backend(tokenizer)
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._prefix = 0  # window path: ids[_prefix:_read] give context to the pending ids
+        self._read = 0  # window path: the text of ids[:_read] is already in ``text``
 
     def push(self, token_id: int) -> None:
+        """Add the next token id; append to ``text`` whatever complete text it finishes."""
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):
-            self.text = text
+        piece = self._step_fast(token_id) if self._backend is not None else self._step_window()
+        if piece:
+            self.text += piece
+
+    def _step_fast(self, token_id: int) -> str | None:
+        """tokenizers' own incremental decoder (it keeps the few ids of context itself)."""
+        try:
+            return self._stream.step(self._backend, int(token_id))
+        except Exception as e:  # a decoder whose output is not prefix-stable: restart from here
+            if "Invalid prefix" not in str(e):
+                raise
+            self._stream = DecodeStream(skip_special_tokens=True)
+            return self._stream.step(self._backend, int(token_id))
+
+    def _step_window(self) -> str | None:
+        """Decode ids[_prefix:] against ids[_prefix:_read]; the difference is new text once it
+        no longer ends in U+FFFD (a character still missing bytes)."""
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read], skip_special_tokens=True)
+        after = self.tokenizer.decode(self.ids[self._prefix :], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return None
+        self._prefix, self._read = self._read, len(self.ids)
+        return after[len(before) :]
+
+
+def _fast_backend(tokenizer: Any) -> Tokenizer | None:
+    """The ``tokenizers.Tokenizer`` whose ``decode`` is exactly ``tokenizer.decode``, if any (not
+    when transformers cleans up spaces after it, which ``DecodeStream`` would not)."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if isinstance(backend, Tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return backend
+    return None
 
 
 def holdback(text: str, stops: Seq[str]) -> int:
@@ -47,13 +93,14 @@ class Output:
         self.on_text = on_text
         self.stream = TextStream(tokenizer) if on_text is not None or self.stops else None
         self.emitted = 0
+        self._scanned = 0  # text before this was searched for stop strings already
 
     def accept(self, generated: Seq[int]) -> str | None:
         """The newest of ``generated`` arrived: stream it; the finish reason if the answer ends."""
         token_id = generated[-1]
         if self.stream is not None:
             self.stream.push(token_id)
-            if self.stops and any(s in self.stream.text for s in self.stops):
+            if self._stopped(self.stream.text):
                 return "stop"
             self._emit(self.stream.text, holdback(self.stream.text, self.stops))
         if token_id in self.eos:
@@ -61,6 +108,15 @@ class Output:
         if len(generated) >= self.max_new_tokens:
             return "length"
         return None
+
+    def _stopped(self, text: str) -> bool:
+        """Whether a stop string appeared; only the new text (and the tail a stop string could
+        straddle) is searched, so the checks stay linear in the answer's length."""
+        if not self.stops:
+            return False
+        start = max(0, self._scanned - max(map(len, self.stops)) + 1)
+        self._scanned = len(text)
+        return any(text.find(s, start) >= 0 for s in self.stops)
 
     def final_text(self, generated: Seq[int], finish_reason: str | None) -> str:
         """The whole answer (cut before a stop string), with the rest of the stream sent."""

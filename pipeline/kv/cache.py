@@ -15,26 +15,21 @@ placeholder tokens can never match. Its operations are block operations on the s
 Blocks are reserved (``reserve``) before a forward writes them and recorded (``append``) once it
 has; full blocks then enter the prefix cache. Dropping a KVCache returns its blocks.
 
-**Linear-attention layers** (Qwen3.5) keep a recurrent state per sequence, not per position
-(``pipeline.kv.states``): the cache holds the state at its length (``slot``) and **checkpoints**,
-states at earlier positions: every ``kv.state_checkpoint_every`` tokens, each prompt's end, its
-reply header and last block boundary, and positions asked for with ``checkpoint_at`` (a shared
-prefix's end) or by ``snapshot``. Going back in time (``rollback``, ``restore``, ``reuse`` of a shorter
-prefix) returns to the nearest checkpoint at or before the position asked for, and the next
-prefill recomputes the rest (counted in ``prefill_tokens``): such a cache may end up shorter
-than asked, never wrong. Block-boundary checkpoints are registered with the prefix cache, so
-another request attaches blocks only up to a position it has a state for.
+Models with linear-attention layers (Qwen3.5) also need a recurrent state per sequence, kept
+with checkpoints at earlier positions: the cache owns a ``RecurrentStates``
+(``pipeline.kv.checkpoints``, which explains them) and calls it wherever the block table
+changes. Going back in time there may stop short of the position asked for (at the nearest
+checkpoint), and ``reuse`` attaches prefix-cache blocks only up to a position with a state.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Sequence
 
-
-from pipeline.errors import UserError
-from pipeline.errors import OutOfBlocks
+from pipeline.errors import OutOfBlocks, UserError
+from pipeline.kv.checkpoints import RecurrentStates
 from pipeline.kv.pool import BlockPool
-from pipeline.kv.states import ZERO_SLOT, OutOfSlots, StateIO
+from pipeline.kv.states import ZERO_SLOT, StateIO, StateSlots
 
 
 def shared_prefix_length(*sequences: Sequence[Hashable]) -> int:
@@ -68,13 +63,8 @@ class KVCache:
         self._digests: list[int] = []  # chain hash of each full block, in order
         # Position state a family needs to continue (e.g. Qwen2-VL rope_deltas); reset with the cache.
         self.state: dict[str, Any] = {}
-        # Recurrent states (models with linear-attention layers; see the module docstring).
-        self.states = pool.states
-        self.slot = ZERO_SLOT  # the state at ``length``
-        self.checkpoints: dict[int, int] = {}  # position -> state slot held
-        self.wanted: set[int] = set()  # positions to checkpoint when a forward passes them
-        self.state_io: StateIO | None = None  # slots the forward being prepared reads and writes
-        self._passing: dict[int, int] = {}  # states at every verified draft (held until the next forward)
+        # Recurrent states and their checkpoints (models with linear-attention layers only).
+        self.recurrent: RecurrentStates | None = RecurrentStates(pool) if pool.states is not None else None
 
     def __del__(self) -> None:
         try:
@@ -99,10 +89,7 @@ class KVCache:
         """Bytes of the blocks and recurrent states (its own and checkpoints) this sequence holds
         (shared ones count in full for each holder)."""
         kv = len(self.blocks) * self.pool.block_bytes
-        if self.states is None:
-            return kv
-        slots = {*self.checkpoints.values(), *self._passing.values(), self.slot} - {ZERO_SLOT}
-        return kv + len(slots) * self.states.slot_bytes
+        return kv if self.recurrent is None else kv + self.recurrent.nbytes
 
     @property
     def capacity(self) -> int:
@@ -127,16 +114,16 @@ class KVCache:
         a state after each of the ``n`` tokens too (verifying drafts: a rollback to any of them
         is then exact), kept only until the next forward.
         """
-        io = self._plan_states(n, every_position) if self.states is not None else None
+        rec = self.recurrent
+        if rec is None:
+            return self._reserve_blocks(n)
+        io = rec.plan(self.length, n, every_position)
         try:
             slots = self._reserve_blocks(n)
         except OutOfBlocks:
-            if io is not None:
-                self._drop_io(io)
+            rec.drop(io)
             raise
-        if io is not None:
-            self._drop_io(self.state_io)
-            self.state_io = io
+        rec.arm(io)
         return slots
 
     def _reserve_blocks(self, n: int) -> list[int]:
@@ -170,89 +157,40 @@ class KVCache:
         for i in range(len(self._digests), self.length // bs):
             parent = self._digests[-1] if self._digests else None
             self._digests.append(self.pool.register(self.blocks[i], parent, tuple(self.keys[i * bs : (i + 1) * bs])))
-        if self.state_io is not None:
-            self._commit(start)
-        elif self.states is not None and keys:
-            raise RuntimeError("append() without reserve(): the recurrent state did not advance with these keys")
+        if self.recurrent is not None:
+            self.recurrent.commit(start, self.length, self._digests)
 
-    # --- recurrent states -------------------------------------------------------------------
+    # --- recurrent states (``pipeline.kv.checkpoints``) ----------------------------------------
+    @property
+    def states(self) -> StateSlots | None:
+        """The pool's recurrent-state slots (None: no linear-attention layers)."""
+        return self.pool.states
+
+    @property
+    def slot(self) -> int:
+        """The recurrent state at ``length``."""
+        return ZERO_SLOT if self.recurrent is None else self.recurrent.slot
+
+    @property
+    def checkpoints(self) -> dict[int, int]:
+        """Position -> recurrent-state slot held there."""
+        return {} if self.recurrent is None else self.recurrent.checkpoints
+
+    @property
+    def wanted(self) -> set[int]:
+        """Positions to checkpoint when a forward passes them."""
+        return set() if self.recurrent is None else self.recurrent.wanted
+
+    @property
+    def state_io(self) -> StateIO | None:
+        """The state slots the forward being prepared reads and writes (read by intake)."""
+        return None if self.recurrent is None else self.recurrent.io
+
     def checkpoint_at(self, *positions: int) -> None:
         """Ask for the recurrent state at these positions to be kept when a forward passes them
         (no-op for models without linear-attention layers)."""
-        if self.states is not None:
-            self.wanted.update(p for p in positions if p > 0)
-
-    def _wants(self, position: int) -> bool:
-        every = self.pool.checkpoint_every
-        return position in self.wanted or bool(every and position % every == 0)
-
-    def _plan_states(self, n: int, every_position: bool = False) -> StateIO:
-        """Slots for a forward over the next ``n`` positions: the state after them (required) and
-        checkpoints inside them (taken when a slot is free, else skipped: only recompute is lost)."""
-        self._release_passing()
-        try:
-            target = self.states.allocate()
-        except OutOfSlots:
-            raise OutOfBlocks from None
-        lo, hi, every = self.length, self.length + n, self.pool.checkpoint_every
-        inside = {p for p in self.wanted if lo < p < hi}
-        if every:
-            inside.update(range((lo // every + 1) * every, hi, every))
-        passing = set(range(lo + 1, hi)) - inside if every_position else set()
-        saves = {}
-        for p in sorted(inside | passing):
-            try:
-                saves[p - lo] = self.states.allocate(optional=p not in passing)
-            except OutOfSlots:
-                if p in passing:
-                    self._drop_io(StateIO(ZERO_SLOT, target, saves))
-                    raise OutOfBlocks from None
-                continue
-        return StateIO(self.slot, target, saves, {p - lo for p in passing})
-
-    def _drop_io(self, io: StateIO | None) -> None:
-        if io is not None:
-            for slot in (io.target, *io.saves.values()):
-                self.states.release(slot)
-
-    def _commit(self, start: int) -> None:
-        """The forward's states become the cache's: the new one, and the checkpoints it took."""
-        io, self.state_io = self.state_io, None
-        for offset, slot in io.saves.items():
-            if offset in io.passing:
-                self._passing[start + offset] = slot
-            else:
-                self._keep(start + offset, slot)
-        self.states.release(self.slot)
-        self.slot = io.target
-        if self._wants(self.length):
-            self._keep(self.length, self.states.hold(io.target))
-        self.wanted = {p for p in self.wanted if p > self.length}
-
-    def _keep(self, position: int, slot: int) -> None:
-        """Hold ``slot`` as the checkpoint at ``position``; at a block boundary, also for others."""
-        old = self.checkpoints.pop(position, None)
-        if old is not None:
-            self.states.release(old)
-        self.checkpoints[position] = slot
-        bs = self.block_size
-        if position % bs == 0 and position // bs <= len(self._digests):
-            self.states.register(self._digests[position // bs - 1], slot)
-
-    def _restore_state(self, n: int) -> int:
-        """Make the state the one at the nearest checkpoint at or before ``n``; return its position."""
-        at = n if n == self.length else max([p for p in (*self.checkpoints, *self._passing) if p <= n], default=0)
-        if at != self.length:
-            for p in [p for p in self.checkpoints if p > at]:
-                self.states.release(self.checkpoints.pop(p))
-            self.states.release(self.slot)
-            self.slot = self.states.hold(self.checkpoints.get(at, self._passing.get(at, ZERO_SLOT)))
-            self._release_passing(after=at)
-        return at
-
-    def _release_passing(self, after: int = -1) -> None:
-        for p in [p for p in self._passing if p > after]:
-            self.states.release(self._passing.pop(p))
+        if self.recurrent is not None:
+            self.recurrent.want(*positions)
 
     # --- reuse and rollback -----------------------------------------------------------------
     def common_prefix(self, keys: Sequence[Hashable]) -> int:
@@ -266,8 +204,8 @@ class KVCache:
         """
         limit = len(keys) - 1
         self.rollback(max(0, min(self.common_prefix(keys), limit)))
-        if self.states is not None:
-            self._attach_with_state(keys, limit)
+        if self.recurrent is not None:
+            self._attach_with_state(self.recurrent, keys, limit)
             return self.length
         bs = self.block_size
         while self.length % bs == 0 and self.length + bs <= limit:
@@ -281,42 +219,45 @@ class KVCache:
             self._digests.append(self.pool.digest_of(block))
         return self.length
 
-    def _attach_with_state(self, keys: Sequence[Hashable], limit: int) -> None:
+    def _attach_with_state(self, rec: RecurrentStates, keys: Sequence[Hashable], limit: int) -> None:
         """Recurrent layers: take blocks from the prefix cache only up to a boundary that has a
         registered state, and only when that goes further than what this cache holds."""
-        bs, pool = self.block_size, self.pool
-        parent, best = None, 0
-        for i in range(limit // bs):
-            parent = pool.chain(parent, tuple(keys[i * bs : (i + 1) * bs]))
-            if not pool.is_cached(parent):
-                break
-            if self.states.has(parent):
-                best = i + 1
-        if best * bs <= self.length:
+        best = self._boundary_with_state(rec, keys, limit)
+        if best * self.block_size <= self.length:
             return
-        blocks, digests, parent = [], [], None
-        for i in range(best):
-            block = pool.lookup(parent, tuple(keys[i * bs : (i + 1) * bs]))
-            if block is None:  # evicted meanwhile by another thread
-                break
-            blocks.append(block)
-            parent = pool.digest_of(block)
-            digests.append(parent)
-        slot = self.states.lookup(digests[-1]) if len(blocks) == best else None
-        if slot is None or best * bs <= self.length:
+        blocks, digests = self._lookup_blocks(keys, best)
+        slot = rec.lookup(digests[-1]) if len(blocks) == best else None
+        if slot is None:  # a block or its state was evicted meanwhile by another thread
             for block in blocks:
-                pool.release(block)
-            if slot is not None:
-                self.states.release(slot)
+                self.pool.release(block)
             return
         self.clear()
-        self.blocks, self._digests, self.keys = blocks, digests, list(keys[: best * bs])
-        self.slot = slot
-        self.checkpoints[best * bs] = self.states.hold(slot)
-        for i, digest in enumerate(digests[:-1]):  # the registered states before it: for rollbacks
-            earlier = self.states.lookup(digest)
-            if earlier is not None:
-                self.checkpoints[(i + 1) * bs] = earlier
+        self.blocks, self._digests, self.keys = blocks, digests, list(keys[: best * self.block_size])
+        rec.attach(best * self.block_size, slot, digests)
+
+    def _boundary_with_state(self, rec: RecurrentStates, keys: Sequence[Hashable], limit: int) -> int:
+        """Full blocks of ``keys`` (within ``limit``) up to the last cached one with a registered state."""
+        bs, parent, best = self.block_size, None, 0
+        for i in range(limit // bs):
+            parent = self.pool.chain(parent, tuple(keys[i * bs : (i + 1) * bs]))
+            if not self.pool.is_cached(parent):
+                break
+            if rec.registered(parent):
+                best = i + 1
+        return best
+
+    def _lookup_blocks(self, keys: Sequence[Hashable], count: int) -> tuple[list[int], list[int]]:
+        """The first ``count`` full blocks of ``keys`` from the prefix cache, held, with their
+        hashes; fewer if one was evicted meanwhile by another thread."""
+        bs, blocks, digests, parent = self.block_size, [], [], None
+        for i in range(count):
+            block = self.pool.lookup(parent, tuple(keys[i * bs : (i + 1) * bs]))
+            if block is None:
+                break
+            blocks.append(block)
+            parent = self.pool.digest_of(block)
+            digests.append(parent)
+        return blocks, digests
 
     def future_digests(self, keys: Sequence[Hashable], limit: int | None = None) -> list[int]:
         """Chain hashes of the full blocks of ``keys`` past what this cache holds in full blocks
@@ -337,8 +278,8 @@ class KVCache:
         recomputes the rest)."""
         if n < 0 or n > self.length:
             raise ValueError(f"cannot roll back to {n}: the cache holds {self.length} tokens")
-        if self.states is not None:
-            n = self._restore_state(n)
+        if self.recurrent is not None:
+            n = self.recurrent.restore(n, self.length)
         if n == 0:
             self.clear()
             return 0
@@ -351,13 +292,13 @@ class KVCache:
         """Return blocks (and state slots) past the recorded keys, reserved for a forward that did
         not finish, and the per-draft states of the last verification."""
         self._drop_unrecorded()
-        self._release_passing()
+        if self.recurrent is not None:
+            self.recurrent.release_passing()
 
     def _drop_unrecorded(self) -> None:
         self._release_from(-(-self.length // self.block_size))
-        if self.state_io is not None:
-            self._drop_io(self.state_io)
-            self.state_io = None
+        if self.recurrent is not None:
+            self.recurrent.cancel()
 
     def _release_from(self, index: int) -> None:
         for block in self.blocks[index:]:
@@ -366,8 +307,8 @@ class KVCache:
 
     def snapshot(self) -> Snapshot:
         """A mark at the current length (with recurrent layers, also a checkpoint there)."""
-        if self.states is not None and self.length and self.length not in self.checkpoints:
-            self._keep(self.length, self.states.hold(self.slot))
+        if self.recurrent is not None:
+            self.recurrent.mark(self.length, self._digests)
         return Snapshot(self.length, tuple(self.keys), dict(self.state))
 
     def restore(self, snap: Snapshot) -> None:
@@ -380,7 +321,7 @@ class KVCache:
 
     def fork(self) -> "KVCache":
         """A second sequence holding the same blocks (no copy; a shared partial block is copied
-        by whichever sequence writes into it first)."""
+        by whichever sequence writes into it first) and the same recurrent states."""
         other = KVCache(self.pool)
         for block in self.blocks:
             self.pool.hold(block)
@@ -388,21 +329,15 @@ class KVCache:
         other.keys = list(self.keys)
         other._digests = list(self._digests)
         other.state = dict(self.state)
-        if self.states is not None:  # states are never written in place: share them
-            other.slot = self.states.hold(self.slot)
-            other.checkpoints = {p: self.states.hold(s) for p, s in self.checkpoints.items()}
-            other.wanted = set(self.wanted)
+        if self.recurrent is not None:
+            other.recurrent = self.recurrent.fork()
         return other
 
     def clear(self) -> None:
+        """Back to empty, every block and state slot given back (also when the cache is dropped)."""
         self._release_from(0)
         self.keys.clear()
         self._digests.clear()
         self.state.clear()
-        if self.states is not None:
-            for slot in (self.slot, *self.checkpoints.values()):
-                self.states.release(slot)
-            self.slot, self.checkpoints = ZERO_SLOT, {}
-            self._release_passing()
-            self._drop_io(self.state_io)
-            self.state_io = None
+        if self.recurrent is not None:
+            self.recurrent.clear()

@@ -6,6 +6,7 @@ import sys
 from omegaconf import DictConfig
 
 from pipeline.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg, stages_from_cfg
+from pipeline.engine.intake import check_media
 from pipeline.loading import format_placement
 from pipeline.metrics import format_table
 from pipeline.outputs import run_dir, write_json
@@ -19,6 +20,7 @@ def stdout_writer(text: str) -> None:
 def main(cfg: DictConfig) -> None:
     request = request_from_cfg(cfg)  # validate settings, media and stages before loading anything
     stages = stages_from_cfg(cfg)
+    check_media(stages, request)
     lm = load_from_cfg(cfg)
     print(f"weights (quant={lm.quant}):\n{format_placement(lm.placement)}", file=sys.stderr)
     pipe = pipeline_from_cfg(cfg, lm, stages)  # kv.static / decode.compile: warm-up happens here

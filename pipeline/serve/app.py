@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over one pipeline (``create_app``), built with FastAPI.
 
-Every request becomes one engine sequence per choice, submitted from the event loop; the engine
-runs on its own thread (see ``create_app``), so the loop never waits on the model. Media are
+Every request becomes one engine sequence per choice, submitted from the event loop. The loop
+never steps the engine: another thread drives it (``Engine.drive``; ``mode=serve`` drives it on
+the main thread while uvicorn serves on its own), so the loop never waits on the model. Media are
 decoded off the loop. A streamed response is committed (status 200) only once its first piece
 of text or its end is known, so a request that fails before generating anything (bad media, a
 prompt too long) still gets its 4xx JSON error. A client that goes away cancels its sequences:
