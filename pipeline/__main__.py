@@ -7,10 +7,14 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 from pipeline.errors import UserError
-from pipeline.settings import register
+from pipeline.modes import get_mode
+from pipeline.settings import check, register
 
 register()  # the schema config.yaml composes over
 
@@ -61,10 +65,6 @@ def check_overrides(argv: list[str]) -> None:
     (``quant=nf4,none``) is tried on its own."""
     if any(arg.split("=")[0] in _HYDRA_FLAGS for arg in argv):
         return
-    from hydra import compose, initialize_config_dir
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
     overrides = [arg for arg in argv if not arg.startswith("-")]  # -m / --multirun
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -82,9 +82,6 @@ def check_overrides(argv: list[str]) -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def hydra_main(cfg: DictConfig) -> None:
-    from pipeline.modes import get_mode
-    from pipeline.settings import check
-
     try:
         check(cfg)  # the rules types cannot say, once, before the mode reads anything
         get_mode(str(cfg.mode.name))(cfg)

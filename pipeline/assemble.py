@@ -11,23 +11,24 @@ from typing import Any
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
+from transformers import AutoTokenizer
 
 from pipeline.context import Request
 from pipeline.errors import UserError
-from pipeline.loading import LoadedModel, load_model
+from pipeline.loading import LoadedModel, _check_path, _load_error, load_model
 from pipeline.kv import kv_memory_setting
+from pipeline.media import Inputs, load_inputs
 from pipeline.pipeline import Pipeline, check_stages
 from pipeline.spec import Speculative, check_same_tokenizer
 from pipeline.settings import plain as _plain
+from pipeline.tiny import default_model_dir, model_card
+from pipeline.tiny.shapes import COUNT_QUESTION, SHAPES_QUESTION
 
 
 def model_path(cfg: DictConfig) -> str:
     """model.path, or the embedded default (shipped in the package) when no model is chosen."""
     if cfg.model.path:
         return str(cfg.model.path)
-    from pipeline.tiny import default_model_dir
-    from pipeline.tiny.shapes import COUNT_QUESTION, SHAPES_QUESTION
-
     print(
         "mm-pipeline: no model chosen, running the embedded default: a toy Qwen2-VL model trained by this "
         f"project to name the shapes in images (ask \"{SHAPES_QUESTION}\" or \"{COUNT_QUESTION}\"; "
@@ -40,8 +41,6 @@ def model_path(cfg: DictConfig) -> str:
 def embedded_example() -> tuple[str, str]:
     """The image and question of a run with no input and no prompt on the embedded default: its
     example image (the same as examples/shapes.png) and the question it was trained on."""
-    from pipeline.tiny import default_model_dir, model_card
-
     path = default_model_dir()
     card = model_card(path) or {}
     return str(path / card["example_image"]), card["default_prompts"]["image"]
@@ -89,9 +88,6 @@ def load_from_cfg(cfg: DictConfig) -> LoadedModel:
 def check_draft_tokenizer(target: str, draft: str, trust_remote_code: bool = False) -> None:
     """decode.draft_model must exist and share the target's tokenizer (read from both folders:
     seconds, not the minutes a large target takes to load)."""
-    from transformers import AutoTokenizer
-
-    from pipeline.loading import _check_path, _load_error
     toks = []
     for name, path in (("model", target), ("decode.draft_model", draft)):
         _check_path(path)
@@ -177,8 +173,6 @@ def input_paths(cfg: DictConfig) -> list[str]:
 
 def request_from_cfg(cfg: DictConfig, **overrides: Any) -> Request:
     """The request the CLI settings describe; its media files are read here, before any model loads."""
-    from pipeline.media import Inputs, load_inputs
-
     fps, max_frames = video_sampling(cfg)
     paths = input_paths(cfg)
     prompt = cfg.prompt

@@ -23,6 +23,10 @@ from typing import Any, Callable, Literal, Sequence
 from pipeline.context import Request, Result
 from pipeline.errors import UserError
 from pipeline.kv import KVCache
+from pipeline.media import (
+    DEFAULT_MAX_PIXELS, DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES, content_hash, load_audio, load_image, load_video,
+    media_kind,
+)
 from pipeline.outputs import append_jsonl
 from pipeline.pipeline import Pipeline
 
@@ -110,11 +114,6 @@ class ChatSession:
 
         Bad files, or a kind the model has no encoder for, raise UserError and attach nothing.
         """
-        from pipeline.media import (
-            DEFAULT_MAX_PIXELS, DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES, load_audio, load_image, load_video,
-            media_kind,
-        )
-
         actual = media_kind(path)
         if kind is not None and actual != kind:
             raise UserError(f"{path}: {_a(actual)} {actual} file, not {_a(kind)} {kind} file (use /{actual} {path})")
@@ -256,8 +255,6 @@ def _label(item: Any) -> str:
         return str(item)
     if isinstance(getattr(item, "source", None), str):  # a Video loaded from a file
         return item.source
-    from pipeline.media import content_hash
-
     try:
         return "sha256:" + content_hash(item)[:16]
     except TypeError:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import transformers
+from accelerate.utils import convert_file_size_to_int
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
 from pipeline import quant as q
@@ -18,6 +19,7 @@ from pipeline.errors import UserError
 from pipeline.families import Family, family_for_config
 from pipeline.kv import state_shape
 from pipeline.memory import text_config
+from pipeline.tiny import MARKER_FILE, model_card
 
 
 @dataclass
@@ -213,8 +215,6 @@ def parse_max_memory(max_memory: Any) -> dict:
         return {}
     if not isinstance(max_memory, dict):
         raise UserError(f"model.max_memory must be a mapping like {{0: 10GiB, cpu: 30GiB}} (got {max_memory!r})")
-    from accelerate.utils import convert_file_size_to_int
-
     out: dict = {}
     for key, size in max_memory.items():
         if isinstance(key, str) and re.fullmatch(r"(cuda:)?\d+", key):
@@ -247,16 +247,12 @@ def check_offload_folder(folder: str | None) -> str | None:
 
 def _is_tiny(path: str) -> bool:
     """A model this project built (random or toy weights): quant=auto leaves it unquantised."""
-    from pipeline.tiny import MARKER_FILE
-
     return (Path(path).expanduser() / MARKER_FILE).is_file()
 
 
 def _default_prompts(path: str) -> dict[str, str]:
     """The questions a project-built model asks of media given without a prompt (its marker's
     ``default_prompts``): the toy shapes model was trained on one question, not "Describe this image."."""
-    from pipeline.tiny import model_card
-
     prompts = (model_card(path) or {}).get("default_prompts") or {}
     return {str(kind): str(text) for kind, text in prompts.items()} if isinstance(prompts, dict) else {}
 

@@ -6,9 +6,13 @@ front, the run stops at once with the numbers.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from pipeline.errors import UserError
 
 
 
@@ -21,8 +25,6 @@ def _layers(config: Any) -> tuple[list[str], list[dict]]:
     """Each decoder layer's cache kind and its settings (``sliding_window``), read as
     transformers' own caches read them: ``layer_types``, or, where a config has none, sliding
     when it sets ``sliding_window`` (Mistral) and chunked when it sets ``attention_chunk_size``."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
     kinds, kwargs = get_layer_types_and_kwargs(text_config(config))
     return list(kinds), list(kwargs)
 
@@ -49,8 +51,6 @@ def sliding_window(config: Any) -> int | None:
     windows = {int(kw["sliding_window"]) for kind, kw in zip(kinds, kwargs)
                if kind == "sliding_attention" and kw.get("sliding_window")}
     if len(windows) > 1:
-        from pipeline.errors import UserError
-
         raise UserError(f"the paged KV cache handles one sliding window per model; this one has {sorted(windows)}")
     return windows.pop() if windows else None
 
@@ -121,8 +121,6 @@ def available_ram() -> int:
 
         return int(psutil.virtual_memory().available)
     except ImportError:  # psutil comes with accelerate; this is only a fallback
-        import os
-
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 

@@ -1,10 +1,14 @@
 """Writing results so that a file on disk is either complete or absent, never half-written."""
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 from pathlib import Path
 from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
 
 
 def write_json(path: str | Path, data: Any) -> Path:
@@ -26,9 +30,6 @@ def write_text(path: str | Path, text: str) -> Path:
 
 def write_csv(path: str | Path, rows: list[list[Any]]) -> Path:
     """Rows (the header first) as RFC 4180 CSV, written atomically."""
-    import csv
-    import io
-
     buf = io.StringIO()
     csv.writer(buf, lineterminator="\n").writerows(rows)
     return write_text(path, buf.getvalue())
@@ -59,8 +60,6 @@ def append_jsonl(path: str | Path, record: Any) -> None:
 def run_dir() -> Path:
     """The Hydra run folder of this job (the current folder outside Hydra)."""
     try:
-        from hydra.core.hydra_config import HydraConfig
-
         return Path(HydraConfig.get().runtime.output_dir)
     except ValueError:
         return Path.cwd()

@@ -13,6 +13,7 @@ import re
 from typing import Any, Sequence
 
 import torch
+from transformers import BitsAndBytesConfig
 
 from pipeline.errors import UserError
 
@@ -156,8 +157,6 @@ def quantization_config(
     if name in ("none", "auto"):
         raise UserError(f"quant={name} has no bitsandbytes config (resolve the scheme first)")
     quiet_bitsandbytes()
-    from transformers import BitsAndBytesConfig
-
     names = _get(quant_cfg, "skip_modules", None)
     skips = skip_patterns(["lm_head", *encoders] if names is None else names, keep_lm_head=tied_lm_head,
                           always=unquantised)

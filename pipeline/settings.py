@@ -25,6 +25,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.errors import UserError, whole_number
 from pipeline.kv import kv_memory_setting
+from pipeline.media.video import check_sampling
+from pipeline.quant import SCHEMES, scheme_name
 from pipeline.spec import check_settings
 
 SCHEMA = "mm_pipeline_schema"
@@ -201,8 +203,6 @@ def check(cfg: DictConfig) -> None:
     if media.long_audio not in ("split", "error"):
         raise UserError(f"media.long_audio must be split or error (got {media.long_audio!r})")
     whole_number("media.max_image_pixels", media.max_image_pixels)
-    from pipeline.media.video import check_sampling
-
     check_sampling(media.video_fps, media.video_max_frames, error=UserError,
                    names=("media.video_fps", "media.video_max_frames"))
     whole_number("kv.block_size", cfg.kv.block_size)
@@ -212,8 +212,6 @@ def check(cfg: DictConfig) -> None:
         whole_number(f"engine.{name}", cfg.engine[name])
     if cfg.prefill.chunk_size is not None:
         whole_number("prefill.chunk_size", cfg.prefill.chunk_size)
-    from pipeline.quant import SCHEMES, scheme_name
-
     scheme_name(plain(cfg.quant))
     d = cfg.decode
     check_settings(d.speculative, d.num_draft, d.ngram_max, d.ngram_min, has_draft=bool(d.draft_model))

@@ -7,6 +7,7 @@ from typing import Any
 
 from pipeline.errors import UserError
 from pipeline.families.base import Family, TextFamily
+from pipeline.memory import ATTENTION_KINDS, layer_kinds
 
 
 def registry() -> dict[str, type[Family]]:
@@ -27,8 +28,6 @@ def family_for_config(config: Any) -> Family:
     covers runs as a generic text model only when its layers are full or sliding-window
     attention (what the paged KV cache holds); anything else is refused in one line, before the
     weights load."""
-    from pipeline.memory import ATTENTION_KINDS, layer_kinds
-
     model_type = getattr(config, "model_type", "")
     families = registry()
     if model_type not in families:

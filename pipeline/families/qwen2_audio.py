@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Hashable, Sequence
 
 import numpy as np
 import torch
+from transformers.masking_utils import create_bidirectional_mask
 
 from pipeline.errors import UserError
 from pipeline.families.base import Family, media_keys, placeholder_spans
@@ -152,8 +153,6 @@ class Qwen2AudioFamily(Family):
     ) -> torch.Tensor:
         """``[sum of audio tokens, hidden]`` embeddings in prompt order, as ``Qwen2AudioModel.forward``
         computes them before merging: the tower sees a bidirectional mask over the valid frames."""
-        from transformers.masking_utils import create_bidirectional_mask
-
         inner = lm.model.model
         tower, projector = inner.audio_tower, inner.multi_modal_projector
         device = tower.device

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Literal
 
 import numpy as np
+import soundfile as sf
 import torch
 from PIL import Image
 
@@ -112,8 +113,6 @@ def media_kind(path: str | os.PathLike) -> MediaKind:
         return "image"  # an image all right; load_image reports it as too large
     except Exception:  # UnidentifiedImageError, or a decoder choking on the header
         pass
-    import soundfile as sf
-
     try:
         sf.info(str(p))
         return "audio"

@@ -160,7 +160,7 @@ def load_video(
     """
     rate, cap = check_sampling(fps, max_frames)
     p = check_file(path)
-    import av
+    import av  # PyAV (FFmpeg) is slow to import: only when a video is read
 
     try:
         with av.open(str(p)) as container:
@@ -194,7 +194,7 @@ def load_video(
 def load_audio_track(path: str | os.PathLike) -> tuple[torch.Tensor, int] | None:
     """The first audio stream of a media file as ``(mono float32 wave, its rate)``, channels
     averaged as ``load_audio`` does; None when there is none or PyAV cannot decode it."""
-    import av
+    import av  # slow to import: only when a video is read
 
     try:
         with av.open(str(path)) as container:

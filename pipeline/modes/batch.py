@@ -39,15 +39,22 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast_object_list, parse_flag_from_env
 from omegaconf import DictConfig, OmegaConf, open_dict
+from tqdm import tqdm
 
 from pipeline.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg
 from pipeline.context import Request, Result
 from pipeline.errors import UserError, whole_number
+from pipeline.media import media_kind
 from pipeline.outputs import append_jsonl, run_dir, write_json, write_jsonl
+from pipeline.prefix import run_shared_prefix
 
 # Test hook: hard-exit (os._exit, no cleanup) after this many items were journaled by this
 # process, to prove that an interrupted batch resumes without losing or duplicating a line.
@@ -251,8 +258,6 @@ def error_record(item: Item, message: str) -> dict:
 
 def item_request(cfg: DictConfig, item: Item) -> Request:
     """The item's Request: the run's settings, then the item's own; its media loaded (and checked)."""
-    from pipeline.media import media_kind
-
     for kind, paths in (("image", item.images), ("video", item.videos), ("audio", item.audios)):
         for p in paths:
             if media_kind(p) != kind:
@@ -289,8 +294,6 @@ def run_items(
             else:
                 on_record(success_record(by_key[key], outcome))
         return
-    from pipeline.prefix import run_shared_prefix
-
     ready: list[tuple[Item, Request, list]] = []
     for item in items:  # load and tokenize first: a bad item must not break the shared prefix
         try:
@@ -368,12 +371,6 @@ def process_state(sync_timeout_s: float = 86400) -> Any:
     Ranks that finish early wait at a barrier for the slowest one: the process group's timeout
     (torch's default is 30 minutes) must outlast the longest shard, hence ``sync_timeout_s``.
     """
-    from datetime import timedelta
-
-    import torch
-    from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
-
     cpu = not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU")
     return PartialState(cpu=cpu, timeout=timedelta(seconds=sync_timeout_s))
 
@@ -383,8 +380,6 @@ def shared_run_dir(state: Any) -> Path:
     mine = run_dir().resolve()
     if state.num_processes == 1:
         return mine
-    from accelerate.utils import broadcast_object_list
-
     box = [str(mine)]
     broadcast_object_list(box, from_process=0)
     chosen = Path(box[0])
@@ -445,8 +440,6 @@ def main(cfg: DictConfig) -> None:
         print(f"batch: resuming in {out}: {len(mine) - len(pending)} of {len(mine)} items already done", file=sys.stderr)
 
     if pending:
-        from tqdm import tqdm
-
         place_on_rank(cfg, state)
         lm = load_from_cfg(cfg)
         pipe = pipeline_from_cfg(cfg, lm)

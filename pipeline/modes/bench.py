@@ -371,7 +371,7 @@ def csv_rows(rows: list[Row]) -> list[list[Any]]:
 
 def plot(rows: list[Row], path: Path, title: str) -> Path:
     """Bars of pp and tg tokens/s per cell with stddev whiskers; the baseline beside when measured."""
-    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+    from matplotlib.figure import Figure  # slow to import, so only to plot; no pyplot: no global backend or figure state
 
     with_hf = any(r.baseline for r in rows)
     fig = Figure(figsize=(max(6.0, 1.2 * len(rows) + 3), 4.5), layout="constrained")

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig
 
 from pipeline.errors import UserError
@@ -40,8 +41,6 @@ def _natural(text: str) -> list:
 
 def read_overrides(job: Path) -> dict[str, str]:
     """key -> value of the job's command-line overrides (``+``/``++``/``~`` prefixes dropped)."""
-    import yaml
-
     try:
         entries = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text(encoding="utf-8")) or []
     except (OSError, yaml.YAMLError):
@@ -159,9 +158,9 @@ def labels(columns: list[str], rows: list[dict[str, Any]]) -> list[str]:
 
 def plot(columns: list[str], rows: list[dict[str, Any]], path: Path, title: str) -> None:
     """Four bar charts (TTFT, TPOT, prefill and decode tokens/s), one bar per row."""
-    import matplotlib
+    import matplotlib  # slow to import: only a report that plots loads it
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # before pyplot: no display needed
     import matplotlib.pyplot as plt
 
     names = labels(columns, rows)

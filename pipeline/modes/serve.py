@@ -12,6 +12,7 @@ import socket
 import threading
 from pathlib import Path
 
+import uvicorn
 from omegaconf import DictConfig
 
 from pipeline.assemble import (
@@ -70,8 +71,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def main(cfg: DictConfig) -> None:
-    import uvicorn
-
     settings = settings_from_cfg(cfg)
     port = whole_number("serve.port", cfg.serve.port, minimum=0)
     request_from_cfg(cfg, prompt="check")  # the shared request settings (stop, max_new_tokens...) are valid

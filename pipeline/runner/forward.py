@@ -58,28 +58,32 @@ def run_model(
     ids: torch.Tensor,
     embeds: torch.Tensor | None,
     positions: torch.Tensor,
-    index: torch.Tensor,
+    index: torch.Tensor | None,
     batch: PagedBatch,
     extra: dict | None = None,
 ) -> torch.Tensor:
-    """The model call itself, tensors in and logits out: the unit ``torch.compile`` sees.
+    """The model call itself, tensors in and logits out (of the packed rows ``index``; None:
+    every row): the unit ``torch.compile`` sees.
 
-    ``extra``: language-model inputs a family adds for prompt tokens (``Family.lm_inputs``, e.g.
-    Qwen3-VL's deepstack features), which the top-level forward would not pass through: then the
-    decoder runs on its own and the output projection is applied to the kept rows.
+    Where the logits are just the decoder's hidden states projected (``attention.plain_head``),
+    the decoder runs on its own and the output projection is applied to the kept rows; so it does
+    for ``extra``, language-model inputs a family adds for prompt tokens (``Family.lm_inputs``,
+    e.g. Qwen3-VL's deepstack features), which the top-level forward would not pass through.
     """
     inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
-    if extra:
-        hidden = model.get_decoder()(
-            **inputs, position_ids=positions, attention_mask=_NO_MASK, use_cache=False, paged=batch, **extra
+    head = model.__dict__.get("_mm_head")
+    if extra or head is not None:
+        decoder, project = head if head is not None else (model.get_decoder(), model.get_output_embeddings())
+        hidden = decoder(
+            **inputs, position_ids=positions, attention_mask=_NO_MASK, use_cache=False, paged=batch, **(extra or {})
         ).last_hidden_state
-        return model.get_output_embeddings()(hidden[0, index])
+        return project(hidden[0] if index is None else hidden[0, index])
     out = model(
         **inputs,
         position_ids=positions,
         attention_mask=_NO_MASK,  # any 4-D mask is passed through as is; paged attention reads the batch
         use_cache=False,
-        logits_to_keep=index,
+        logits_to_keep=0 if index is None else index,
         paged=batch,
     )
     return out.logits[0]
@@ -91,26 +95,22 @@ def greedy_step(
     ids: torch.Tensor,
     positions: torch.Tensor,
     lengths: torch.Tensor,
-    table: torch.Tensor,
+    k_slots: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One greedy decode token for every row, batch built and token chosen inside the call: the
     unit a decode burst repeats with no host work in between (see ``Engine`` and
     ``pipeline.compiled``).
 
     ``ids`` [1, B] the tokens fed, ``positions`` [rows, 1, B] or [1, B] theirs, ``lengths`` [B]
-    each row's cache length counting the fed token, ``table`` [B, blocks] its block table
-    (padded with the null block, covering every position the burst writes). Returns the chosen
-    ids and the next step's positions and lengths.
+    each row's cache length counting the fed token, ``k_slots`` [B, K] the pool slot of each of
+    its key positions (from its block table padded with the null block, covering every position
+    the burst writes: fixed for the whole burst). Returns the chosen ids and the next step's
+    positions and lengths. Every op here runs once per token: keep them few.
     """
-    bs = pool.block_size
-    last = lengths - 1
-    slots = table.gather(1, (last // bs).unsqueeze(1)).squeeze(1) * bs + last % bs
-    k_slots = key_slots(table, bs)
+    slots = k_slots.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
     window = None if pool.window is None else decode_mask(k_slots, lengths, pool.window)
     group = Group(ids.shape[1], 1, k_slots, decode_mask(k_slots, lengths), start=0, window_mask=window)
-    batch = PagedBatch(pool, slots, [group])
-    index = torch.arange(ids.shape[1], device=ids.device)
-    logits = run_model(model, ids, None, positions, index, batch)
+    logits = run_model(model, ids, None, positions, None, PagedBatch(pool, slots, [group]))
     return logits.argmax(dim=-1).view(1, -1), positions + 1, lengths + 1
 
 
@@ -133,7 +133,7 @@ def burst_state(
         torch.tensor([list(fed)], device=device),
         pos.unsqueeze(1) if len(positions) > 1 else pos,
         torch.tensor([s + 1 for s in starts], device=device),
-        torch.tensor([padded_table(t, width) for t in tables], device=device),
+        key_slots(torch.tensor([padded_table(t, width) for t in tables], device=device), pool.block_size),
     )
 
 
@@ -156,12 +156,12 @@ def greedy_steps(
     """``steps`` greedy steps, each fed the token the last one chose; the chosen ids [1, B] of
     each. ``settled``: a context entered for the steps after the second, whose inputs look
     exactly like the second's (the compiled path stops re-checking its guards there)."""
-    ids, positions, lengths, table = state
+    ids, positions, lengths, k_slots = state
     chosen = []
     with contextlib.ExitStack() as stack:
         for i in range(steps):
             if i == 2 and settled is not None:
                 stack.enter_context(settled())
-            ids, positions, lengths = step(model, pool, ids, positions, lengths, table)
+            ids, positions, lengths = step(model, pool, ids, positions, lengths, k_slots)
             chosen.append(ids)
     return chosen

@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
@@ -24,6 +25,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Depends, FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from pipeline.context import Request, Result
@@ -36,6 +38,7 @@ from pipeline.serve.metrics import ServerMetrics
 from pipeline.serve.protocol import (
     FINISH, AudioPart, ChatCompletionRequest, CompletionRequest, ImagePart, Sampling, TextPart, VideoPart,
 )
+from stages.sampler import Sampler
 
 PAGE = Path(__file__).parent / "static" / "chat.html"
 
@@ -116,8 +119,6 @@ def create_app(pipe: Pipeline, settings: ServeSettings, draining: Callable[[], b
                on_ready: Callable[[], None] | None = None) -> FastAPI:
     """The FastAPI app serving ``pipe``. Some other thread must drive its engine while it serves,
     e.g. ``pipe.engine.drive(stopped.is_set)`` (``mode=serve`` drives it on the main thread)."""
-    from contextlib import asynccontextmanager
-
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if on_ready is not None:
@@ -171,8 +172,6 @@ def create_app(pipe: Pipeline, settings: ServeSettings, draining: Callable[[], b
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
         return Response(api.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
@@ -219,8 +218,6 @@ class _API:
     def _sampler(self, body: Sampling, choice: int) -> Any:
         """The server's sampler settings, overridden by the request's temperature / top_p / seed
         (choice ``i`` of ``n`` seeded with seed + i, so the choices differ and each reproduces)."""
-        from stages.sampler import Sampler
-
         base = getattr(self.pipe.stages.get("decode"), "sampler", None)
         settings = {k: getattr(base, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")} \
             if isinstance(base, Sampler) else {}

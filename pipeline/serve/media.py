@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipeline.errors import UserError
+from pipeline.media import load_audio, load_image, load_video, media_kind
 
 
 @dataclass
@@ -96,8 +97,6 @@ def _from_url(url: str, where: str, policy: MediaPolicy, kind: str, load: Callab
 
 def _checked_kind(path: str, kind: str) -> None:
     """The file's content must be ``kind`` (a video sent as image_url is named, not misread)."""
-    from pipeline.media import media_kind
-
     actual = media_kind(path)
     if actual != kind:
         raise UserError(f"{path}: {'an' if actual[0] in 'aeiou' else 'a'} {actual} file, sent as {kind}")
@@ -105,8 +104,6 @@ def _checked_kind(path: str, kind: str) -> None:
 
 def image_from_url(url: str, where: str, policy: MediaPolicy) -> Any:
     """An ``image_url`` part -> an RGB PIL image (bomb guard and decoding as the CLI's)."""
-    from pipeline.media import load_image
-
     def load(path: str) -> Any:
         return load_image(path, max_pixels=policy.max_image_pixels)
 
@@ -118,8 +115,6 @@ def image_from_url(url: str, where: str, policy: MediaPolicy) -> Any:
 def video_from_url(url: str, where: str, policy: MediaPolicy) -> Any:
     """A ``video_url`` part -> a ``Video`` sampled as the CLI samples (``media.video_fps``,
     ``media.video_max_frames``), frames under the image pixel guard."""
-    from pipeline.media import load_video
-
     def load(path: str) -> Any:
         _checked_kind(path, "video")
         return load_video(path, fps=policy.video_fps, max_frames=policy.video_max_frames,
@@ -132,8 +127,6 @@ def video_from_url(url: str, where: str, policy: MediaPolicy) -> Any:
 
 def audio_from_base64(data: str, where: str, rate: int, policy: MediaPolicy) -> tuple[Any, int]:
     """An ``input_audio`` part -> (1-D float waveform at ``rate``, rate), at most ``max_audio_s``."""
-    from pipeline.media import load_audio
-
     wave, seconds = _decoded(_b64(data, where), where, lambda path: load_audio(path, rate))
     if seconds > policy.max_audio_s:
         raise UserError(f"{where}: audio is {seconds:.1f} s, over serve.max_audio_s ({policy.max_audio_s:g} s)")

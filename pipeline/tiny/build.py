@@ -14,6 +14,9 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+from transformers.utils import logging as hf_logging
+
 from pipeline.tiny.common import MARKER_FILE, RECIPE_VERSION, _generation_config
 from pipeline.tiny.registry import family_module
 from pipeline.tiny.tokenizer import make_tokenizer
@@ -45,8 +48,6 @@ def _model_class(family: str) -> type[PreTrainedModel]:
 
 
 def _write(family: str, seed: int, dest: Path) -> None:
-    import torch
-
     tok = make_tokenizer(family)
     config = _make_config(family, tok)
     with _seeded(torch, seed):
@@ -72,8 +73,6 @@ def _mute_added_tokens(model: PreTrainedModel, tok: PreTrainedTokenizerBase) -> 
     units above, so greedy never picks them; sampling still can, rarely (about 1% a step
     at temperature 1).  Tests that need an EOS should configure one explicitly.
     """
-    import torch
-
     ids = sorted(set(tok.get_added_vocab().values()))
     with torch.no_grad():
         model.get_output_embeddings().weight[ids] = 0.0
@@ -83,15 +82,12 @@ class _quiet_progress:
     """Hide transformers' per-save progress bars (they would land on the CLI's stderr)."""
 
     def __enter__(self):
-        from transformers.utils import logging as hf_logging
-
-        self.hf = hf_logging
         self.was = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
 
     def __exit__(self, *exc):
         if self.was:
-            self.hf.enable_progress_bar()
+            hf_logging.enable_progress_bar()
 
 
 class _seeded:

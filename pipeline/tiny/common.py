@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from transformers import GenerationConfig
+
 if TYPE_CHECKING:
-    from transformers import GenerationConfig, PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_FAMILY = "qwen2-vl"
 # Bump when anything below changes what gets written (weights, tokenizer, configs): cached
@@ -71,7 +73,7 @@ QWEN_SPECIAL_TOKENS = QWEN_BASE_TOKENS + QWEN_VISION_TOKENS  # what Qwen2-VL, Qw
 
 
 def _roles(family: str) -> dict[str, Any]:
-    from pipeline.tiny.registry import family_module  # the registry imports every family module
+    from pipeline.tiny.registry import family_module  # cycle: registry imports every family module, each imports this one
 
     return family_module(family).ROLES
 
@@ -106,8 +108,6 @@ def _text_kwargs(tok: PreTrainedTokenizerBase, family: str) -> dict[str, Any]:
 
 
 def _generation_config(family: str, tok: PreTrainedTokenizerBase) -> GenerationConfig:
-    from transformers import GenerationConfig
-
     roles = _roles(family)
     ids = tok.convert_tokens_to_ids
     return GenerationConfig(

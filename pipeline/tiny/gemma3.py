@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from pipeline.tiny.common import (
     HEAD_DIM,
     HEADS,
@@ -24,6 +26,8 @@ from pipeline.tiny.common import (
     _vocab_size,
 )
 
+# transformers' config, model and processor classes are imported in the functions that use them: each
+# pulls in its family's modeling code, and ``import pipeline`` imports every family module (the registry).
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 
@@ -129,7 +133,6 @@ def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
 def _with_live_projector(config: PretrainedConfig) -> PreTrainedModel:
     """``Gemma3ForConditionalGeneration`` whose projector is random: transformers initialises it
     to zeros (every image would then look the same to the decoder). Runs under the builder's seed."""
-    import torch
     from transformers import Gemma3ForConditionalGeneration
 
     model = Gemma3ForConditionalGeneration(config)

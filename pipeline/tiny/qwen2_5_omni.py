@@ -26,6 +26,8 @@ from pipeline.tiny.common import (
 )
 from pipeline.tiny.qwen2_vl import _text_config
 
+# transformers' config, model and processor classes are imported in the functions that use them: each
+# pulls in its family's modeling code, and ``import pipeline`` imports every family module (the registry).
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 

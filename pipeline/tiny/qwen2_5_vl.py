@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 from pipeline.tiny.common import HIDDEN, INIT_RANGE, QWEN_ROLES, QWEN_SPECIAL_TOKENS, VISION_DEPTH, VISION_DIM, VISION_HEADS
 from pipeline.tiny.qwen2_vl import QWEN2_VL_CHAT_TEMPLATE, _media_processors, _text_config, _vision_token_ids
 
+# transformers' config, model and processor classes are imported in the functions that use them: each
+# pulls in its family's modeling code, and ``import pipeline`` imports every family module (the registry).
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 

@@ -22,6 +22,8 @@ from pipeline.tiny.common import (
     _text_kwargs,
 )
 
+# transformers' config, model and processor classes are imported in the functions that use them: each
+# pulls in its family's modeling code, and ``import pipeline`` imports every family module (the registry).
 if TYPE_CHECKING:
     from transformers import (
         BaseImageProcessor,

@@ -24,6 +24,8 @@ from pipeline.tiny.common import VISION_HEADS, _text_kwargs
 from pipeline.tiny.qwen2_vl import _vision_token_ids
 from pipeline.tiny.qwen3 import SPECIAL_TOKENS as QWEN3_SPECIAL_TOKENS
 
+# transformers' config, model and processor classes are imported in the functions that use them: each
+# pulls in its family's modeling code, and ``import pipeline`` imports every family module (the registry).
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 

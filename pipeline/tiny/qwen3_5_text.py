@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from pipeline.tiny.qwen3_5 import CHAT_TEMPLATE, ROLES, SPECIAL_TOKENS  # noqa: F401  (the registry reads them here)
 from pipeline.tiny.qwen3_5 import make_text_config
 
+# transformers' config, model and processor classes are imported in the functions that use them: each
+# pulls in its family's modeling code, and ``import pipeline`` imports every family module (the registry).
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 

@@ -11,6 +11,10 @@ from collections import Counter, defaultdict
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import BPE
+from transformers import PreTrainedTokenizerFast, Qwen2Tokenizer
+
 from pipeline.tiny.common import NUM_MERGES, _roles
 from pipeline.tiny.registry import CHAT_TEMPLATES, family_module
 
@@ -78,8 +82,6 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def _backend_pipeline(family: str) -> tuple[Any, Any, Any]:
     """Normalizer / pre-tokenizer / decoder of the family's real tokenizer.json."""
-    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
-
     split = _LLAMA3_SPLIT if family == "llama" else _QWEN_SPLIT
     normalizer = None if family == "llama" else normalizers.NFC()
     pre = pre_tokenizers.Sequence(
@@ -154,9 +156,6 @@ def make_tokenizer(family: str) -> PreTrainedTokenizerBase:
     published); a module's ``NAMED_TOKENS`` become named special tokens (``tok.boi_token``).
     """
     family_module(family)  # an unknown name fails here, clearly
-    from tokenizers import AddedToken, Tokenizer, processors
-    from tokenizers.models import BPE
-
     vocab_items, merges = _vocab_and_merges(family)
     vocab, merges = dict(vocab_items), list(merges)
     roles = _roles(family)
@@ -169,8 +168,6 @@ def make_tokenizer(family: str) -> PreTrainedTokenizerBase:
              for t, s in specials]
 
     if family in ("llama", "gemma3"):
-        from transformers import PreTrainedTokenizerFast
-
         normalizer, pre, decoder = _backend_pipeline(family)
         backend = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=True))
         if normalizer is not None:
@@ -201,8 +198,6 @@ def make_tokenizer(family: str) -> PreTrainedTokenizerBase:
             **getattr(family_module(family), "NAMED_TOKENS", {}),  # e.g. Gemma 3's boi_token, image_token
         )
     else:
-        from transformers import Qwen2Tokenizer
-
         tok = Qwen2Tokenizer(
             vocab=vocab,
             merges=merges,

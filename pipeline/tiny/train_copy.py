@@ -39,12 +39,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from pipeline.context import Request
+from pipeline.families.base import TextFamily
+from pipeline.tiny.build import _cache_root
 from pipeline.tiny.common import MARKER_FILE, RECIPE_VERSION, _generation_config, _text_kwargs
+from pipeline.tiny.tokenizer import make_tokenizer
 from pipeline.tiny.training import fit, reproducible, save_model, written_whole
+from stages.tokenize import build_messages
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 FAMILY = "qwen3"
@@ -168,10 +175,6 @@ class Task:
 
     def prompt_ids(self, example: Example) -> list[int]:
         """The prompt as the Tokenize stage renders it: one user message in the chat template."""
-        from pipeline.context import Request
-        from pipeline.families.base import TextFamily
-        from stages.tokenize import build_messages
-
         messages = build_messages(Request(prompt=example.prompt), TextFamily())
         text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tok(text, add_special_tokens=False)["input_ids"]
@@ -181,8 +184,6 @@ class Task:
 
     def batch(self, examples: list[Example]) -> dict[str, torch.Tensor]:
         """Right-padded ids, attention mask, and labels on the answer and ``<|im_end|>`` only."""
-        import torch
-
         rows = [(self.prompt_ids(e), self.answer_ids(e)) for e in examples]
         size = (len(rows), max(len(p) + len(a) for p, a in rows))
         ids = torch.full(size, self.pad, dtype=torch.long)
@@ -209,8 +210,6 @@ def heldout(tok: PreTrainedTokenizerBase, n: int, task: str, seed: int = EVAL_SE
 
 def make_config(tok: PreTrainedTokenizerBase, recipe: Recipe) -> Any:
     """The tiny Qwen3's config (token ids, vocabulary) at the recipe's sizes."""
-    from transformers import Qwen3Config
-
     text = _text_kwargs(tok, FAMILY)
     text.update(hidden_size=recipe.hidden, intermediate_size=recipe.intermediate, num_hidden_layers=recipe.layers,
                 max_window_layers=recipe.layers, num_attention_heads=recipe.heads, num_key_value_heads=recipe.kv_heads,
@@ -232,8 +231,6 @@ def curriculum(step: int, recipe: Recipe) -> tuple[int, str | None]:
 
 def answer_loss(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, int]:
     """Cross-entropy over the answer tokens; answer tokens whose argmax is right (teacher-forced), and how many."""
-    import torch.nn.functional as F
-
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     labels = batch["labels"][:, 1:]
     mask = labels != -100
@@ -248,8 +245,6 @@ def evaluate(model: PreTrainedModel, tok: PreTrainedTokenizerBase, n: int = 16) 
     against at each step), that free-running greedy decoding gets right position by position
     (``greedy``: one dropped token spoils the rest of that answer), and of answers greedy gets
     exactly right (``exact``)."""
-    import torch
-
     maker = Task(tok)
     model.eval()
     scores = {}
@@ -274,11 +269,6 @@ def evaluate(model: PreTrainedModel, tok: PreTrainedTokenizerBase, n: int = 16) 
 def train(recipe: Recipe, out: Path, progress: bool = True, threads: int = THREADS) -> dict[str, Any]:
     """Train one model with ``recipe`` and write its directory to ``out`` (atomically). Returns
     the summary kept in its marker: seconds, final loss, held-out accuracy."""
-    import torch
-    from transformers import Qwen3ForCausalLM
-
-    from pipeline.tiny.tokenizer import make_tokenizer
-
     with reproducible(threads), written_whole(out) as work:
         tok = make_tokenizer(FAMILY)
         task = Task(tok)
@@ -317,8 +307,6 @@ def _is_finished(d: Path) -> bool:
 
 
 def default_dir() -> Path:
-    from pipeline.tiny.build import _cache_root
-
     return _cache_root() / f"copy-v{COPY_VERSION}"
 
 

@@ -29,13 +29,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import (
+    AutoProcessor, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor,
+    Qwen2VLVideoProcessor,
+)
 
-from pipeline.tiny import shapes
+from pipeline.context import Request
+from pipeline.families.qwen2_vl import Qwen2VLFamily
+from pipeline.tiny import qwen2_vl, shapes
 from pipeline.tiny.common import RECIPE_VERSION, _generation_config
+from pipeline.tiny.tokenizer import make_tokenizer
 from pipeline.tiny.training import fit, reproducible, save_model, written_whole
+from stages.tokenize import build_messages
 
 if TYPE_CHECKING:
-    import torch
     from PIL import Image
     from transformers import PreTrainedModel, ProcessorMixin
 
@@ -96,10 +105,6 @@ def make_config(tok: Any, recipe: Recipe) -> Any:
     ``rope_theta`` is far below the published 1e6: M-RoPE gives the width positions the lowest
     rotary frequencies, and at 1e6 with a 32-wide head they barely turn across an image, so the
     model could not tell left from right."""
-    from transformers import Qwen2VLConfig
-
-    from pipeline.tiny import qwen2_vl
-
     head_dim = recipe.hidden // recipe.heads
     text = qwen2_vl._text_config(tok, BASE_FAMILY)
     text.update(
@@ -125,10 +130,6 @@ def make_config(tok: Any, recipe: Recipe) -> Any:
 
 def make_processor(tok: Any, recipe: Recipe) -> ProcessorMixin:
     """The real ``Qwen2VLProcessor`` of the tiny builder, with the recipe's pixel budget."""
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
-
-    from pipeline.tiny import qwen2_vl
-
     kw = dict(min_pixels=recipe.pixels, max_pixels=recipe.pixels, patch_size=recipe.patch_size, temporal_patch_size=2, merge_size=2)
     return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**kw), tokenizer=tok,
                             video_processor=Qwen2VLVideoProcessor(**kw), chat_template=qwen2_vl.CHAT_TEMPLATE)
@@ -137,11 +138,6 @@ def make_processor(tok: Any, recipe: Recipe) -> ProcessorMixin:
 def build(recipe: Recipe, workdir: Path) -> tuple[PreTrainedModel, ProcessorMixin]:
     """A freshly initialised model (seeded) and the processor as the pipeline loads it:
     saved with ``save_pretrained`` and read back with ``AutoProcessor``."""
-    import torch
-    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
-
-    from pipeline.tiny.tokenizer import make_tokenizer
-
     tok = make_tokenizer(BASE_FAMILY)
     make_processor(tok, recipe).save_pretrained(workdir)
     processor = AutoProcessor.from_pretrained(workdir)
@@ -160,8 +156,6 @@ def build(recipe: Recipe, workdir: Path) -> tuple[PreTrainedModel, ProcessorMixi
 def one_thread() -> Iterator[None]:
     """Image preprocessing is many tiny tensor ops: on a busy machine two OpenMP threads spend
     far more time synchronising than computing, so it runs on one."""
-    import torch
-
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -172,10 +166,6 @@ def one_thread() -> Iterator[None]:
 
 def prompt_text(processor: ProcessorMixin, question: str) -> str:
     """The prompt exactly as the pipeline's Tokenize stage renders it for one image and a question."""
-    from pipeline.context import Request
-    from pipeline.families.qwen2_vl import Qwen2VLFamily
-    from stages.tokenize import build_messages
-
     messages = build_messages(Request(prompt=question, images=["image"]), Qwen2VLFamily())
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
@@ -209,8 +199,6 @@ class Encoder:
     def __call__(self, images: list[Image.Image], questions: list[str], answers: list[str]) -> dict[str, Any]:
         """Right-padded batch with labels on the answer and ``<|im_end|>`` only; the patches of all
         images concatenated, as Qwen2-VL takes them."""
-        import torch
-
         with one_thread():
             pixels = self.processor.image_processor(images=images, return_tensors="pt")
         grids = pixels["image_grid_thw"]
@@ -256,8 +244,6 @@ def sample_batch(rng: np.random.Generator, encoder: Encoder, recipe: Recipe, siz
 def answer_loss(model: PreTrainedModel, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-entropy over the answer tokens, and per sequence whether every answer token is the
     argmax (teacher-forced, which is exactly "greedy decoding gives this answer")."""
-    import torch.nn.functional as F
-
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**inputs).logits[:, :-1]
     labels = batch["labels"][:, 1:]
@@ -270,8 +256,6 @@ def answer_loss(model: PreTrainedModel, batch: dict[str, Any]) -> tuple[torch.Te
 def evaluate(model: PreTrainedModel, encoder: Encoder, n: int = 200, seed: int = shapes.EVAL_SEED,
              batch: int = 50) -> dict[str, float]:
     """Greedy exact-match rate per question on ``n`` held-out images (teacher-forced argmax)."""
-    import torch
-
     data = shapes.dataset(seed, n)
     scores: dict[str, float] = {}
     model.eval()
@@ -291,8 +275,6 @@ def evaluate(model: PreTrainedModel, encoder: Encoder, n: int = 200, seed: int =
 def train(recipe: Recipe, out: Path, progress: bool = True) -> dict[str, Any]:
     """Train with ``recipe`` and write the model directory to ``out`` (atomically). Returns a
     summary: steps, seconds, final loss and held-out accuracies."""
-    import torch
-
     with reproducible(THREADS), written_whole(out) as work:
         model, processor = build(recipe, work)
         encoder = Encoder(processor)

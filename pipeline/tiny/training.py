@@ -18,10 +18,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
+import torch
+from tqdm import tqdm
+
+from pipeline.tiny.build import _quiet_progress
 from pipeline.tiny.common import MARKER_FILE
 
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedModel
 
 
@@ -57,9 +60,6 @@ def fit(
     """``recipe.steps`` AdamW steps (no weight decay on norms and biases, clipped gradients);
     ``next_batch(step)`` gives a batch, ``loss_of(batch)`` its loss and an accuracy shown as
     ``metric`` on the progress bar. Returns the training seconds and the smoothed final loss."""
-    import torch
-    from tqdm import tqdm
-
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
@@ -91,8 +91,6 @@ def reproducible(threads: int) -> Iterator[None]:
     """Deterministic kernels on ``threads`` threads inside the block; the caller's settings are
     restored after. Why restore: deterministic mode also fills every new tensor, so a process
     that trains and then serves would touch all of a lazily used KV pool at once."""
-    import torch
-
     before = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
               torch.is_deterministic_algorithms_warn_only_enabled())
     torch.set_num_threads(threads)
@@ -129,8 +127,6 @@ def written_whole(out: Path) -> Iterator[Path]:
 def save_model(model: PreTrainedModel, dest: Path, marker: dict[str, Any], *others: Any) -> None:
     """Weights (safetensors), ``others`` (a processor or tokenizer), then the marker file that
     makes the loader treat the directory as the project's own tiny model."""
-    from pipeline.tiny.build import _quiet_progress
-
     with _quiet_progress():
         model.save_pretrained(dest, safe_serialization=True)
         for other in others:
