@@ -25,6 +25,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from pipeline.kv import state_shape
 from pipeline.memory import text_config
 from pipeline.runner.batch import Group, PagedBatch
+from pipeline.runner.decoder import plain_head
 from pipeline.runner.linear import attach_linear
 
 ATTENTION = "mm_paged"
@@ -84,7 +85,10 @@ def _check_layer(module: torch.nn.Module, batch: PagedBatch, kwargs: dict) -> in
 def _attend(g: Group, flat_q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, mask: torch.Tensor,
             scaling: float | None) -> torch.Tensor:
     """One group's attention over its rows' blocks: [rows * q, heads, D] in row order."""
-    rows, q = g.mask.shape[0], g.mask.shape[2]  # sizes from tensors: symbolic under torch.compile
+    if g.span is not None:
+        return _attend_in_place(g, flat_q, k_pool, v_pool, scaling)
+    # Sizes from tensors (symbolic under torch.compile); a group without a mask is eager.
+    rows, q = (g.rows, g.q) if g.mask is None else (g.mask.shape[0], g.mask.shape[2])
     heads, dim = flat_q.shape[1], flat_q.shape[2]
     if g.start is not None:
         qs = flat_q[g.start : g.start + rows * q].reshape(rows, q, heads, dim).transpose(1, 2)
@@ -100,6 +104,20 @@ def _attend(g: Group, flat_q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         return o.reshape(rows * q, heads, dim)
     o = scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=kv_heads != heads)
     return o.transpose(1, 2).reshape(rows * q, heads, dim)
+
+
+def _attend_in_place(g: Group, flat_q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     scaling: float | None) -> torch.Tensor:
+    """One decode query whose keys are the consecutive slots ``g.span``: a view of the pool, and
+    no mask (every key is the row's own past). The query heads sharing a key/value head become
+    its rows, as in ``_attend``."""
+    first, n = g.span
+    heads, dim = flat_q.shape[1], flat_q.shape[2]
+    ks = _as(k_pool[first : first + n].transpose(0, 1).unsqueeze(0), flat_q.dtype)  # [1, kv_heads, n, D]
+    vs = _as(v_pool[first : first + n].transpose(0, 1).unsqueeze(0), flat_q.dtype)
+    kv_heads = ks.shape[1]
+    qs = flat_q[g.start : g.start + 1].reshape(1, kv_heads, heads // kv_heads, dim)
+    return scaled_dot_product_attention(qs, ks, vs, scale=scaling).reshape(1, heads, dim)
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -128,25 +146,6 @@ def attach(model: torch.nn.Module) -> None:
     attach_linear(model, state_shape(model.config, torch.float32))
     model.__dict__["_mm_head"] = plain_head(model)
     model.__dict__["_mm_paged_attached"] = True  # forward checks this, not the (slow) config
-
-
-def plain_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
-    """(decoder, output projection) when the model's logits are just the projection of the
-    decoder's hidden states (no soft-capping or scaling in between), else None.
-
-    Why: the top-level forward of a multimodal model is two wrappers around the decoder, each
-    building an output object; calling the decoder and the projection directly saves about a
-    sixth of a small model's eager decode step, with the same arithmetic."""
-    text = text_config(model.config)
-    if getattr(text, "final_logit_softcapping", None) is not None or getattr(text, "logit_scale", None) is not None:
-        return None
-    if getattr(text, "logits_scaling", 1.0) != 1.0:
-        return None
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if decoder is None or head is None or decoder is model:
-        return None
-    return decoder, head
 
 
 def detach(model: torch.nn.Module) -> None:

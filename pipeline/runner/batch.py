@@ -50,17 +50,33 @@ class Group:
     ``start``: where the group's queries begin in the packed tokens when they are contiguous and
     unpadded (decode rows, or a single prefill chunk): then no gather or scatter is needed.
     Otherwise ``q_index`` [B, q] gathers them and ``dest`` / ``src`` put the real rows back.
+
+    ``span`` (first slot, keys): one decode row whose keys are consecutive pool slots (a lone
+    stream on a fresh pool gets its blocks in order): attention reads them in place, a slice of
+    the pool with no gather and no mask; then ``k_slots`` and ``mask`` are None. A group with
+    ``k_slots`` and no ``mask`` attends to every key it names. Eager steps only: both carry the
+    key count as a Python int, which a compiled step would specialise on.
     """
 
     rows: int
     q: int
-    k_slots: torch.Tensor  # [B, K] pool slot of every key position (padding: the null block)
-    mask: torch.Tensor  # [B, 1, q, K] causal (or-ed with bidirectional blocks) within the sequence, up to its length
+    k_slots: torch.Tensor | None  # [B, K] pool slot of every key position (padding: the null block)
+    mask: torch.Tensor | None  # [B, 1, q, K] causal (or-ed with bidirectional blocks) within the sequence, up to its length
     start: int | None
     q_index: torch.Tensor | None = None
     dest: torch.Tensor | None = None  # packed token index of each real query
     src: torch.Tensor | None = None  # its row in the flattened [B * q] output
     window_mask: torch.Tensor | None = None  # ``mask`` and'ed with the sliding window (models that have one)
+    span: tuple[int, int] | None = None
+
+
+def in_place_span(pool: BlockPool, table: Sequence[int], keys: int) -> tuple[int, int] | None:
+    """(first slot, keys) when the blocks holding a row's first ``keys`` positions are
+    consecutive in the pool and every layer attends to all of them (no sliding window)."""
+    used = -(-keys // pool.block_size)
+    if pool.window is not None or len(table) < used or any(table[i] != table[0] + i for i in range(used)):
+        return None
+    return table[0] * pool.block_size, keys
 
 
 @dataclass
@@ -156,8 +172,9 @@ def _group(
     )
 
 
-def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device) -> PagedBatch:
-    """Decode rows (one token each) form one group, prefill chunks another."""
+def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device, in_place: bool = False) -> PagedBatch:
+    """Decode rows (one token each) form one group, prefill chunks another. ``in_place``: a lone
+    decode row whose blocks are consecutive attends in place (``Group.span``; eager only)."""
     offsets, total = [], 0
     for c in chunks:
         offsets.append(total)
@@ -170,5 +187,10 @@ def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device) 
         for members in (decode, prefill)
         if members
     ]
+    if in_place and len(decode) == 1:
+        c = chunks[decode[0]]
+        span = in_place_span(pool, c.table, c.start + 1)
+        if span is not None:
+            groups[0] = Group(1, 1, None, None, start=offsets[decode[0]], span=span)
     states = build_state_batch(pool.states, chunks, device) if pool.states is not None else None
     return PagedBatch(pool, slots, groups, states)

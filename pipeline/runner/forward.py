@@ -13,7 +13,7 @@ import torch
 
 from pipeline.kv import BlockPool
 from pipeline.runner.attention import attach
-from pipeline.runner.batch import Chunk, Group, PagedBatch, build_batch, decode_mask, key_slots, padded_table
+from pipeline.runner.batch import Chunk, Group, PagedBatch, build_batch, decode_mask, in_place_span, key_slots, padded_table
 
 
 def forward(
@@ -46,7 +46,8 @@ def forward(
     index = torch.tensor(keep or [off - 1], device=device)
     extra = lm.family.lm_inputs(chunks, device) if any(c.extras for c in chunks) else None
     pool.prepare_write()
-    logits = (run or run_model)(model, ids, embeds, positions, index, build_batch(pool, chunks, device), extra)
+    batch = build_batch(pool, chunks, device, in_place=run is None)
+    logits = (run or run_model)(model, ids, embeds, positions, index, batch, extra)
     return logits[index] if logits.shape[0] == off and off != len(index) else logits  # no logits_to_keep support
 
 
@@ -114,6 +115,36 @@ def greedy_step(
     return logits.argmax(dim=-1).view(1, -1), positions + 1, lengths + 1
 
 
+class SingleRowStep:
+    """``greedy_step`` for a burst of one row, eager: the row attends to exactly its own keys, so
+    no mask is built or applied, and where its blocks are consecutive in the pool
+    (``batch.in_place_span``) they are read in place, a slice of the pool with no gather. The
+    key count is a Python int, one more each step (counted here: no step reads a tensor back),
+    which is why a compiled step cannot take this path."""
+
+    def __init__(self, keys: int, first_slot: int | None) -> None:
+        self.keys, self.first = keys, first_slot
+
+    def __call__(self, model: torch.nn.Module, pool: BlockPool, ids: torch.Tensor, positions: torch.Tensor,
+                 lengths: torch.Tensor, k_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n, self.keys = self.keys, self.keys + 1
+        if self.first is not None:
+            group = Group(1, 1, None, None, start=0, span=(self.first, n))
+        else:
+            group = Group(1, 1, k_slots[:, :n], None, start=0)
+        logits = run_model(model, ids, None, positions, None, PagedBatch(pool, k_slots[0, n - 1 : n], [group]))
+        return logits.argmax(dim=-1).view(1, -1), positions + 1, lengths + 1
+
+
+def single_row_step(pool: BlockPool, tables: Sequence[Sequence[int]], starts: Sequence[int],
+                    steps: int) -> SingleRowStep | None:
+    """The eager step for a burst of one row on a model without sliding windows (None otherwise)."""
+    if len(tables) != 1 or pool.window is not None:
+        return None
+    span = in_place_span(pool, tables[0], starts[0] + steps)
+    return SingleRowStep(starts[0] + 1, None if span is None else span[0])
+
+
 def burst_state(
     pool: BlockPool,
     fed: Sequence[int],
@@ -137,12 +168,14 @@ def burst_state(
     )
 
 
-def run_burst(lm: Any, pool: BlockPool, state: tuple[torch.Tensor, ...], steps: int, compiled: Any = None) -> list[torch.Tensor]:
-    """``greedy_steps`` from ``state``, on ``compiled`` (a ``CompiledStep``) when given."""
+def run_burst(lm: Any, pool: BlockPool, state: tuple[torch.Tensor, ...], steps: int, compiled: Any = None,
+              step: Any = None) -> list[torch.Tensor]:
+    """``greedy_steps`` from ``state``, on ``compiled`` (a ``CompiledStep``) when given, else
+    eagerly with ``step`` (default ``greedy_step``)."""
     pool.prepare_write()
     if compiled is not None:
         return compiled.greedy_steps(lm, pool, state, steps)
-    return greedy_steps(lm.model, pool, state, steps)
+    return greedy_steps(lm.model, pool, state, steps, step=step or greedy_step)
 
 
 def greedy_steps(

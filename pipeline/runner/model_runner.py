@@ -19,7 +19,7 @@ from pipeline.kv import BlockPool
 from pipeline.metrics import synchronize
 from pipeline.runner.batch import Chunk
 from pipeline.runner.compiled import CompiledStep
-from pipeline.runner.forward import burst_state, forward, run_burst
+from pipeline.runner.forward import burst_state, forward, run_burst, single_row_step
 
 
 @dataclass
@@ -71,6 +71,7 @@ class ModelRunner:
         each chosen token fed straight back; one host read at the end."""
         state = burst_state(self.pool, fed, positions, starts, tables, steps, self.device)
         t0 = time.perf_counter()
-        chosen = run_burst(self.lm, self.pool, state, steps, self.compiled)
+        step = None if self.compiled is not None else single_row_step(self.pool, tables, starts, steps)
+        chosen = run_burst(self.lm, self.pool, state, steps, self.compiled, step)
         tokens = torch.cat(chosen).tolist()  # [steps][rows]: the one host read of the burst
         return StepOutput(None, tokens, (time.perf_counter() - t0) / steps, self.compiles)
