@@ -187,7 +187,7 @@ def test_prefix_cache_outlives_the_request_until_the_pool_needs_its_blocks(lm):
 def test_uninitialised_pool_memory_never_reaches_the_answer(lm, prompt, monkeypatch):
     """Masked-out slots still enter the attention product, and NaN * 0 is NaN: blocks must be
     zeroed before first use. Here the pool's memory starts out as NaN."""
-    import pipeline.kv.pool as paged
+    import pipeline.kv.pool as pool_module
 
     class NaNTorch:
         def __getattr__(self, name):
@@ -197,7 +197,7 @@ def test_uninitialised_pool_memory_never_reaches_the_answer(lm, prompt, monkeypa
         def empty(*args, **kwargs):
             return torch.empty(*args, **kwargs).fill_(float("nan"))
 
-    monkeypatch.setattr(paged, "torch", NaNTorch())
+    monkeypatch.setattr(pool_module, "torch", NaNTorch())
     pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=1 << 20)
     got = pipe.run_ids(prompt, Request(max_new_tokens=N, ignore_eos=True)).generated
     monkeypatch.undo()

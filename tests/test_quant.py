@@ -195,19 +195,19 @@ def test_kv_pool_is_sized_from_the_memory_budget_and_long_requests_are_refused(t
 
 
 def test_kv_pool_uses_the_free_memory_of_the_device(load_tiny, monkeypatch):
-    import pipeline.kv.sizing as paged
+    import pipeline.kv.sizing as sizing
 
     lm = load_tiny("qwen3")
     block = kv_bytes(lm.config, 16, torch.float32)
-    monkeypatch.setattr(paged, "free_bytes", lambda device, lm: (10 * block, "free on test device"))
-    assert paged.pool_for(lm, 0.5).capacity_tokens == 5 * 16
-    assert paged.pool_for(lm, 3 * block).capacity_tokens == 3 * 16
+    monkeypatch.setattr(sizing, "free_bytes", lambda device, lm: (10 * block, "free on test device"))
+    assert sizing.pool_for(lm, 0.5).capacity_tokens == 5 * 16
+    assert sizing.pool_for(lm, 3 * block).capacity_tokens == 3 * 16
     with pytest.raises(UserError, match=rf"kv.memory={11 * block:,} bytes is more than .* free on cpu"):
-        paged.pool_for(lm, 11 * block)
+        sizing.pool_for(lm, 11 * block)
     with pytest.raises(UserError, match="not even one KV block"):
-        paged.pool_for(lm, 0.05)
+        sizing.pool_for(lm, 0.05)
     with pytest.raises(UserError, match="kv.memory must be auto, a number of bytes, or a fraction"):
-        paged.pool_for(lm, 2.5)  # the same check as the CLI's kv.memory
+        sizing.pool_for(lm, 2.5)  # the same check as the CLI's kv.memory
 
 
 # --- the quant config group ---------------------------------------------------------------------

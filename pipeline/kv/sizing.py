@@ -43,20 +43,7 @@ def pool_for(
     device = next((d for d in devices if d.type == "cuda"), devices[0] if devices else torch.device("cpu"))
     dtype = _kv_dtype(lm)
     block_bytes = kv_bytes(lm.config, block_size, dtype)
-    free, source = free_bytes(device, lm)
-    if memory == "auto":
-        nbytes = int(0.8 * free) if device.type == "cuda" else min(int(0.25 * free), 2 << 30)
-        asked = f"kv.memory=auto ({'80' if device.type == 'cuda' else '25'}% of {fmt_bytes(free)} free, {source})"
-    elif isinstance(memory, float):
-        nbytes = int(memory * free)
-        asked = f"kv.memory={memory} of {fmt_bytes(free)} free ({source})"
-    else:
-        nbytes = int(memory)
-        asked = f"kv.memory={nbytes:,} bytes"
-        if nbytes > free:
-            raise UserError(
-                f"{asked} is more than the {fmt_bytes(free)} ({free:,} bytes) free on {device} ({source}): lower kv.memory"
-            )
+    nbytes, asked = _budget(memory, device, lm)
     shape = state_shape(lm.config, dtype)
     if shape is None:
         blocks, slots, reserved = nbytes // block_bytes, 0, 0
@@ -73,6 +60,23 @@ def pool_for(
         )
     return BlockPool(lm.config, blocks + 1, block_size, dtype, devices,  # + the null block
                      state_slots=slots + 1 if slots else 0, checkpoint_every=checkpoint_every, reserved_slots=reserved)
+
+
+def _budget(memory: float | int | str, device: torch.device, lm: Any) -> tuple[int, str]:
+    """The bytes ``kv.memory`` asks for on ``device``, and how to name the ask in an error."""
+    free, source = free_bytes(device, lm)
+    if memory == "auto":
+        share = "80" if device.type == "cuda" else "25"
+        nbytes = int(0.8 * free) if device.type == "cuda" else min(int(0.25 * free), 2 << 30)
+        return nbytes, f"kv.memory=auto ({share}% of {fmt_bytes(free)} free, {source})"
+    if isinstance(memory, float):
+        return int(memory * free), f"kv.memory={memory} of {fmt_bytes(free)} free ({source})"
+    asked = f"kv.memory={int(memory):,} bytes"
+    if memory > free:
+        raise UserError(
+            f"{asked} is more than the {fmt_bytes(free)} ({free:,} bytes) free on {device} ({source}): lower kv.memory"
+        )
+    return int(memory), asked
 
 
 def state_budget(

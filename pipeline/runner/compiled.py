@@ -5,9 +5,9 @@ gpt-fast's lesson: at small batch the decode step is bound by Python and kernel-
 not by arithmetic; compiling the whole forward removes most of it. Two functions are compiled,
 with dynamic shapes so that one graph serves every batch size and context length:
 
-- ``paged.greedy_step``: batch built, model run and argmax taken in one call, repeated by the
+- ``forward.greedy_step``: batch built, model run and argmax taken in one call, repeated by the
   engine's decode bursts (greedy rows, nobody waiting) with the token fed straight back;
-- ``paged.run_model``: any other decode-only step (sampled rows, requests waiting).
+- ``forward.run_model``: any other decode-only step (sampled rows, requests waiting).
 
 Dynamo specialises sizes 0 and 1, so ``Pipeline.warmup`` runs batches of three, two and one to
 build every graph before the first request. Steps with prefill chunks run eagerly. Where the
@@ -31,7 +31,7 @@ class FastPathFallback(UserWarning):
 
 
 class CompiledStep:
-    """A compiled ``paged.forward`` for decode-only steps, falling back to eager on failure."""
+    """A compiled ``forward.forward`` for decode-only steps, falling back to eager on failure."""
 
     def __init__(self, backend: str = "inductor", mode: str | None = None) -> None:
         if not torch.cuda.is_available() and hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
@@ -71,11 +71,11 @@ class CompiledStep:
             warnings.warn(f"decode.compile: {reason}; decoding uncompiled", FastPathFallback, stacklevel=2)
 
     def __call__(self, lm: Any, pool: BlockPool, chunks: Sequence[Chunk], device: torch.device | None = None) -> torch.Tensor:
-        """``paged.forward`` over decode rows, compiled."""
+        """``forward.forward`` over decode rows, compiled."""
         return self._run("_forward", run_model, lambda run, _: forward(lm, pool, chunks, run=run, device=device), lm)
 
     def greedy_steps(self, lm: Any, pool: BlockPool, state: tuple[torch.Tensor, ...], steps: int) -> list[torch.Tensor]:
-        """``paged.greedy_steps`` (a decode burst) on the compiled ``greedy_step``.
+        """``forward.greedy_steps`` (a decode burst) on the compiled ``greedy_step``.
 
         Dynamo checks its guards (tensor shapes, strides, the model's attributes) before every
         call, which costs about as much as the kernels of a tiny step. From the third step of a

@@ -100,7 +100,7 @@ def greedy_step(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One greedy decode token for every row, batch built and token chosen inside the call: the
     unit a decode burst repeats with no host work in between (see ``Engine`` and
-    ``pipeline.compiled``).
+    ``pipeline.runner.compiled``).
 
     ``ids`` [1, B] the tokens fed, ``positions`` [rows, 1, B] or [1, B] theirs, ``lengths`` [B]
     each row's cache length counting the fed token, ``k_slots`` [B, K] the pool slot of each of

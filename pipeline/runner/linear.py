@@ -32,7 +32,7 @@ class StateBatch:
 
 
 def build_state_batch(slots: StateSlots, chunks: Sequence[Any], device: torch.device) -> StateBatch:
-    """The plan for ``chunks`` (``paged.Chunk`` with ``state`` set by ``KVCache.reserve``)."""
+    """The plan for ``chunks`` (``batch.Chunk`` with ``state`` set by ``KVCache.reserve``)."""
     rows, sources, targets, longer, offset = [], [], [], [], 0
     for c in chunks:
         io: StateIO = c.state
