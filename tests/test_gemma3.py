@@ -223,13 +223,13 @@ def test_text_only_gemma3_checkpoint_runs_through_its_family(tmp_path):
 
     from pipeline.tiny import make_tokenizer
     from pipeline.tiny.common import _generation_config
-    from pipeline.tiny.gemma3 import text_config
+    from pipeline.tiny.gemma3 import ROLES, text_config
 
     tok = make_tokenizer("gemma3")
     kwargs = {k: v for k, v in text_config(tok).items() if k != "model_type"}
     torch.manual_seed(0)
     model = Gemma3ForCausalLM(Gemma3TextConfig(**kwargs)).eval()
-    model.generation_config = _generation_config("gemma3", tok)
+    model.generation_config = _generation_config(ROLES, tok)
     model.save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     lm = load_model(str(tmp_path))

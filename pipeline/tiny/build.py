@@ -54,7 +54,7 @@ def _write(family: str, seed: int, dest: Path) -> None:
         model = _model_class(family)(config)
     model.eval()
     _mute_added_tokens(model, tok)
-    model.generation_config = _generation_config(family, tok)
+    model.generation_config = _generation_config(family_module(family).ROLES, tok)
     processor = make_processor(family, tok)
     with _quiet_progress():
         model.save_pretrained(dest, safe_serialization=True)

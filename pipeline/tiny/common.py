@@ -72,21 +72,14 @@ QWEN_ROLES: dict[str, Any] = {"bos": None, "eos": "<|im_end|>", "pad": "<|endoft
 QWEN_SPECIAL_TOKENS = QWEN_BASE_TOKENS + QWEN_VISION_TOKENS  # what Qwen2-VL, Qwen2.5-VL and Qwen3-VL publish
 
 
-def _roles(family: str) -> dict[str, Any]:
-    from pipeline.tiny.registry import family_module  # cycle: registry imports every family module, each imports this one
-
-    return family_module(family).ROLES
-
-
 def _vocab_size(tok: PreTrainedTokenizerBase) -> int:
     # Exactly len(tokenizer): a padded vocabulary (as real checkpoints have) would let a
     # random model emit ids that decode to nothing.
     return len(tok)
 
 
-def _text_kwargs(tok: PreTrainedTokenizerBase, family: str) -> dict[str, Any]:
-    """Decoder sizes and token ids, the same for every family's language model."""
-    roles = _roles(family)
+def _text_kwargs(tok: PreTrainedTokenizerBase, family: str, roles: dict[str, Any]) -> dict[str, Any]:
+    """Decoder sizes and token ids (of the family's ``ROLES``), the same for every family's language model."""
     ids = tok.convert_tokens_to_ids
     return dict(
         vocab_size=_vocab_size(tok),
@@ -107,8 +100,8 @@ def _text_kwargs(tok: PreTrainedTokenizerBase, family: str) -> dict[str, Any]:
     )
 
 
-def _generation_config(family: str, tok: PreTrainedTokenizerBase) -> GenerationConfig:
-    roles = _roles(family)
+def _generation_config(roles: dict[str, Any], tok: PreTrainedTokenizerBase) -> GenerationConfig:
+    """Greedy generation stopping on the family's ``ROLES["gen_eos"]``."""
     ids = tok.convert_tokens_to_ids
     return GenerationConfig(
         bos_token_id=ids(roles["config_bos"]),

@@ -22,7 +22,6 @@ from pipeline.tiny.common import (
     VISION_DEPTH,
     VISION_DIM,
     VISION_HEADS,
-    _roles,
     _vocab_size,
 )
 
@@ -98,7 +97,7 @@ TOKENS_PER_IMAGE = 16
 
 def text_config(tok: PreTrainedTokenizerBase) -> dict[str, Any]:
     """The language model's config (also what a text-only ``Gemma3ForCausalLM`` takes)."""
-    roles, ids = _roles(FAMILY), tok.convert_tokens_to_ids
+    roles, ids = ROLES, tok.convert_tokens_to_ids
     return dict(
         model_type="gemma3_text", vocab_size=_vocab_size(tok), hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
         num_hidden_layers=len(LAYER_TYPES), num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,

@@ -38,7 +38,7 @@ def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
     """A 2-layer Llama whose token ids come from ``tok``."""
     from transformers import LlamaConfig
 
-    text = _text_kwargs(tok, FAMILY)
+    text = _text_kwargs(tok, FAMILY, ROLES)
     return LlamaConfig(**text, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
                        attention_bias=False, mlp_bias=False)
 

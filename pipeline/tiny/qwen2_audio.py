@@ -46,7 +46,7 @@ def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
     from transformers import Qwen2AudioConfig
 
     ids = tok.convert_tokens_to_ids
-    text = _text_kwargs(tok, FAMILY)
+    text = _text_kwargs(tok, FAMILY, ROLES)
     return Qwen2AudioConfig(
         text_config={"model_type": "qwen2", **text, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
                      "use_sliding_window": False},

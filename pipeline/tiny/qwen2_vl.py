@@ -63,7 +63,7 @@ CHAT_TEMPLATE = QWEN2_VL_CHAT_TEMPLATE
 def _text_config(tok: PreTrainedTokenizerBase, family: str) -> dict[str, Any]:
     """The language model's config with M-RoPE (sections over temporal/height/width)."""
     rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": list(MROPE_SECTION)}
-    return {**_text_kwargs(tok, family), "rope_parameters": rope, "use_sliding_window": False}
+    return {**_text_kwargs(tok, family, ROLES), "rope_parameters": rope, "use_sliding_window": False}
 
 
 def _vision_token_ids(tok: PreTrainedTokenizerBase) -> dict[str, int]:

@@ -117,7 +117,7 @@ def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
     """A 2-layer Qwen3 whose token ids come from ``tok``."""
     from transformers import Qwen3Config
 
-    text = _text_kwargs(tok, FAMILY)
+    text = _text_kwargs(tok, FAMILY, ROLES)
     return Qwen3Config(**text, head_dim=HEAD_DIM, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                        use_sliding_window=False, attention_bias=False)
 

@@ -207,7 +207,7 @@ CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) %}
 def make_text_config(tok: PreTrainedTokenizerBase) -> dict[str, Any]:
     """The language model's settings: 4 layers (Gated DeltaNet and gated attention, twice each),
     interleaved M-RoPE on a quarter of each 64-wide head; ids from ``tok``."""
-    text = _text_kwargs(tok, FAMILY)
+    text = _text_kwargs(tok, FAMILY, ROLES)
     text.pop("max_window_layers")
     rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
             "mrope_section": list(MROPE_SECTION), "mrope_interleaved": True}

@@ -156,7 +156,7 @@ def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
     """A 2-layer Qwen3-VL (interleaved M-RoPE) with a 2-block tower and deepstack; ids from ``tok``."""
     from transformers import Qwen3VLConfig
 
-    text = _text_kwargs(tok, FAMILY)
+    text = _text_kwargs(tok, FAMILY, ROLES)
     text.pop("max_window_layers")
     rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": list(MROPE_SECTION), "mrope_interleaved": True}
     return Qwen3VLConfig(

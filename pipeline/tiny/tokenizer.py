@@ -15,7 +15,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast, Qwen2Tokenizer
 
-from pipeline.tiny.common import NUM_MERGES, _roles
+from pipeline.tiny.common import NUM_MERGES
 from pipeline.tiny.registry import CHAT_TEMPLATES, family_module
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ def make_tokenizer(family: str) -> PreTrainedTokenizerBase:
     family_module(family)  # an unknown name fails here, clearly
     vocab_items, merges = _vocab_and_merges(family)
     vocab, merges = dict(vocab_items), list(merges)
-    roles = _roles(family)
+    roles = family_module(family).ROLES
     specials = family_module(family).SPECIAL_TOKENS
     # Special tokens get the ids right after the merges, in the published order, whatever
     # order the tokenizer class registers them in.

@@ -45,6 +45,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from pipeline.context import Request
 from pipeline.families.base import TextFamily
+from pipeline.tiny import qwen3
 from pipeline.tiny.build import _cache_root
 from pipeline.tiny.common import MARKER_FILE, RECIPE_VERSION, _generation_config, _text_kwargs
 from pipeline.tiny.tokenizer import make_tokenizer
@@ -210,7 +211,7 @@ def heldout(tok: PreTrainedTokenizerBase, n: int, task: str, seed: int = EVAL_SE
 
 def make_config(tok: PreTrainedTokenizerBase, recipe: Recipe) -> Any:
     """The tiny Qwen3's config (token ids, vocabulary) at the recipe's sizes."""
-    text = _text_kwargs(tok, FAMILY)
+    text = _text_kwargs(tok, FAMILY, qwen3.ROLES)
     text.update(hidden_size=recipe.hidden, intermediate_size=recipe.intermediate, num_hidden_layers=recipe.layers,
                 max_window_layers=recipe.layers, num_attention_heads=recipe.heads, num_key_value_heads=recipe.kv_heads,
                 initializer_range=recipe.init_range, max_position_embeddings=2048)
@@ -274,7 +275,7 @@ def train(recipe: Recipe, out: Path, progress: bool = True, threads: int = THREA
         task = Task(tok)
         torch.manual_seed(recipe.init_seed)
         model = Qwen3ForCausalLM(make_config(tok, recipe))
-        model.generation_config = _generation_config(FAMILY, tok)
+        model.generation_config = _generation_config(qwen3.ROLES, tok)
         rng = np.random.default_rng(recipe.data_seed)
 
         def loss_of(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float]:

@@ -143,7 +143,7 @@ def build(recipe: Recipe, workdir: Path) -> tuple[PreTrainedModel, ProcessorMixi
     processor = AutoProcessor.from_pretrained(workdir)
     torch.manual_seed(recipe.init_seed)
     model = Qwen2VLForConditionalGeneration(make_config(tok, recipe))
-    model.generation_config = _generation_config(BASE_FAMILY, tok)
+    model.generation_config = _generation_config(qwen2_vl.ROLES, tok)
     return model, processor
 
 
