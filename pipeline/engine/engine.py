@@ -136,7 +136,7 @@ class Engine:
             self._intake()
             plan = self.scheduler.schedule(self._draft)
             if plan:
-                self._run(plan)
+                self._postprocess(plan, self._run(plan))
         except BaseException as err:  # a failed step (Ctrl-C in a hook too): fail its sequences, serve the rest
             for seq in [item.seq for item in plan] or list(self.scheduler.running):
                 self._fail(seq, err)
@@ -171,14 +171,14 @@ class Engine:
         while self.scheduler.failed:
             self._fail(*self.scheduler.failed.pop(0))
 
-    def _run(self, plan: list[Scheduled]) -> None:
+    def _run(self, plan: list[Scheduled]) -> StepOutput:
+        """The model step: one packed forward, or a greedy decode burst."""
         steps = self._burst_length(plan)
         if steps > 1:
-            self._burst(plan, steps)
-            return
+            return self._burst(plan, steps)
         out = self.runner.forward([make_chunk(item) for item in plan])
         self._count_step(sum(item.count for item in plan))
-        self._postprocess(plan, out)
+        return out
 
     def _count_step(self, tokens_in: int) -> None:
         self.counters["steps"] += 1
@@ -186,8 +186,12 @@ class Engine:
         self.counters["kv_blocks_peak"] = max(self.counters["kv_blocks_peak"], self.pool.used_blocks)
 
     def _postprocess(self, plan: list[Scheduled], out: StepOutput) -> None:
-        """Logits rows come in plan order, each part's ``1 + drafts`` when it ends at the known
-        tokens (none for a prefill chunk before the prompt's end)."""
+        """What the step produced, into each sequence: a burst's tokens in order, or the
+        forward's logits rows, which come in plan order, each part's ``1 + drafts`` when it ends
+        at the known tokens (none for a prefill chunk before the prompt's end)."""
+        if out.tokens is not None:
+            self._accept_burst(plan, out)
+            return
         logits, row = out.logits, 0
         choosing, rows, verifying = [], [], []
         for item in plan:
@@ -282,11 +286,10 @@ class Engine:
             steps = min(steps, seq.ctx.request.max_new_tokens - len(seq.ctx.generated))
         return steps
 
-    def _burst(self, plan: list[Scheduled], steps: int) -> None:
-        """Several greedy decode steps with no host work between them, then the host side of
-        every token in order. gpt-fast's lesson: at small batch a step's Python costs as much as
-        its arithmetic. A row that ends inside the burst (EOS, a stop string) had its later
-        tokens computed for nothing; they are dropped, and so are their slots (``_finish`` trims)."""
+    def _burst(self, plan: list[Scheduled], steps: int) -> StepOutput:
+        """Several greedy decode steps with no host work between them (the host side of every
+        token follows in ``_accept_burst``). gpt-fast's lesson: at small batch a step's Python
+        costs as much as its arithmetic."""
         try:
             for item in plan:
                 item.seq.cache.reserve(steps)  # the step's one slot already reserved, the rest now
@@ -294,8 +297,13 @@ class Engine:
             steps = 1  # no room to run ahead: one step, the slots reserved so far used as they come
         chunks = [make_chunk(item) for item in plan]
         positions = [[c.positions[r][0] for c in chunks] for r in range(len(chunks[0].positions))]
-        out = self.runner.burst([c.ids[0] for c in chunks], positions, [c.start for c in chunks],
-                                [item.seq.cache.blocks for item in plan], steps)
+        return self.runner.burst([c.ids[0] for c in chunks], positions, [c.start for c in chunks],
+                                 [item.seq.cache.blocks for item in plan], steps)
+
+    def _accept_burst(self, plan: list[Scheduled], out: StepOutput) -> None:
+        """A burst's tokens, step by step. A row that ends inside the burst (EOS, a stop string)
+        had its later tokens computed for nothing; they are dropped, and so are their slots
+        (``_finish`` trims)."""
         alive = list(enumerate(plan))
         for row_tokens in out.tokens:
             self._count_step(len(alive))
