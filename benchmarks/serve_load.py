@@ -5,8 +5,17 @@ Either starts the server itself (``python -m pipeline mode=serve serve.port=PORT
 on a free loopback port, waits for ``GET /health`` == 200, always terminates it at the end) or
 uses a running one (``--url http://host:port``, ``--api-key``). Every request goes through the
 official ``openai`` client: ``chat.completions.create(stream=True,
-stream_options={"include_usage": True}, max_tokens=M, temperature=0)`` with short varied prompts
-(fixed seed; the same prompts in every phase), the model id taken from ``GET /v1/models``.
+stream_options={"include_usage": True}, max_tokens=M, temperature=0)``, the model id taken from
+``GET /v1/models``, the same requests in every phase (fixed seed).
+
+The workload (``--prompts``): ``shapes`` (the default) asks the questions the embedded default
+model was trained on ("What shapes are in the image?", "How many shapes are there?") about
+varied images drawn by ``pipeline.tiny.shapes``, each sent as OpenAI image content (an
+``image_url`` part holding a base64 PNG data: URI) before the question, so the embedded default
+answers every request ("a blue triangle and a red circle"); the answers are also checked
+against the drawn shapes ("correct"). ``text`` sends short varied text prompts instead (for a
+real model: the embedded default ends those at once, with no content), optionally each with a
+generated image (``--image SIZE``).
 
 Phases (``--concurrency 1,32``), one after another against the same server, in one process:
 each sends ``--requests`` requests with at most C in flight (C workers, each sends its next
@@ -18,14 +27,15 @@ Per request, client side: TTFT = request sent -> first content delta; TPOT = (en
 token) / (completion tokens - 1); completion tokens from the final usage chunk. Per phase:
 wall s, aggregate completion tok/s (all completion tokens / wall), ratio to concurrency 1,
 p50/p99 TTFT and TPOT, errors (exceptions, timeouts, a stream without usage or without text),
-how many answers equal the concurrency-1 answer to the same prompt (greedy: batching should not
-change the text; in float32 only a near-tie of the top two logits may: ``--json`` lists the
-differing answers), and the CPU seconds this client and (when started here) the server used in
-the phase: on a small machine the client's own share bounds what the server can get.
+how many answers are correct (``shapes``), how many equal the concurrency-1 answer to the same
+prompt (greedy: batching should not change the text; in float32 only a near-tie of the top two
+logits may: ``--json`` lists the differing answers), and the CPU seconds this client and (when
+started here) the server used in the phase: on a small machine the client's own share bounds
+what the server can get.
 
     python benchmarks/serve_load.py                                  # starts the server itself
     python benchmarks/serve_load.py --requests 64 --concurrency 1,8,32     # shorter: ramp-up and -down weigh more
-    python benchmarks/serve_load.py --image 64 engine.max_seqs=32    # trailing: server overrides
+    python benchmarks/serve_load.py --prompts text --image 64 engine.max_seqs=32   # trailing: server overrides
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --api-key KEY --json load.json
 
 Exit status: 0, or 1 if any request failed, 2 if the server could not be started or reached.
@@ -66,6 +76,28 @@ ASKS = ["Describe {} in one sentence.", "Write a short poem about {}.", "What co
 # --------------------------------------------------------------------------- workload
 
 
+def make_shapes(n: int, seed: int) -> list[tuple[str, str, str]]:
+    """n requests of the embedded default's own task: (question, image as a PNG data URI, the
+    expected answer), images and questions drawn from ``seed``."""
+    import numpy as np
+
+    from pipeline.tiny import shapes  # here, not at the top: it loads torch, which --help and --prompts text skip
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        image, drawn = shapes.draw(rng)
+        question = shapes.QUESTIONS[int(rng.random() < 0.25)]  # mostly "which shapes", a quarter "how many"
+        out.append((question, png_data_uri(image), shapes.answer(question, drawn)))
+    return out
+
+
+def png_data_uri(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 def make_prompts(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     return [f"{rng.choice(ASKS).format(rng.choice(SUBJECTS))} (#{i})" for i in range(n)]
@@ -82,10 +114,18 @@ def make_images(n: int, size: int, seed: int) -> list[str]:
         img = Image.new("RGB", (size, size))
         img.putdata([((r + x * 4) % 256, (g + y * 4) % 256, (b + x + y) % 256)
                      for y in range(size) for x in range(size)])
-        buf = io.BytesIO()
-        img.save(buf, format="PNG")
-        out.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+        out.append(png_data_uri(img))
     return out
+
+
+def workload(args: argparse.Namespace) -> tuple[list[list[dict]], list[str | None]]:
+    """The requests' messages and, where known, each one's expected answer."""
+    if args.prompts == "shapes":
+        drawn = make_shapes(args.requests, args.seed)
+        return [messages(q, im) for q, im, _ in drawn], [expected for _, _, expected in drawn]
+    prompts = make_prompts(args.requests, args.seed)
+    images = make_images(args.requests, args.image, args.seed) if args.image else [None] * args.requests
+    return [messages(p, im) for p, im in zip(prompts, images)], [None] * args.requests
 
 
 def messages(prompt: str, image: str | None) -> list[dict]:
@@ -273,8 +313,10 @@ def pct(values: list[float], q: float) -> float | None:
     return v[lo] + (v[hi] - v[lo]) * (k - lo)
 
 
-def summarise(wall: float, cpu: float, records: list[Record]) -> dict:
+def summarise(wall: float, cpu: float, records: list[Record], expected: list[str | None] | None = None) -> dict:
     ok = [r for r in records if r.ok]
+    expected = expected or [None] * len(records)
+    checked = [(r, expected[r.index]) for r in records if expected[r.index] is not None]
     tokens = sum(r.completion_tokens or 0 for r in ok)
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
@@ -283,6 +325,7 @@ def summarise(wall: float, cpu: float, records: list[Record]) -> dict:
         "completion_tokens": tokens, "tok_s": tokens / wall if wall > 0 else 0.0,
         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
         "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
+        "checked": len(checked), "correct": sum(1 for r, want in checked if r.ok and r.text.strip() == want),
         "error_messages": sorted({r.error for r in records if r.error})[:10],
         "records": [{"i": r.index, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "latency_s": r.latency_s,
                      "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
@@ -315,9 +358,7 @@ async def bench(args: argparse.Namespace, url: str, server: Server | None) -> di
         if not models:
             raise RuntimeError("GET /v1/models lists no model")
         model = models[0]
-        prompts = make_prompts(args.requests, args.seed)
-        images = make_images(args.requests, args.image, args.seed) if args.image else [None] * args.requests
-        all_msgs = [messages(p, im) for p, im in zip(prompts, images)]
+        all_msgs, expected = workload(args)
 
         for i in range(args.warmup):  # lazy first-request costs stay out of the figures
             rec = await one_request(client, model, i, all_msgs[i % len(all_msgs)], args.max_tokens, args.timeout)
@@ -332,14 +373,16 @@ async def bench(args: argparse.Namespace, url: str, server: Server | None) -> di
             for c in order:
                 server_cpu0 = server.cpu_seconds() if server else None
                 wall, cpu, records = await run_phase(client, model, all_msgs, c, args.max_tokens, args.timeout)
-                figures[c] = summarise(wall, cpu, records)
+                figures[c] = summarise(wall, cpu, records, expected)
                 server_cpu1 = server.cpu_seconds() if server else None
                 figures[c]["server_cpu_s"] = (server_cpu1 - server_cpu0
                                               if server_cpu0 is not None and server_cpu1 is not None else None)
                 texts[c].append([r.text if r.ok else None for r in records])
                 s = figures[c]
                 print(f"  rep {rep + 1}/{args.reps} concurrency {c:>3}: {s['wall_s']:.2f} s, "
-                      f"{s['tok_s']:.1f} tok/s, {s['errors']} errors, CPU s: client {s['client_cpu_s']:.2f}, "
+                      f"{s['tok_s']:.1f} tok/s, {s['errors']} errors, "
+                      + (f"{s['correct']}/{s['checked']} correct, " if s["checked"] else "")
+                      + f"CPU s: client {s['client_cpu_s']:.2f}, "
                       f"server {fmt(s['server_cpu_s'], digits=2)}", file=sys.stderr, flush=True)
                 for msg in s["error_messages"][:3]:
                     print(f"      error: {msg}", file=sys.stderr)
@@ -369,6 +412,7 @@ async def bench(args: argparse.Namespace, url: str, server: Server | None) -> di
             "ttft_p50_s": median([p["ttft_p50_s"] for p in per]), "ttft_p99_s": median([p["ttft_p99_s"] for p in per]),
             "tpot_p50_s": median([p["tpot_p50_s"] for p in per]), "tpot_p99_s": median([p["tpot_p99_s"] for p in per]),
             "errors": sum(p["errors"] for p in per), "requests": sum(p["requests"] for p in per),
+            "checked": sum(p["checked"] for p in per), "correct": sum(p["correct"] for p in per),
             "same_text_as_baseline": same, "differs": differs[:20],
             "reps": per,
         })
@@ -399,9 +443,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,32", help="comma-separated clients in flight per phase (default 1,32)")
     ap.add_argument("--requests", type=int, default=256, help="requests per phase (default 256: mostly steady state at 32 clients)")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--prompts", choices=("shapes", "text"), default="shapes",
+                    help="shapes (default): the embedded default's questions about drawn shapes images, sent as "
+                         "image content; text: short varied text prompts (the embedded default ends those at once)")
     ap.add_argument("--image", type=int, nargs="?", const=64, default=0, metavar="SIZE",
-                    help="attach a generated SIZE x SIZE PNG (default 64; a different tint per request) "
-                         "as a data URI to every request")
+                    help="with --prompts text: attach a generated SIZE x SIZE PNG (default 64; a different tint "
+                         "per request) as a data URI to every request")
     ap.add_argument("--reps", type=int, default=3,
                     help="repetitions, phases in alternating order; figures are medians (default 3)")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured requests before the phases (default 2)")
@@ -419,9 +466,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.concurrency or min(args.concurrency) < 1 or args.requests < 1 or args.max_tokens < 1:
         ap.error("--concurrency, --requests and --max-tokens must be >= 1")
     args.api_key = args.api_key or os.environ.get("MM_PIPELINE_API_KEY") or os.environ.get("OPENAI_API_KEY") or "none"
+    if args.image and args.prompts != "text":
+        ap.error("--image attaches a generated picture to text prompts: use it with --prompts text "
+                 "(the shapes workload sends its own images)")
     if args.url and args.overrides:
         ap.error("server overrides only apply to a server this script starts (not with --url)")
     return args
+
+
+def image_note(args: argparse.Namespace) -> str:
+    if args.prompts == "shapes":
+        return "shapes PNG"
+    return f"{args.image}x{args.image} PNG" if args.image else "none"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -466,13 +522,17 @@ def main(argv: list[str] | None = None) -> int:
                           file=sys.stderr)
 
     head = (f"serve_load: {args.requests} requests per phase, max_tokens={args.max_tokens}, temperature 0, "
-            f"image={'%dx%d PNG' % (args.image, args.image) if args.image else 'none'}, reps={args.reps}, "
+            f"prompts={args.prompts}, image={image_note(args)}, reps={args.reps}, "
             f"warm-up {args.warmup}; model {result['model']!r}; "
             f"{'server ready in %.1f s' % startup if startup is not None else 'server ' + args.url}; "
             f"openai {openai.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs")
     print(head)
     print()
     print(table(result))
+    if any(p["checked"] for p in result["phases"]):
+        print("\nanswers correct (the drawn shapes): " + ", ".join(
+            f"{p['correct']}/{p['checked']} at {p['concurrency']} client{'s' if p['concurrency'] != 1 else ''}"
+            for p in result["phases"]))
     check = None
     top = max(args.concurrency)
     base = result["baseline_concurrency"]

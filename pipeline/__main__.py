@@ -1,6 +1,8 @@
 """Entry point: ``python -m pipeline [overrides]``. Dispatches on cfg.mode.name."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 import re
 import sys
@@ -9,11 +11,13 @@ from pathlib import Path
 import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import UserError
 from pipeline.modes import get_mode
+from pipeline.outputs import remove_failed_run_dir, stderr_to_log
 from pipeline.settings import check, register
 
 register()  # the schema config.yaml composes over
@@ -59,6 +63,85 @@ def one_line(err: Exception) -> str:
     return " ".join(lines)
 
 
+def _is_group_or_hydra(override: Override) -> bool:
+    """+model=NAME, mode=bench, hydra/launcher=...: a config group; hydra.run.dir=...: Hydra's own."""
+    key = override.key_or_group
+    return (CONF_DIR / key).is_dir() or key == "hydra" or key.startswith(("hydra.", "hydra/"))
+
+
+def _schema_view(node: object) -> object:
+    """A section its mode leaves unset (``serve`` outside mode=serve) read as its schema's defaults."""
+    if isinstance(node, DictConfig) and node._is_none() and dataclasses.is_dataclass(node._metadata.ref_type):
+        return OmegaConf.structured(node._metadata.ref_type)
+    return node
+
+
+def _is_schema(node: object) -> bool:
+    """A section whose keys the schema fixes (pipeline/settings.py), not one the user fills freely
+    (``stages``, ``sampler``, ``model.processor``: their keys are the user's classes' arguments)."""
+    return isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node))
+
+
+def unknown_key(cfg: DictConfig, key: str) -> bool:
+    """True when ``key`` names no setting: a schema section on its path lacks the next name."""
+    node: object = cfg
+    for part in key.split("."):
+        node = _schema_view(node)
+        if not _is_schema(node):
+            return False  # a value, a list or a free section: Hydra decides
+        if part not in node.keys():
+            return True
+        node = node._get_node(part)
+    return False
+
+
+def unset_section(cfg: DictConfig, key: str) -> str | None:
+    """The section on ``key``'s path its mode leaves unset (``ceval`` outside mode=ceval), if any:
+    Hydra cannot set a key there (it fails with an assertion)."""
+    node: object = cfg
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if not isinstance(node, DictConfig) or part not in node.keys():
+            return None
+        node = node._get_node(part)
+        if isinstance(node, DictConfig) and node._is_none():
+            return ".".join(parts[:i + 1])
+    return None
+
+
+def setting_keys(node: object, prefix: str = "") -> list[str]:
+    """Every dotted key of the composed settings (the candidates a misspelt key is matched against)."""
+    node = _schema_view(node)
+    if not isinstance(node, DictConfig) or node._is_none():
+        return []
+    keys = []
+    for name in node.keys():
+        key = f"{prefix}{name}"
+        keys += [key] + setting_keys(node._get_node(name), f"{key}.")
+    return keys
+
+
+def check_keys(cfg: DictConfig, parsed: list[Override], texts: list[str]) -> None:
+    """Refuse a key the settings do not have, ``+`` or not, suggesting the closest one: Hydra would
+    add ``+max_new_token=5`` silently (the run then uses the default) and answer ``foo=1`` by
+    advising ``+foo=1``. ``+`` stays for what is open: config groups (``+model=NAME``), Hydra's settings and
+    the free sections (``+stages.NAME._target_=...``, ``+sampler.ARG=...``, ``+model.processor.ARG=...``)."""
+    for override, text in zip(parsed, texts):
+        if override.is_delete() or _is_group_or_hydra(override):
+            continue
+        key = override.key_or_group
+        verb = "add" if override.is_add() or override.is_force_add() else "override"
+        if unknown_key(cfg, key):
+            close = difflib.get_close_matches(key, setting_keys(cfg), n=1)
+            hint = (f"did you mean {close[0]}={text.split('=', 1)[1]}?" if close
+                    else "python -m pipeline --cfg job lists them")
+            fail(f"Could not {verb} {key!r}: no such setting; {hint}")
+        section = unset_section(cfg, key)
+        if section:
+            why = f"read with mode={section} only" if (CONF_DIR / "mode" / f"{section}.yaml").is_file() else "unset"
+            fail(f"Could not {verb} {key!r}: the {section} settings are {why}")
+
+
 def check_overrides(argv: list[str]) -> None:
     """Compose the configuration once up front, so a bad override (a value of the wrong type, an
     unknown key, a syntax error) is one line instead of Hydra's report. Each value of a sweep
@@ -74,7 +157,12 @@ def check_overrides(argv: list[str]) -> None:
                             for i, o in enumerate(parsed) if o.is_sweep_override()
                             for value in list(o.sweep_string_iterator())[1:]]
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            groups_seen = set()
             for trial in trials:
+                groups = tuple(t for o, t in zip(parsed, trial) if _is_group_or_hydra(o) and not o.is_delete())
+                if groups not in groups_seen:  # which keys exist depends on the groups (mode=serve)
+                    groups_seen.add(groups)
+                    check_keys(compose("config", overrides=list(groups)), parsed, overrides)
                 compose("config", overrides=trial)
     except HydraException as err:
         fail(one_line(err))
@@ -83,13 +171,19 @@ def check_overrides(argv: list[str]) -> None:
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def hydra_main(cfg: DictConfig) -> None:
     try:
-        check(cfg)  # the rules types cannot say, once, before the mode reads anything
-        get_mode(str(cfg.mode.name))(cfg)
-    except (UserError, ValueError) as err:  # ValueError: a stage refusing its settings (the Python API's error)
-        fail(str(err))
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
+        with stderr_to_log():  # __main__.log holds the run's report, as stderr shows it
+            try:
+                check(cfg)  # the rules types cannot say, once, before the mode reads anything
+                get_mode(str(cfg.mode.name))(cfg)
+            except (UserError, ValueError) as err:  # ValueError: a stage refusing its settings (the Python API's error)
+                fail(str(err))
+            except KeyboardInterrupt:
+                print("\ninterrupted", file=sys.stderr)
+                sys.exit(130)
+    except SystemExit as stop:
+        if stop.code == 2:  # an error: exit before any result: no empty run folder left behind
+            remove_failed_run_dir()
+        raise
 
 
 def main() -> None:

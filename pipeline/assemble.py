@@ -6,8 +6,10 @@ Hydra composed, rules in ``check`` before the mode started), so this module only
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
+import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -15,12 +17,15 @@ from transformers import AutoTokenizer
 
 from pipeline.context import Request
 from pipeline.errors import UserError
-from pipeline.loading import LoadedModel, _check_path, _load_error, load_model
-from pipeline.kv import kv_memory_setting
+from pipeline.loading import (
+    LoadedModel, _check_path, _load_error, load_model, local_files_only, parse_max_memory, read_config, resolve_dtype,
+)
+from pipeline.kv import kv_memory_setting, state_budget, state_shape
+from pipeline.memory import fmt_bytes, kv_bytes
 from pipeline.media import Inputs, load_inputs
 from pipeline.pipeline import Pipeline, check_stages
 from pipeline.spec import Speculative, check_same_tokenizer
-from pipeline.settings import plain as _plain
+from pipeline.settings import KVSettings, plain as _plain
 from pipeline.tiny import default_model_dir, model_card
 from pipeline.tiny.shapes import COUNT_QUESTION, SHAPES_QUESTION
 
@@ -73,6 +78,7 @@ def load_from_cfg(cfg: DictConfig) -> LoadedModel:
     path = model_path(cfg)
     if cfg.decode.speculative == "draft":  # a draft that cannot serve is refused before the target loads
         check_draft_tokenizer(path, str(cfg.decode.draft_model), bool(m.trust_remote_code))
+    check_settings_for_model(cfg, read_config(path, bool(m.trust_remote_code)), path)
     return load_model(
         path,
         dtype=m.dtype,
@@ -85,6 +91,78 @@ def load_from_cfg(cfg: DictConfig) -> LoadedModel:
     )
 
 
+def check_settings_for_model(cfg: DictConfig, config: Any, path: str) -> None:
+    """The settings that only the model's config.json can judge, judged on it before the weights
+    load (minutes for a large model): ``kv.memory`` in bytes and ``kv.state_checkpoint_every``.
+    (A fraction of free memory or ``auto`` depends on what is free after loading: ``pool_for``.)"""
+    model = model_label(cfg, path)
+    check_state_checkpoint_setting(int(cfg.kv.state_checkpoint_every), config, model)
+    memory = kv_memory_setting(_plain(cfg.kv.memory))
+    if isinstance(memory, int):
+        check_kv_bytes_hold_a_block(memory, int(cfg.kv.block_size), int(cfg.kv.state_checkpoint_every), config,
+                                    kv_dtypes(cfg), model)
+
+
+def model_label(cfg: DictConfig, path: str) -> str:
+    """How messages name the model: +model=NAME, a hub id, or a local directory's name."""
+    if cfg.model.name:
+        return str(cfg.model.name)
+    if not cfg.model.path:
+        return "the embedded default model"
+    local = Path(path).expanduser()
+    return local.name if local.is_dir() else path
+
+
+def kv_dtypes(cfg: DictConfig) -> list[torch.dtype]:
+    """The dtypes the KV cache may come out in, known before loading: the model's (``model.dtype``
+    as ``load_model`` resolves it) and an explicit ``quant.compute_dtype`` (4-bit weights compute,
+    and so cache, in it)."""
+    device_map = _plain(cfg.model.device_map)
+    if device_map is None and parse_max_memory(_plain(cfg.model.max_memory)):
+        device_map = "auto"
+    dtypes = [resolve_dtype(cfg.model.dtype, device_map)]
+    compute = (_plain(cfg.get("quant")) or {}).get("compute_dtype")
+    if isinstance(getattr(torch, str(compute), None), torch.dtype) and compute != "auto":
+        dtypes.append(getattr(torch, str(compute)))
+    return dtypes
+
+
+def check_kv_bytes_hold_a_block(memory: int, block_size: int, checkpoint_every: int, config: Any,
+                                dtypes: list[torch.dtype], model: str) -> None:
+    """``kv.memory`` as a byte count must hold one KV block (and, for a model with linear-attention
+    layers, the recurrent-state slots of one sequence).
+
+    Why here: ``pool_for`` refuses it too, but only after the weights loaded; a byte count is
+    known before, and one block's size comes from config.json alone. The smallest dtype the cache
+    may use is assumed, so a count that the pool would accept is never refused here.
+    """
+    dtype = min(dtypes, key=lambda d: torch.empty((), dtype=d).element_size())
+    block_bytes = kv_bytes(config, block_size, dtype)
+    if block_bytes <= 0:
+        return
+    shape = state_shape(config, dtype)
+    if shape is None:
+        fits, states = memory >= block_bytes, ""
+    else:
+        fits = state_budget(memory, block_bytes, block_size, shape.slot_bytes, checkpoint_every, 1)[0] >= 1
+        states = f" plus the recurrent-state slots of one sequence ({fmt_bytes(shape.slot_bytes)} each)"
+    if not fits:
+        raise UserError(
+            f"kv.memory={memory:,} bytes cannot hold one KV block of {block_size} tokens ({block_bytes:,} bytes "
+            f"for {model} in {str(dtype).removeprefix('torch.')}){states}: raise kv.memory or use kv.memory=auto"
+        )
+
+
+def check_state_checkpoint_setting(every: int, config: Any, model: str) -> None:
+    """``kv.state_checkpoint_every`` set away from its default on a model without linear-attention
+    layers is refused: only recurrent states are checkpointed, so the setting would do nothing,
+    silently. Set to the default (1024), it passes whatever the model."""
+    if every == KVSettings.state_checkpoint_every or state_shape(config, torch.float32) is not None:
+        return
+    raise UserError(f"kv.state_checkpoint_every applies to models with linear-attention layers (Qwen3.5); "
+                    f"{model} has none: drop the setting")
+
+
 def check_draft_tokenizer(target: str, draft: str, trust_remote_code: bool = False) -> None:
     """decode.draft_model must exist and share the target's tokenizer (read from both folders:
     seconds, not the minutes a large target takes to load)."""
@@ -92,7 +170,8 @@ def check_draft_tokenizer(target: str, draft: str, trust_remote_code: bool = Fal
     for name, path in (("model", target), ("decode.draft_model", draft)):
         _check_path(path)
         try:
-            toks.append(AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
+            toks.append(AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                      local_files_only=local_files_only(path)))
         except (OSError, ValueError) as err:
             raise UserError(f"cannot load the tokenizer of {name} {path!r}: {_load_error(err)}") from None
     check_same_tokenizer(*toks)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -12,6 +11,8 @@ from typing import Any
 import torch
 import transformers
 from accelerate.utils import convert_file_size_to_int
+from huggingface_hub import HfApi, constants as hub_constants, try_to_load_from_cache
+from huggingface_hub.errors import HfHubHTTPError
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
 from pipeline import quant as q
@@ -82,7 +83,8 @@ _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
 def _check_path(path: str) -> None:
-    """Local directories are checked here; anything shaped like org/name is left to the hub."""
+    """Local directories are checked here; anything shaped like org/name goes to the hub, which
+    must answer when the id is not in the local cache (``check_hub_reachable``)."""
     p = Path(path).expanduser()
     if p.exists():
         if not p.is_dir():
@@ -91,6 +93,80 @@ def _check_path(path: str) -> None:
             raise UserError(f"model.path {path!r} has no config.json: not a save_pretrained directory")
     elif not _HUB_ID.match(path) or path.startswith("."):
         raise UserError(f"model.path {path!r} does not exist")
+    else:
+        check_hub_reachable(path)
+
+
+HUB_PROBE_TIMEOUT_S = 5.0
+
+
+def check_hub_reachable(repo_id: str) -> None:
+    """A hub id must be downloadable or already in the local Hugging Face cache.
+
+    Why: without network, huggingface_hub retries each missing file five times with backoff
+    (about 30 s and two dozen warning lines) before transformers gives up; one probe of the hub
+    (``hub_unreachable``) turns that into one line at once. With ``HF_HUB_OFFLINE=1`` the cache
+    alone answers, at once, so nothing is probed.
+    """
+    if hub_constants.HF_HUB_OFFLINE:
+        return
+    reason = hub_unreachable(repo_id)
+    if reason is None or _cached(repo_id):
+        return
+    raise UserError(
+        f"cannot reach the Hugging Face hub to fetch {repo_id!r} (no network? {reason}): download it "
+        "elsewhere and pass model.path=DIR, or set HF_HUB_OFFLINE=1 to use the local cache only"
+    )
+
+
+def local_files_only(path: str) -> bool:
+    """Whether ``from_pretrained`` must read ``path`` from the local cache alone: a hub id that is
+    cached but whose hub does not answer.
+
+    Why: offline, transformers still asks the hub about each file of a cached model (and lists
+    its chat templates), each request retried five times: a cached 3 MiB model took 7 minutes to
+    load. Reachable hubs keep the normal path (updates are fetched).
+    """
+    if hub_constants.HF_HUB_OFFLINE or Path(path).expanduser().exists() or not _HUB_ID.match(path):
+        return False
+    return hub_unreachable(path) is not None and _cached(path)
+
+
+def _cached(repo_id: str) -> bool:
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+@functools.cache  # one probe per id and process
+def hub_unreachable(repo_id: str) -> str | None:
+    """Ask the hub about ``repo_id`` once, with a short timeout and no retries: None when it
+    answers (also with an error such as no such repo or gated, which ``from_pretrained`` then
+    names), else why it did not (DNS, refused, timeout) in a few words."""
+    try:
+        HfApi().model_info(repo_id, timeout=HUB_PROBE_TIMEOUT_S)
+    except (HfHubHTTPError, ValueError):  # the hub answered (404, 401, 5xx) or the id is malformed
+        return None
+    except Exception as err:
+        if not _no_answer(err):
+            raise
+        return " ".join(str(err).split())[:120] or type(err).__name__
+    return None
+
+
+def _no_answer(err: BaseException) -> bool:
+    """A transport failure (DNS, refused, timeout, proxy): OSError, or the ``TransportError`` of
+    whichever httpx huggingface_hub is built on (``httpx`` in 1.x, ``httpx2`` in 2.x)."""
+    return isinstance(err, OSError) or any(cls.__name__ == "TransportError" for cls in type(err).__mro__)
+
+
+def read_config(path: str, trust_remote_code: bool = False) -> Any:
+    """The model's config.json alone (``AutoConfig``): milliseconds, so what depends on the model
+    (``pipeline.assemble.check_settings_for_model``) is refused before minutes of loading weights."""
+    _check_path(path)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                          local_files_only=local_files_only(path))
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot load model {path!r}: {_load_error(err)}") from None
 
 
 def _device_name(device: Any) -> str:
@@ -216,6 +292,7 @@ def parse_max_memory(max_memory: Any) -> dict:
     if not isinstance(max_memory, dict):
         raise UserError(f"model.max_memory must be a mapping like {{0: 10GiB, cpu: 30GiB}} (got {max_memory!r})")
     out: dict = {}
+    written: dict = {}  # the sizes as the user wrote them, for the message
     for key, size in max_memory.items():
         if isinstance(key, str) and re.fullmatch(r"(cuda:)?\d+", key):
             key = int(key.split(":")[-1])
@@ -227,8 +304,32 @@ def parse_max_memory(max_memory: Any) -> dict:
             value = -1
         if value < 0:
             raise UserError(f"model.max_memory[{key!r}]={size!r} is not a size: write it like 10GiB, 500MB or bytes")
-        out[key] = value
+        out[key], written[key] = value, size
+    _check_budget_devices(written)
     return out
+
+
+def _check_budget_devices(budgets: dict) -> None:
+    """Every GPU index in model.max_memory must exist here.
+
+    Why: accelerate places layers on a GPU index it is given whether or not CUDA exists, and
+    the load then dies deep in transformers (``Found no NVIDIA driver``, a traceback) after the
+    processor and part of the weights were read; the README's ``{0: 10GiB, cpu: 30GiB}`` on a
+    machine without CUDA must be one line naming the fix.
+    """
+    gpus = sorted(k for k in budgets if isinstance(k, int))
+    if not gpus:
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [i for i in gpus if i >= count]
+    if not missing:
+        return
+    rest = {k: v for k, v in budgets.items() if not isinstance(k, int) or k < count}
+    keep = ("use {" + ", ".join(f"{k}: {v}" for k, v in rest.items()) + "} or drop model.max_memory") if rest \
+        else "drop model.max_memory"
+    names = ("devices " if len(missing) > 1 else "device ") + ", ".join(str(i) for i in missing)
+    where = "no CUDA device is available" if count == 0 else f"only {count} CUDA device(s) are here (0-{count - 1})"
+    raise UserError(f"model.max_memory names CUDA {names} but {where}: {keep}")
 
 
 def check_offload_folder(folder: str | None) -> str | None:
@@ -323,15 +424,13 @@ def load_model(
     if budgets and device_map is None:
         device_map = "auto"
     offload_folder = check_offload_folder(offload_folder)
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise UserError(f"cannot load model {path!r}: {_load_error(err)}") from None
+    config = read_config(path, trust_remote_code)
     family = family_for_config(config)
     torch_dtype = resolve_dtype(dtype, device_map)
     if quantization_config is None and quant is not None:
         quantization_config = _quantization(quant, config, path, torch_dtype, device_map, family)
-    kwargs: dict[str, Any] = {"dtype": torch_dtype, "use_safetensors": True, "trust_remote_code": trust_remote_code}
+    hub: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_files_only(path)}
+    kwargs: dict[str, Any] = {"dtype": torch_dtype, "use_safetensors": True, **hub}
     if device_map is not None:
         kwargs["device_map"] = device_map
     if budgets:
@@ -344,12 +443,10 @@ def load_model(
     processor = None
     try:
         if family.uses_processor:
-            processor = AutoProcessor.from_pretrained(
-                path, trust_remote_code=trust_remote_code, **(processor_kwargs or {})
-            )
+            processor = AutoProcessor.from_pretrained(path, **hub, **(processor_kwargs or {}))
             tokenizer = processor.tokenizer
         else:
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(path, **hub)
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load the tokenizer/processor of {path!r}: {_load_error(err)}") from None
     auto_class = getattr(transformers, family.auto_class)

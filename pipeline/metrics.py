@@ -163,8 +163,8 @@ class Metrics:
             out["bandwidth_gb_s"] = (read + kv_mean) * tok_s / 1e9 if tok_s else None
         if "queue_s" in c:  # engine: submission -> first scheduled (ttft_s counts from submission)
             out["queue_s"] = c["queue_s"]
-        if "preemptions" in c:  # engine: times the request's blocks were taken back and recomputed
-            out["preemptions"] = int(c["preemptions"])
+        # engine: times the request's blocks were taken back and recomputed (always reported, 0 when none)
+        out["preemptions"] = int(c.get("preemptions", 0))
         if "warmup_s" in c:  # one-off compile/tuning before the first request: never part of ttft_s
             out["warmup_s"] = c["warmup_s"]
         out.update(self.info)

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.errors import UserError, whole_number
 from pipeline.kv import kv_memory_setting
+from pipeline.loading import check_device_map, parse_max_memory
 from pipeline.media.video import check_sampling
 from pipeline.quant import SCHEMES, scheme_name
 from pipeline.spec import check_settings
@@ -192,6 +193,8 @@ def check(cfg: DictConfig) -> None:
         raise UserError("the prompt is empty: give prompt=TEXT")
     if cfg.model.name and not cfg.model.path:
         raise UserError(f"model {cfg.model.name!r} has no model.path: set model.path=DIR_OR_HUB_ID")
+    check_device_map(plain(cfg.model.device_map))  # devices that exist here, before any file is read
+    parse_max_memory(plain(cfg.model.max_memory))
     processor = {k: v for k, v in plain(cfg.model.processor).items() if v is not None}
     for key in ("min_pixels", "max_pixels"):
         if key in processor:

@@ -328,6 +328,25 @@ def test_report_reads_batch_summaries_bench_grids_and_failed_jobs(tmp_path):
     assert rows[3]["status"].startswith("no result") and rows[3]["ttft_s"] == ""
 
 
+def test_report_has_one_column_per_quantity_when_a_reported_setting_is_swept(tmp_path):
+    """quant swept (an override) and reported by every result: one quant column, holding what ran
+    (auto resolved), the override where the job wrote no result; the plot labels still name it."""
+    metrics = {"ttft_s": 0.1, "decode_tok_s": 50.0, "weights_bytes": 20}
+    fake_job(tmp_path / "0", ["quant=auto"], "result.json", {"metrics": dict(metrics, quant="nf4")})
+    fake_job(tmp_path / "1", ["quant=none"], "result.json", {"metrics": dict(metrics, quant="none")})
+    fake_job(tmp_path / "2", ["quant=int8"])  # failed: no result
+    run_report(f"dir={tmp_path}")
+    header = (tmp_path / "report.csv").read_text(encoding="utf-8").splitlines()[0].split(",")
+    assert header.count("quant") == 1 and len(header) == len(set(header)), header
+    assert header[:2] == ["job", "quant"]
+    md_header = next(line for line in (tmp_path / "report.md").read_text(encoding="utf-8").splitlines()
+                     if line.startswith("| job |"))
+    assert md_header.count("quant") == 1 and md_header.startswith("| job | quant | ttft_s |")
+    assert [r["quant"] for r in read_csv(tmp_path / "report.csv")] == ["nf4", "none", "int8"]
+    columns, rows = report.gather(tmp_path)
+    assert report.labels(columns, rows) == ["quant=nf4", "quant=none", "quant=int8"]
+
+
 def test_report_errors_are_one_line(tmp_path):
     cases = [([], "needs dir="), ([f"dir={tmp_path / 'nope'}"], "does not exist"), ([f"dir={tmp_path}"], "no Hydra job folders")]
     for args, words in cases:

@@ -4,7 +4,9 @@ Every job folder under ``dir`` (a folder holding ``.hydra/overrides.yaml``) beco
 its overrides as columns (``max_new_tokens``, ``quant`` ...) and its key metrics, read from
 whichever result the job's mode wrote: ``result.json`` (run), ``summary.json`` (batch: means)
 or ``bench.json`` (bench: one row per grid cell, the pipeline's means). A job that wrote none
-of them (it failed) still gets a row, with its status. Writes ``report.md``, ``report.csv`` and
+of them (it failed) still gets a row, with its status. Each quantity is one column: where a
+result also names a swept setting (``quant``), that column holds what the job ran with (``auto``
+resolved), or the override itself when the result does not say. Writes ``report.md``, ``report.csv`` and
 ``report.png`` into ``dir`` and prints the markdown table on stdout.
 """
 from __future__ import annotations
@@ -21,9 +23,9 @@ from omegaconf import DictConfig
 from pipeline.errors import UserError
 from pipeline.outputs import save_figure, write_csv, write_text
 
-METRICS: tuple[str, ...] = (
-    "ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s", "peak_memory_bytes", "weights_bytes", "quant",
-)
+MEASURED: tuple[str, ...] = ("ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s", "peak_memory_bytes", "weights_bytes")
+INFO: tuple[str, ...] = ("quant",)  # what the job ran with, as its result reports it (a setting, not a measure)
+METRICS: tuple[str, ...] = MEASURED + INFO  # read from every result
 PLOTTED: tuple[str, ...] = ("ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s")
 RESULT_FILES: tuple[str, ...] = ("result.json", "summary.json", "bench.json")
 
@@ -122,9 +124,11 @@ def gather(root: Path) -> tuple[list[str], list[dict[str, Any]]]:
         override_keys += [k for k in overrides if k not in override_keys]
         name = job.relative_to(root).as_posix() if job != root else "."
         for metrics in metric_rows(job):
-            rows.append({"job": name, **overrides, **metrics})
+            known = {k: v for k, v in metrics.items() if v is not None or k not in overrides}
+            rows.append({"job": name, **overrides, **known})
     extra = ["test"] if any("test" in r for r in rows) else []
-    columns = ["job", *override_keys, *extra, *METRICS, "status"]
+    # A key both swept and reported (quant) is one column, where the overrides put it.
+    columns = list(dict.fromkeys(["job", *override_keys, *extra, *METRICS, "status"]))
     return columns, rows
 
 
@@ -147,7 +151,7 @@ def markdown(columns: list[str], rows: list[dict[str, Any]]) -> str:
 
 def labels(columns: list[str], rows: list[dict[str, Any]]) -> list[str]:
     """Bar labels: only the overrides that differ between rows (else the job folder)."""
-    varying = [c for c in columns if c not in METRICS and c not in ("job", "status")
+    varying = [c for c in columns if c not in MEASURED and c not in ("job", "status")
                and len({str(r.get(c)) for r in rows}) > 1]
     out = []
     for r in rows:
