@@ -7,9 +7,13 @@ import json
 import pytest
 import torch
 
+from hydra import compose, initialize_config_dir
+
 from conftest import run_cli
 from helpers import CallPrefill, EvenTokenSampler, StopAfterTwo, ThreeTokenChunks
 from pipeline import Pipeline, Request, UserError
+from pipeline.__main__ import CONF_DIR
+from pipeline.assemble import stages_from_cfg
 from stages import DecodeLoop, Prefill, Sampler, Tokenize, VisionEncoder
 
 N = 8
@@ -130,14 +134,17 @@ def test_hooks_swapped_in_by_hydra_overrides(tiny_dir, tmp_path):
     assert result["finish_reason"] == "stop"
 
 
-@pytest.mark.parametrize("override, message", [
-    ("stages.prefill._target_=tests.helpers.CallPrefill", "error: stages.prefill: CallPrefill overrides __call__"),
-    ("stages.vision_encoder=null", "error: the request has images but no stage encodes a image"),
-])
-def test_refused_in_one_line_before_the_model_loads(tmp_path, override, message):
-    proc = run_cli(override, "max_new_tokens=2", f"hydra.run.dir={tmp_path}")
+def test_a_phase_override_is_refused_when_the_stages_are_built_before_the_model_loads():
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=["stages.prefill._target_=tests.helpers.CallPrefill"])
+    with pytest.raises(UserError, match="stages.prefill: CallPrefill overrides __call__"):
+        stages_from_cfg(cfg)  # every mode builds its stages before it loads the model
+
+
+def test_an_image_without_a_vision_encoder_is_one_line_before_the_model_loads(tmp_path):
+    proc = run_cli("stages.vision_encoder=null", "max_new_tokens=2", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith(message)
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: the request has images but no stage encodes a image")
     assert "Traceback" not in proc.stderr and "Loading weights" not in proc.stderr
 
 
