@@ -78,7 +78,8 @@ def load_from_cfg(cfg: DictConfig) -> LoadedModel:
     path = model_path(cfg)
     if cfg.decode.speculative == "draft":  # a draft that cannot serve is refused before the target loads
         check_draft_tokenizer(path, str(cfg.decode.draft_model), bool(m.trust_remote_code))
-    check_settings_for_model(cfg, read_config(path, bool(m.trust_remote_code)), path)
+    config = read_config(path, bool(m.trust_remote_code))
+    check_settings_for_model(cfg, config, path)
     return load_model(
         path,
         dtype=m.dtype,
@@ -88,6 +89,7 @@ def load_from_cfg(cfg: DictConfig) -> LoadedModel:
         quant=quant,
         trust_remote_code=bool(m.trust_remote_code),
         processor_kwargs=processor_kwargs(cfg),
+        config=config,
     )
 
 

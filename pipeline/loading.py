@@ -409,13 +409,15 @@ def load_model(
     quantization_config: Any = None,
     trust_remote_code: bool = False,
     processor_kwargs: dict | None = None,
+    config: Any = None,
 ) -> LoadedModel:
     """Load weights, tokenizer/processor and the family; bad paths become one-line UserErrors.
 
     ``quant``: a scheme name (``"nf4"``, ``"int8"``, ...) or the ``quant`` config group;
     ``quantization_config``: a ready transformers config instead (then ``quant`` is ignored).
     ``max_memory`` without ``device_map`` means ``device_map="auto"`` (a budget only
-    accelerate's placement can honour). The KV guard before prefill also reads it.
+    accelerate's placement can honour). The KV guard before prefill also reads it. ``config``:
+    the model's config when the caller read it already (``read_config``), not read again.
     """
     path = str(path)
     _check_path(path)
@@ -424,7 +426,7 @@ def load_model(
     if budgets and device_map is None:
         device_map = "auto"
     offload_folder = check_offload_folder(offload_folder)
-    config = read_config(path, trust_remote_code)
+    config = config if config is not None else read_config(path, trust_remote_code)
     family = family_for_config(config)
     torch_dtype = resolve_dtype(dtype, device_map)
     if quantization_config is None and quant is not None:

@@ -25,7 +25,7 @@ class AudioEncoder:
             None if batch_size is None else whole_number("audio_encoder.batch_size", batch_size, error=ValueError)
         )
 
-    media_kinds = ("audio",)  # what it encodes: a request with audio needs it (Pipeline.check_media)
+    media_kinds = ("audio",)  # what it encodes: a request with audio needs it (engine.intake.check_media)
 
     def skip(self, ctx: Context) -> bool:
         return not ctx.request.audios

@@ -27,7 +27,7 @@ class VisionEncoder:
     the source they were sampled from).
     """
 
-    media_kinds = ("image", "video")  # what it encodes: a request with these needs it (Pipeline.check_media)
+    media_kinds = ("image", "video")  # what it encodes: a request with these needs it (engine.intake.check_media)
 
     def skip(self, ctx: Context) -> bool:
         """Nothing to do for a prompt without images or videos (text-only models always skip)."""

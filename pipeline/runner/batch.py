@@ -182,15 +182,16 @@ def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device, 
     slots = torch.tensor([i for c in chunks for i in c.slots], device=device)
     decode = [i for i, c in enumerate(chunks) if c.count == 1]
     prefill = [i for i, c in enumerate(chunks) if c.count > 1]
-    groups = [
-        _group([chunks[i] for i in members], [offsets[i] for i in members], pool.block_size, device, pool.window)
-        for members in (decode, prefill)
-        if members
-    ]
-    if in_place and len(decode) == 1:
-        c = chunks[decode[0]]
-        span = in_place_span(pool, c.table, c.start + 1)
-        if span is not None:
-            groups[0] = Group(1, 1, None, None, start=offsets[decode[0]], span=span)
+
+    def group(members: list[int]) -> Group:
+        return _group([chunks[i] for i in members], [offsets[i] for i in members], pool.block_size, device, pool.window)
+
+    groups = []
+    if decode:
+        lone = chunks[decode[0]]
+        span = in_place_span(pool, lone.table, lone.start + 1) if in_place and len(decode) == 1 else None
+        groups.append(Group(1, 1, None, None, start=offsets[decode[0]], span=span) if span else group(decode))
+    if prefill:
+        groups.append(group(prefill))
     states = build_state_batch(pool.states, chunks, device) if pool.states is not None else None
     return PagedBatch(pool, slots, groups, states)

@@ -66,7 +66,7 @@ def run_model(
     """The model call itself, tensors in and logits out (of the packed rows ``index``; None:
     every row): the unit ``torch.compile`` sees.
 
-    Where the logits are just the decoder's hidden states projected (``attention.plain_head``),
+    Where the logits are just the decoder's hidden states projected (``decoder.plain_head``),
     the decoder runs on its own and the output projection is applied to the kept rows; so it does
     for ``extra``, language-model inputs a family adds for prompt tokens (``Family.lm_inputs``,
     e.g. Qwen3-VL's deepstack features), which the top-level forward would not pass through.
