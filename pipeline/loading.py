@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from pipeline import quant as q
 from pipeline.errors import UserError
 from pipeline.families import Family, family_for_config
 from pipeline.kv import state_shape
-from pipeline.memory import text_config
+from pipeline.memory import fmt_bytes, text_config
 from pipeline.tiny import MARKER_FILE, model_card
 
 
@@ -33,6 +34,7 @@ class LoadedModel:
     family: Family
     path: str
     quant: str = "none"  # the scheme in force, read from the loaded layers (nf4, fp4, int8, none)
+    quant_note: str = ""  # how quant=auto decided (for the weights line); empty for an explicit scheme
     placement: dict = field(default_factory=dict)  # device -> {dtype/quant: bytes}
     max_memory: dict = field(default_factory=dict)  # model.max_memory in bytes: budgets the KV guard honours
     # media kind -> the question a model built by the project asks when media come without a
@@ -368,17 +370,104 @@ def _has_accelerator(device_map: Any) -> bool:
     return torch.cuda.is_available() and any(v not in ("cpu", "disk") for v in values)
 
 
-def _quantization(quant: Any, config: Any, path: str, torch_dtype: Any, device_map: Any, family: Family) -> Any:
-    """quant (a scheme name or the quant config group) -> BitsAndBytesConfig or None."""
-    quant_cfg = {"name": quant} if isinstance(quant, str) else quant
-    scheme = q.resolve_scheme(
-        quant_cfg,
-        real_model=not _is_tiny(path),
-        device_map=device_map,
-        prequantized=getattr(config, "quantization_config", None) is not None,
-    )
-    if scheme == "none":
+AUTO_BF16_SHARE = 0.5  # quant=auto keeps 16-bit weights that take at most this share of the GPU
+
+
+def accelerator_memory(device_map: Any, budgets: dict) -> tuple[str, int] | None:
+    """(name, bytes) of the GPU memory the weights would load into: the total of the GPUs
+    ``device_map`` may use (all of them for auto/balanced/sequential, the first otherwise), each
+    capped by its ``model.max_memory`` budget; None when the model computes on the CPU."""
+    if not q.on_gpu(device_map):
         return None
+    if isinstance(device_map, dict):
+        named = [torch.device(_device_name(d)) for d in device_map.values() if d not in ("cpu", "disk")]
+        indices = sorted({d.index or 0 for d in named})
+    elif device_map in _NAMED_MAPS:
+        indices = list(range(torch.cuda.device_count()))
+    elif device_map is None:
+        indices = [torch.cuda.current_device()]
+    else:
+        indices = [torch.device(_device_name(device_map)).index or 0]
+    total = sum(min(int(torch.cuda.get_device_properties(i).total_memory), budgets.get(i, 1 << 62)) for i in indices)
+    return ", ".join(f"cuda:{i}" for i in indices), total
+
+
+def estimated_weights_bytes(path: str, config: Any, dtype: torch.dtype) -> int:
+    """The weights' bytes once loaded in ``dtype``, known before loading: the checkpoint's
+    safetensors (local files, or the cached index of a hub id) rescaled from the checkpoint's
+    dtype, else the language model's parameters counted from its config."""
+    stored = _checkpoint_bytes(path)
+    size = torch.empty((), dtype=dtype).element_size()
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    saved = getattr(torch, saved, None) if isinstance(saved, str) else saved
+    saved_size = torch.empty((), dtype=saved).element_size() if isinstance(saved, torch.dtype) else 2
+    if stored:
+        return stored * size // saved_size
+    return _config_parameters(config) * size
+
+
+def _checkpoint_bytes(path: str) -> int:
+    """Bytes of the checkpoint's safetensors files (0 when they cannot be known without a download)."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return sum(f.stat().st_size for f in local.glob("*.safetensors"))
+    index = try_to_load_from_cache(path, "model.safetensors.index.json")
+    if isinstance(index, str):
+        return int(json.loads(Path(index).read_text()).get("metadata", {}).get("total_size", 0))
+    single = try_to_load_from_cache(path, "model.safetensors")
+    return Path(single).stat().st_size if isinstance(single, str) else 0
+
+
+def _config_parameters(config: Any) -> int:
+    """The language model's parameters from its sizes (embeddings, attention, MLP, lm_head)."""
+    text = text_config(config)
+    hidden, layers = int(text.hidden_size), int(text.num_hidden_layers)
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+    inter = int(getattr(text, "intermediate_size", None) or 4 * hidden)
+    per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter
+    return int(text.vocab_size) * hidden * (1 if _tied_lm_head(config) else 2) + layers * per_layer
+
+
+def auto_scheme(path: str, config: Any, dtype: torch.dtype, device_map: Any, budgets: dict) -> tuple[str, str]:
+    """``quant=auto`` for this model and device, and why in words (the weights line says it).
+
+    On a GPU, decode reads every weight each step: 16-bit weights that fit comfortably (at most
+    half the GPU's memory, the rest for the KV cache and activations) stay 16-bit, exact and
+    fast; larger ones load in nf4 (about 3.5x fewer bytes). On CPU bitsandbytes dequantises in
+    every matmul, slower than float32 at CPU sizes; models built by this project are test
+    scaffolding, kept exact; an already quantised checkpoint keeps its own scheme.
+    """
+    if getattr(config, "quantization_config", None) is not None:
+        return "none", "quant=auto: the checkpoint is already quantised; its own scheme is kept"
+    if _is_tiny(path):
+        return "none", "quant=auto: none for a model built by this project"
+    gpu = accelerator_memory(device_map, budgets)
+    if gpu is None:
+        return "none", "quant=auto: none on CPU (bitsandbytes would dequantise in every matmul)"
+    name, total = gpu
+    weights = estimated_weights_bytes(path, config, dtype)
+    kind = str(dtype).removeprefix("torch.")
+    if weights <= AUTO_BF16_SHARE * total:
+        return "none", (f"quant=auto kept {kind}: the weights (about {fmt_bytes(weights)}) take at most half of "
+                        f"{name}'s {fmt_bytes(total)}")
+    return "nf4", (f"quant=auto chose nf4: the weights (about {fmt_bytes(weights)} in {kind}) take more than half of "
+                   f"{name}'s {fmt_bytes(total)}")
+
+
+def _quantization(quant: Any, config: Any, path: str, torch_dtype: Any, device_map: Any, family: Family,
+                  budgets: dict) -> tuple[Any, str]:
+    """quant (a scheme name or the quant config group) -> (BitsAndBytesConfig or None, how
+    ``auto`` decided: empty for an explicit scheme)."""
+    quant_cfg = {"name": quant} if isinstance(quant, str) else quant
+    scheme, note = q.scheme_name(quant_cfg), ""
+    if scheme == "auto":
+        dtype = torch_dtype if isinstance(torch_dtype, torch.dtype) else torch.bfloat16
+        scheme, note = auto_scheme(path, config, dtype, device_map, budgets)
+        quant_cfg = {**quant_cfg, "name": scheme}
+    if scheme == "none":
+        return None, note
     if not torch.cuda.is_available() and isinstance(device_map, dict) and "disk" in device_map.values():
         raise UserError(
             f"quant={scheme} cannot offload layers to disk without a CUDA GPU (bitsandbytes keeps offloaded "
@@ -395,7 +484,7 @@ def _quantization(quant: Any, config: Any, path: str, torch_dtype: Any, device_m
         cpu_offload=explicit_offload and _has_accelerator(device_map),
         encoders=family.encoder_modules,
         unquantised=family.unquantised_modules,
-    )
+    ), note
 
 
 def load_model(
@@ -429,8 +518,9 @@ def load_model(
     config = config if config is not None else read_config(path, trust_remote_code)
     family = family_for_config(config)
     torch_dtype = resolve_dtype(dtype, device_map)
+    quant_note = ""
     if quantization_config is None and quant is not None:
-        quantization_config = _quantization(quant, config, path, torch_dtype, device_map, family)
+        quantization_config, quant_note = _quantization(quant, config, path, torch_dtype, device_map, family, budgets)
     hub: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_files_only(path)}
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "use_safetensors": True, **hub}
     if device_map is not None:
@@ -466,6 +556,7 @@ def load_model(
         family=family,
         path=path,
         quant=q.scheme_in_force(model),
+        quant_note=quant_note,
         placement=placement_of(model),
         max_memory=budgets,
         default_prompts=_default_prompts(path),

@@ -154,3 +154,10 @@ def fmt_bytes(n: int) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+def release_cached_memory(device: torch.device | str | None) -> None:
+    """Hand the allocator's cached blocks back to the device (after an out-of-memory error, so
+    the retry starts from what is really in use)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()

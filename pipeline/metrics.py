@@ -1,11 +1,19 @@
-"""Per-stage timing and counters, and the figures derived from them (the names are a contract)."""
+"""Per-stage timing and counters, and the figures derived from them (the names are a contract).
+
+Memory is measured per engine step (``note_step``, called by the engine after each model step):
+the device's peak since the previous step (the CUDA allocator's, or the process's resident set on
+CPU), less the KV pool, which is one fixed allocation reported apart (``kv_pool_bytes``). Each
+request keeps the largest figure of the steps it took part in, so requests that overlap each get
+their own peak, and no request resets what another is measuring.
+"""
 from __future__ import annotations
 
+import re
 import resource
 import sys
 import time
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -41,10 +49,82 @@ def decode_weight_bytes(model: torch.nn.Module, encoders: Sequence[str] = ()) ->
 
 
 def peak_memory_bytes(device: torch.device | str | None) -> int:
+    """The process's peak so far: CUDA allocator peak, or peak RSS on CPU (pool included)."""
     if _is_cuda(device):
         return int(torch.cuda.max_memory_allocated(device))
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss is KiB on Linux
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
+
+
+_HWM = re.compile(rb"VmHWM:\s+(\d+) kB")
+
+
+def _rss_window_peak() -> int | None:
+    """Linux: peak resident bytes since the last call (VmHWM), then reset to the current RSS
+    (``5`` written to /proc/self/clear_refs resets the high-water mark, nothing else). None
+    where /proc cannot do it: the caller falls back to the lifetime peak."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            match = _HWM.search(f.read())
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
+def window_peak(device: torch.device | str | None) -> int:
+    """Peak bytes on ``device`` since the previous call, the window restarted: host-side reads of
+    the CUDA allocator's counters (no synchronisation), or of the process's RSS on CPU."""
+    if _is_cuda(device):
+        peak = int(torch.cuda.max_memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    peak = _rss_window_peak()
+    return peak if peak is not None else peak_memory_bytes(device)
+
+
+def pool_bytes(pool: Any) -> int:
+    """Bytes the KV pool's tensors take (keys/values on every device, recurrent-state slots);
+    0 before its first forward allocates them. On CPU the pages count only once touched."""
+    tensors = [t for layer in range(pool.layers) for t in (pool.layer_kv(layer) or ())]
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    states = getattr(pool, "states", None)
+    if states is not None and tensors:
+        total += states.num_slots * states.slot_bytes
+    return total
+
+
+def _pool_in_peak(pool: Any, device: torch.device | str | None, allocated: int) -> int:
+    """The part of the pool inside a measured peak: all of it on CUDA (allocated up front); on
+    CPU the blocks held now (pages of blocks never handed out are not resident)."""
+    if _is_cuda(device):
+        return allocated
+    return min(allocated, pool.used_blocks * pool.block_bytes)
+
+
+def note_step(metrics: Sequence["Metrics"], contexts: Sequence[int], pool: Any, steps: int = 1) -> None:
+    """After one engine model step (``steps`` > 1: a greedy decode burst) over rows whose
+    attention read ``contexts`` keys each (at the step's first token): every row's request
+    records the step's peak memory without the pool, the pool's size, and the KV bytes the step
+    read (all rows', as a device reads them; ``bandwidth_gb_s``)."""
+    if not metrics:
+        return
+    device = metrics[0].device
+    allocated = pool_bytes(pool)
+    peak = max(0, window_peak(device) - _pool_in_peak(pool, device, allocated))
+    per_token = pool.block_bytes / pool.block_size
+    rows = len(contexts)
+    keys = steps * sum(contexts) + rows * steps * (steps - 1) // 2  # a burst's rows grow by one key a step
+    for m in metrics:
+        m.note_memory(peak, allocated)
+        m.step_kv_read = keys * per_token / steps
+
+
+def reset_window(device: torch.device | str | None) -> None:
+    """Start a fresh measuring window (an engine about to run its first step: the weights'
+    loading peak is no request's)."""
+    window_peak(device)
 
 
 class Metrics:
@@ -59,13 +139,21 @@ class Metrics:
         self.t_start: float | None = None
         self.t_first: float | None = None
         self.t_end: float | None = None
+        self.memory_peak: int | None = None  # largest step peak without the pool (note_step)
+        self.pool_bytes: int | None = None
+        self.step_kv_read = 0.0  # KV bytes the last noted step read, per step (note_step)
+        self.kv_read_bytes = 0.0  # over this request's decode steps
 
     # --- events -----------------------------------------------------------------------------
     def start(self) -> None:
-        if _is_cuda(self.device):
-            torch.cuda.reset_peak_memory_stats(self.device)
-        synchronize(self.device)
+        """The request is submitted. Host-only (no synchronisation, no device call): the server
+        calls it on its event loop, and a peak reset here would break overlapping requests."""
         self.t_start = time.perf_counter()
+
+    def note_memory(self, peak: int, pool: int) -> None:
+        """One step this request took part in: its peak without the pool, and the pool's bytes."""
+        self.memory_peak = peak if self.memory_peak is None else max(self.memory_peak, peak)
+        self.pool_bytes = pool
 
     def first_token(self) -> None:
         """Called once the first generated token is chosen (its value already on the host)."""
@@ -91,8 +179,11 @@ class Metrics:
 
     def add_span(self, name: str, seconds: float, calls: int) -> None:
         """Record time measured without ``span`` (e.g. per-step sampling timed with CUDA events,
-        which needs no host sync); like a nested span, it is taken out of the enclosing span."""
+        which needs no host sync); like a nested span, it is taken out of the enclosing span.
+        A ``decode`` step also adds the KV bytes that step read (``note_step``)."""
         self._record(name, seconds, calls, enclosing=seconds)
+        if name == "decode":
+            self.kv_read_bytes += self.step_kv_read * calls
 
     def _record(self, name: str, seconds: float, calls: int, *, enclosing: float) -> None:
         """Add to stages[name]; ``enclosing`` seconds are taken out of the open parent span."""
@@ -152,23 +243,35 @@ class Metrics:
             if key in c:
                 out[key] = int(c[key])
         out["kv_cache_bytes"] = int(c.get("kv_cache_bytes", 0))
-        out["peak_memory_bytes"] = peak_memory_bytes(self.device)
+        # Without the pool, over the steps this request was in (no step noted: the process's peak).
+        out["peak_memory_bytes"] = self.memory_peak if self.memory_peak is not None else peak_memory_bytes(self.device)
+        if self.pool_bytes is not None:
+            out["kv_pool_bytes"] = self.pool_bytes
         weights = c.get("weights_bytes")
         if weights is not None:
             out["weights_bytes"] = int(weights)
-            kv_mean = (c.get("kv_bytes_decode_start", 0) + out["kv_cache_bytes"]) / 2
-            tok_s = out["decode_tok_s"]
             read = c.get("decode_weights_bytes", weights)  # what a decode step reads (no encoders)
             out["decode_weights_bytes"] = int(read)
-            out["bandwidth_gb_s"] = (read + kv_mean) * tok_s / 1e9 if tok_s else None
+            out["bandwidth_gb_s"] = self._bandwidth(read)
         if "queue_s" in c:  # engine: submission -> first scheduled (ttft_s counts from submission)
             out["queue_s"] = c["queue_s"]
         # engine: times the request's blocks were taken back and recomputed (always reported, 0 when none)
         out["preemptions"] = int(c.get("preemptions", 0))
+        if "oom_retries" in c:  # engine: steps it was in that ran out of device memory and were retried smaller
+            out["oom_retries"] = int(c["oom_retries"])
         if "warmup_s" in c:  # one-off compile/tuning before the first request: never part of ttft_s
             out["warmup_s"] = c["warmup_s"]
         out.update(self.info)
         return out
+
+    def _bandwidth(self, weights: float) -> float | None:
+        """GB/s the decode steps read: the decode weights once per step plus every row's keys
+        and values (``kv_read_bytes``), over the decode steps' seconds."""
+        rec = self.stages.get("decode", {})
+        seconds, steps = rec.get("seconds", 0.0), rec.get("calls", 0)
+        if seconds <= 0 or not steps:
+            return None
+        return (weights * steps + self.kv_read_bytes) / seconds / 1e9
 
 
 def _sub(a: float | None, b: float | None) -> float | None:

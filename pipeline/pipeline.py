@@ -11,9 +11,10 @@ import torch
 from pipeline.context import Context, Request, Result
 from pipeline.engine import Engine, Handle, Phases, Sequence as EngineSequence
 from pipeline.errors import UserError
-from pipeline.kv import BlockPool, KVCache, pool_for
+from pipeline.kv import BlockPool, KVCache
+from pipeline.kv.sizing import Pools, pools_for
 from pipeline.loading import LoadedModel
-from pipeline.metrics import Metrics, decode_weight_bytes, synchronize
+from pipeline.metrics import Metrics, decode_weight_bytes, reset_window, synchronize
 from pipeline.runner import CompiledStep, ModelRunner, fork_sampler
 
 Stage = Callable[[Context], Any]
@@ -37,8 +38,14 @@ def shared_engine(lm: LoadedModel, pool: BlockPool, compiled: CompiledStep | Non
     """The engine (and its model runner) for this model, pool, compiled step and limits: one per
     combination, shared by every pipeline and hand-driven stage that asks for it."""
     key = ("engine", id(pool), id(compiled), max_seqs, max_batch_tokens, burst)
-    return _shared(lm, key, lambda: Engine(ModelRunner(lm, pool, compiled), max_seqs=max_seqs,
-                                           max_batch_tokens=max_batch_tokens, burst=burst))
+
+    def make() -> Engine:
+        engine = Engine(ModelRunner(lm, pool, compiled), max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
+                        burst=burst)
+        reset_window(engine.device)  # its first step's peak memory is not the weights' loading peak
+        return engine
+
+    return _shared(lm, key, make)
 
 
 def check_stages(stages: Mapping[str, Any]) -> None:
@@ -116,6 +123,7 @@ class Pipeline:
         self.burst = burst
         self.warmup_s: float | None = None  # time spent in warmup(), reported apart from ttft_s
         self._pool: BlockPool | None = None
+        self._pools: Pools | None = None  # the pool, a draft model's sized with it, and their budget
         self._engine: Engine | None = None
         self._decode_weights: int | None = None  # bytes a decode step reads (metrics.decode_weight_bytes)
 
@@ -125,12 +133,35 @@ class Pipeline:
         """The model's KV pool for these settings: pipelines on one model with the same ``kv_memory``
         and ``kv_block_size`` share it, and so share its prefix cache."""
         if self._pool is None:
-            key = ("pool", self.kv_memory, self.kv_block_size)
-            if getattr(self.lm, "recurrent", False):  # the state slots depend on these too
-                key += (self.kv_state_checkpoint_every, self.max_seqs)
-            self._pool = _shared(self.lm, key, lambda: pool_for(
-                self.lm, self.kv_memory, self.kv_block_size, self.kv_state_checkpoint_every, self.max_seqs))
+            self._pool = self.pools.pools[0]
         return self._pool
+
+    @property
+    def pools(self) -> Pools:
+        """The pool, the draft model's pool when it was sized with it, and the budget they came
+        from (``Pools.describe()``: the line ``mode=run`` reports)."""
+        if self._pools is None:
+            self._pools = self._shared_pools()
+        return self._pools
+
+    def _shared_pools(self) -> Pools:
+        """Sized on first use, once per model and settings. A draft model (``decode.speculative=draft``)
+        without a memory setting of its own gets its pool from the same budget
+        (``pipeline.kv.pools_for``), handed to its ``Speculative``."""
+        key = ("pool", self.kv_memory, self.kv_block_size)
+        if getattr(self.lm, "recurrent", False):  # the state slots depend on these too
+            key += (self.kv_state_checkpoint_every, self.max_seqs)
+        spec = getattr(self.stages.get("decode"), "speculative", None)
+        joint = spec if spec is not None and getattr(spec, "shares_budget", False) else None
+        models = [self.lm] + ([joint.draft] if joint is not None else [])
+        pools = _shared(self.lm, ("pools", *key[1:]), lambda: pools_for(
+            models, self.kv_memory, self.kv_block_size, self.kv_state_checkpoint_every, self.max_seqs,
+            self.max_batch_tokens))
+        for i, pool in enumerate(pools.pools):  # each BlockPool in the table too, where code looking for them reads
+            _shared(self.lm, (*key, i), lambda pool=pool: pool)
+        if joint is not None and len(pools.models) > 1 and pools.models[1] is joint.draft:
+            joint.use_pool(pools.pools[1])
+        return pools
 
     @property
     def engine(self) -> Engine:
@@ -145,7 +176,7 @@ class Pipeline:
         """Another stage chain on the same model, pool and engine (e.g. prefill only, for scoring)."""
         other = Pipeline(self.lm, stages, kv_memory=self.kv_memory, kv_block_size=self.kv_block_size,
                          kv_state_checkpoint_every=self.kv_state_checkpoint_every, max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens, burst=self.burst)
-        other._pool, other._engine, other.warmup_s = self.pool, self.engine, self.warmup_s
+        other._pool, other._pools, other._engine, other.warmup_s = self.pool, self._pools, self.engine, self.warmup_s
         return other
 
     def new_cache(self) -> KVCache:

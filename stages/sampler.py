@@ -105,8 +105,14 @@ class Sampler:
                 g.manual_seed(self.seed)
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
+        """This sampler's generator on ``device``, made and seeded on first use there. Keyed by
+        the device with its index (``cuda`` is ``cuda:<current>``): two generators for one GPU
+        would both start from the seed and hand out the same random numbers twice."""
         if self.seed is None:
             return None  # global RNG state, like torch.manual_seed users expect
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         g = self._generators.get(device)
         if g is None:
             g = torch.Generator(device=device)
@@ -145,7 +151,7 @@ class Sampler:
 
     def uniform(self, device: torch.device) -> float:
         """A U[0, 1) draw from this sampler's generator (speculative decoding's acceptance test)."""
-        return float(torch.rand((), device=device, generator=self._generator(torch.device(device))))
+        return float(torch.rand((), device=device, generator=self._generator(device)))
 
     # -- the chain; each step is the same arithmetic as its transformers counterpart ----------
 

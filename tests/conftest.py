@@ -30,12 +30,16 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def load_tiny(tiny_dir):
-    """load_tiny(family, **load_model_kwargs) -> LoadedModel, cached per (family, kwargs)."""
+    """load_tiny(family, **load_model_kwargs) -> LoadedModel, cached per (family, kwargs).
+
+    float32 unless ``dtype`` says otherwise, whatever the device: ``dtype=auto`` would load
+    bfloat16 on a GPU, where the exact-match tests would see argmaxes flip."""
     from pipeline import load_model
 
     loaded: dict = {}
 
     def get(family: str, **kwargs):
+        kwargs.setdefault("dtype", torch.float32)
         key = (family, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
         if key not in loaded:
             loaded[key] = load_model(str(tiny_dir(family)), **kwargs)
@@ -57,8 +61,17 @@ def fresh_prefix_cache(load_tiny):
                 obj.clear_prefix_cache()
 
 
+def on_device(lm, **tensors) -> dict:
+    """``tensors`` (processor outputs, ids built on the host) on the model's device: a GPU model
+    refuses CPU inputs. Other values pass through."""
+    return {k: v.to(lm.device) if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
+
+
 def generate_oracle(lm, input_ids: torch.Tensor, max_new_tokens: int, ignore_eos: bool = False, **inputs) -> list[int]:
-    """transformers' own greedy generate on the same model and inputs: the correctness oracle."""
+    """transformers' own greedy generate on the same model and inputs (moved to its device):
+    the correctness oracle."""
+    input_ids = input_ids.to(lm.device)
+    inputs = on_device(lm, **inputs)
     kwargs = dict(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),

@@ -12,7 +12,7 @@ import soundfile as sf
 import torch
 import torchaudio.functional as AF
 
-from conftest import generate_oracle, run_cli
+from conftest import generate_oracle, on_device, run_cli
 from pipeline import Pipeline, Request, UserError
 from stages import AudioEncoder, DecodeLoop, Prefill, Sampler, Tokenize
 
@@ -107,7 +107,7 @@ def test_audio_encoder_alone_matches_what_the_model_forward_merges(lm):
     hook = lm.model.model.language_model.register_forward_pre_hook(grab, with_kwargs=True)
     try:
         with torch.inference_mode():
-            lm.model(**inputs)
+            lm.model(**on_device(lm, **inputs))
     finally:
         hook.remove()
     for batch_size in (None, 1):  # all windows at once, or one by one: same embeddings
@@ -284,7 +284,7 @@ def test_audio_to_a_model_without_audio_encoder_is_refused(load_tiny):
 
 def test_cli_hears_a_wav_and_reports_audio_metrics(tiny_dir, load_tiny, tmp_path):
     proc = run_cli(f"model.path={tiny_dir('qwen2-audio')}", "input=examples/tone.wav", "prompt=What do you hear?",
-                   f"max_new_tokens={N}", f"hydra.run.dir={tmp_path}")
+                   f"max_new_tokens={N}", "model.dtype=float32", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "result.json").read_text())
     m = result["metrics"]

@@ -116,7 +116,7 @@ from pipeline import Pipeline, Request, load_model
 from stages import DecodeLoop, Prefill
 from stages.decode import FastPathFallback
 warnings.simplefilter("error", FastPathFallback)
-lm = load_model(sys.argv[1])
+lm = load_model(sys.argv[1], dtype=torch.float32)
 ids = lm.tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"][:8]
 pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=True)}, kv_memory=1 << 20)
 pipe.warmup()
@@ -124,7 +124,8 @@ handles = [pipe.submit(Request(max_new_tokens=n, ignore_eos=True), ids=ids[:k], 
 got = [pipe.wait(h) for h in handles]
 assert all(c.metrics.info["decode_compiled"] for c in got)
 for c, k in zip(got, (8, 5)):
-    ref = lm.model.generate(input_ids=torch.tensor([ids[:k]]), attention_mask=torch.ones(1, k, dtype=torch.long),
+    ref = lm.model.generate(input_ids=torch.tensor([ids[:k]], device=lm.device),
+                            attention_mask=torch.ones(1, k, dtype=torch.long, device=lm.device),
                             do_sample=False, max_new_tokens=len(c.generated), eos_token_id=None, pad_token_id=0)
     assert c.generated == ref[0, k:].tolist(), (c.generated, ref)
 print("ok")
@@ -204,7 +205,7 @@ def test_chunked_prefill_equals_one_shot(lm, prompt, chunk):
         pipe = pipe_of(lm, chunk=c)
         pipe.pool.clear_prefix_cache()
         ctx = pipe.context(Request(max_new_tokens=1))
-        ctx.input_ids, ctx.token_keys = torch.tensor([prompt]), list(prompt)
+        ctx.input_ids, ctx.token_keys = torch.tensor([prompt], device=lm.device), list(prompt)
         Prefill(c)(ctx)
         logits.append(ctx.logits)
     torch.testing.assert_close(logits[0], logits[1])

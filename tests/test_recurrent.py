@@ -39,7 +39,8 @@ def no_prefix_cache(lm):
 
 def oracle(lm, ids: list[int], n: int = N) -> list[int]:
     with torch.no_grad():
-        out = lm.model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out = lm.model.generate(torch.tensor([ids], device=lm.device), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False)
     return out[0, len(ids):].tolist()
 
 

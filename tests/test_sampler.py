@@ -192,6 +192,16 @@ def test_same_seed_same_tokens():
     assert _draws(Sampler(temperature=1.0, top_p=0.95, seed=124), x) != first
 
 
+def test_one_generator_per_device_however_it_is_named():
+    """``uniform("cpu")`` and ``uniform(torch.device("cpu"))`` (on a GPU: ``cuda`` and ``cuda:0``)
+    draw from one seeded stream: two generators would replay the same numbers."""
+    names = ["cuda", torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_available() \
+        else ["cpu", torch.device("cpu")]
+    mixed = Sampler(temperature=1.0, seed=7)
+    one = Sampler(temperature=1.0, seed=7)
+    assert [mixed.uniform(names[0]), mixed.uniform(names[1])] == [one.uniform(names[1]), one.uniform(names[1])]
+
+
 def test_unseeded_uses_global_rng():
     x = torch.randn(200, generator=torch.Generator().manual_seed(9)) * 0.3
     s = Sampler(temperature=1.0)
@@ -265,7 +275,7 @@ def test_cuda_sampling_stays_on_device_without_sync():
     x = _logits((4, 32000), 11).cuda().to(torch.bfloat16)
     ids = _prev_ids(4, 32000, 11).cuda()
     s = Sampler(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1, seed=0)
-    s(x, ids)  # warm up: creates the generator, loads kernels
+    first = s(x, ids)  # warm up: creates the generator, loads kernels (and takes the seed's first draw)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -276,6 +286,6 @@ def test_cuda_sampling_stays_on_device_without_sync():
     assert all(t.is_cuda and t.dtype == torch.long for t in toks)
     kept = _kept(s.filtered_logits(x, ids))
     assert all(kept[torch.arange(4, device="cuda"), t].all() for t in toks)
-    s.reset()
-    assert torch.equal(s(x, ids), toks[0])
+    s.reset()  # reseeded: the seed's first draw again (the warm-up's, not toks[0], the second)
+    assert torch.equal(s(x, ids), first)
     assert torch.equal(greedy, RepetitionPenaltyLogitsProcessor(1.1)(ids, x.float()).argmax(-1))

@@ -125,7 +125,7 @@ def test_audio_chat_equals_the_pipeline(tiny_dir, load_tiny, tmp_path):
     pipe = Pipeline(lm, {"tokenize": Tokenize(), "audio_encoder": AudioEncoder(), "prefill": Prefill(),
                          "decode": DecodeLoop()})
     alone = pipe.run(Request(prompt="What do you hear?", audios=[str(wav)], max_new_tokens=10, ignore_eos=True))
-    with serving(tmp_path, f"model.path={tiny_dir('qwen2-audio')}") as server:
+    with serving(tmp_path, f"model.path={tiny_dir('qwen2-audio')}", "model.dtype=float32") as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         content = [{"type": "input_audio", "input_audio": {"data": wav_b64(), "format": "wav"}},
                    {"type": "text", "text": "What do you hear?"}]
@@ -355,3 +355,64 @@ def test_openai_client_errors_are_typed(client):
     with pytest.raises(APIStatusError) as err:
         chat(client, [], max_tokens=3)
     assert err.value.status_code == 400 and "messages is empty" in str(err.value)
+
+
+# --- the event loop and the device ---------------------------------------------------------------
+
+def test_the_event_loop_never_touches_the_device(load_tiny, monkeypatch):
+    """In process: requests (chat, text completion, a stream) handled on the event loop's thread
+    while this thread drives the engine, as ``mode=serve`` does. Every device call (synchronising,
+    reading and resetting peak memory: simulated as on a GPU) and every submission to the engine
+    happen off the loop, so no open stream waits for the device."""
+    import asyncio
+
+    import torch
+
+    from pipeline import Pipeline, metrics
+    from pipeline.serve.app import ServeSettings, create_app
+    from stages import DecodeLoop, Prefill, Tokenize
+
+    calls: list[tuple[str, int]] = []
+
+    def recorded(name: str, result=None):
+        def call(*args, **kwargs):
+            calls.append((name, threading.get_ident()))
+            return result
+        return call
+
+    monkeypatch.setattr(metrics, "_is_cuda", lambda device: True)
+    for name, result in (("synchronize", None), ("reset_peak_memory_stats", None), ("max_memory_allocated", 0)):
+        monkeypatch.setattr(torch.cuda, name, recorded(name, result))
+    submit = Pipeline.submit
+
+    def submitting(self, *args, **kwargs):
+        calls.append(("submit", threading.get_ident()))
+        return submit(self, *args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "submit", submitting)
+    pipe = Pipeline(load_tiny("qwen3"), {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()},
+                    kv_memory=2 << 20)
+    app = create_app(pipe, ServeSettings(model_name="tiny"))
+    loop_thread, done, statuses = {}, threading.Event(), []
+
+    async def clients() -> None:
+        loop_thread["id"] = threading.get_ident()
+        chat = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://serve") as http:
+            replies = await asyncio.gather(
+                *[http.post("/v1/chat/completions", json=chat) for _ in range(3)],
+                http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 5}),
+                http.post("/v1/chat/completions", json={**chat, "stream": True}))
+        statuses.extend(r.status_code for r in replies)
+
+    def serve() -> None:
+        try:
+            asyncio.run(clients())
+        finally:
+            done.set()
+
+    threading.Thread(target=serve, daemon=True).start()
+    pipe.engine.drive(done.is_set, timeout=120)
+    assert statuses == [200] * 5
+    assert {"submit", "synchronize", "reset_peak_memory_stats"} <= {name for name, _ in calls}
+    assert [name for name, thread in calls if thread == loop_thread["id"]] == []

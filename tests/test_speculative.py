@@ -50,7 +50,7 @@ def drafts(tiny_dir, tmp_path_factory):
 
     def get(family: str):
         if family not in made:
-            made[family] = load_model(str(noisy_copy(tiny_dir(family), base / family)))
+            made[family] = load_model(str(noisy_copy(tiny_dir(family), base / family)), dtype=torch.float32)
         return made[family]
 
     return get
@@ -175,9 +175,9 @@ def test_rollback_leaves_the_cache_equal_to_a_fresh_prefill(load_tiny, drafts):
     kept = result.prompt_ids + result.token_ids[:-1]  # the last token is not fed yet
     assert cache.keys == kept
     with torch.inference_mode():
-        fresh = lm.model(torch.tensor([kept]), use_cache=True).past_key_values
+        fresh = lm.model(torch.tensor([kept], device=lm.device), use_cache=True).past_key_values
     bs = cache.block_size
-    slots = torch.tensor([cache.blocks[p // bs] * bs + p % bs for p in range(len(kept))])
+    slots = torch.tensor([cache.blocks[p // bs] * bs + p % bs for p in range(len(kept))], device=lm.device)
     for layer in range(len(fresh.layers)):
         k, v = pipe.pool.layer_kv(layer)
         torch.testing.assert_close(k[slots], fresh.layers[layer].keys[0].transpose(0, 1), rtol=1e-4, atol=1e-4)
@@ -237,7 +237,7 @@ def test_chat_turns_and_undo_stay_exact(load_tiny):
 
 
 def test_eos_inside_accepted_drafts_ends_there(tiny_dir, drafts):
-    lm = load_model(str(tiny_dir("qwen3")))  # its own copy: its EOS is changed below
+    lm = load_model(str(tiny_dir("qwen3")), dtype=torch.float32)  # its own copy: its EOS is changed below
     full = pipe_for(lm).run(request_for(lm, n=30))
     lm.model.generation_config.eos_token_id = full.token_ids[5]  # a draft round runs past this EOS
     want = pipe_for(lm).run(Request(prompt=REPEATING, max_new_tokens=30))

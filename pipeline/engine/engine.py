@@ -34,8 +34,11 @@ from pipeline.engine.intake import make_chunk, prepare
 from pipeline.engine.scheduler import Scheduled, Scheduler
 from pipeline.engine.sequence import Sequence, Status
 from pipeline.errors import OutOfBlocks, whole_number
+from pipeline.memory import release_cached_memory
+from pipeline.metrics import note_step
 from pipeline.runner import ModelRunner, StepOutput, apply_processors, argmax_only, choose
 from pipeline.spec import draft_budget, verify
+from pipeline.transfer import blocking_count, upload, wait
 
 
 class Engine:
@@ -52,7 +55,8 @@ class Engine:
         self._cond = threading.Condition()
         self._driving = False  # a thread is inside step()
         self.counters = {"steps": 0, "tokens_in": 0, "tokens_out": 0, "preemptions": 0, "requests": 0,
-                         "kv_blocks_peak": 0}
+                         "kv_blocks_peak": 0, "blocking_transfers": 0, "blocking_transfers_step_max": 0,
+                         "oom_retries": 0}
         self.busy_s = 0.0
 
     @property
@@ -130,18 +134,28 @@ class Engine:
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> None:
         """Intake, schedule, run, post-process, finish."""
-        t0 = time.perf_counter()
+        t0, waits = time.perf_counter(), blocking_count()
         plan: list[Scheduled] = []
         try:
             self._intake()
             plan = self.scheduler.schedule(self._draft)
             if plan:
-                self._postprocess(plan, self._run(plan))
+                out = self._run_or_shrink(plan)
+                if out is None:
+                    plan = []  # out of device memory: its sequences wait for a smaller step
+                else:
+                    note_step([i.seq.ctx.metrics for i in plan], [i.end for i in plan], self.pool,
+                              len(out.tokens) if out.tokens else 1)  # memory and KV reads, per request
+                    self._postprocess(plan, out)
         except BaseException as err:  # a failed step (Ctrl-C in a hook too): fail its sequences, serve the rest
             for seq in [item.seq for item in plan] or list(self.scheduler.running):
                 self._fail(seq, err)
         self._end_failed()
         self.counters["preemptions"] = self.scheduler.preemptions
+        if plan:
+            waits = blocking_count() - waits
+            self.counters["blocking_transfers"] += waits
+            self.counters["blocking_transfers_step_max"] = max(self.counters["blocking_transfers_step_max"], waits)
         self.busy_s += time.perf_counter() - t0
 
     def _intake(self) -> None:
@@ -180,6 +194,27 @@ class Engine:
         self._count_step(sum(item.count for item in plan))
         return out
 
+    def _run_or_shrink(self, plan: list[Scheduled]) -> StepOutput | None:
+        """``_run``; when the device runs out of memory, the step's sequences go back to the queue
+        (preempted: what they had in the prefix cache they reuse, the rest they recompute) and
+        later steps take half the tokens, down to one block's worth; None then. Only a step that
+        cannot shrink (one block's worth of tokens, or one decode row) fails."""
+        try:
+            return self._run(plan)
+        except torch.OutOfMemoryError:
+            budget = self.scheduler.max_batch_tokens
+            smallest = self.pool.block_size
+            if budget <= smallest or sum(item.count for item in plan) <= 1:
+                raise
+            release_cached_memory(self.runner.device)
+            for item in plan:
+                if item.seq.status is Status.RUNNING:
+                    self.scheduler.preempt(item.seq)
+                item.seq.ctx.metrics.count("oom_retries")
+            self.scheduler.max_batch_tokens = max(smallest, budget // 2)
+            self.counters["oom_retries"] += 1
+            return None
+
     def _count_step(self, tokens_in: int) -> None:
         self.counters["steps"] += 1
         self.counters["tokens_in"] += tokens_in
@@ -188,28 +223,40 @@ class Engine:
     def _postprocess(self, plan: list[Scheduled], out: StepOutput) -> None:
         """What the step produced, into each sequence: a burst's tokens in order, or the
         forward's logits rows, which come in plan order, each part's ``1 + drafts`` when it ends
-        at the known tokens (none for a prefill chunk before the prompt's end)."""
+        at the known tokens (none for a prefill chunk before the prompt's end).
+
+        The chosen tokens are read back first: that read is the step's one wait for the device
+        (a step that chooses none waits once instead), and it ends the step's timing."""
         if out.tokens is not None:
             self._accept_burst(plan, out)
             return
         logits, row = out.logits, 0
-        choosing, rows, verifying = [], [], []
+        choosing, rows, verifying, recorded, ending = [], [], [], [], []
         for item in plan:
             seq, n = item.seq, (1 + len(item.seq.drafts) if item.end == item.seq.known else 0)
             if seq.drafts:
                 verifying.append((seq, logits[row : row + n]))
             else:
-                self._record(item, out)
+                recorded.append(item)
             if n and not seq.drafts:
                 if seq.prefill_only:
                     seq.ctx.logits = logits[row : row + 1]
-                    self._finish(seq)
+                    ending.append(seq)
                 else:
                     choosing.append(seq)
                     rows.append(row)
             row += n
         if choosing:
-            self._choose(choosing, logits if len(rows) == logits.shape[0] else logits[rows])
+            tokens, sample_s = self._pick(choosing, logits if len(rows) == logits.shape[0] else logits[rows])
+        else:
+            wait(self.runner.device)
+        out.finish_timing()
+        for item in recorded:
+            self._record(item, out)
+        for seq in ending:
+            self._finish(seq)
+        if choosing:
+            self._accept(choosing, tokens, sample_s)
         for seq, seq_logits in verifying:
             self._verify(seq, seq_logits, out.seconds)
 
@@ -227,13 +274,18 @@ class Engine:
 
     # --- choosing tokens ----------------------------------------------------------------------
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Choose and take one token per sequence."""
+        self._accept(seqs, *self._pick(seqs, logits))
+
+    @staticmethod
+    def _pick(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], float]:
         """Each sequence's logits processors (one call per processor for all its rows), then one
-        token per sequence (argmax rows together, other samplers on their own rows)."""
+        token per sequence (argmax rows together, other samplers on their own rows), and the
+        seconds that took."""
         t0 = time.perf_counter()
         logits = apply_processors(logits, [s.ctx for s in seqs], [s.phases.processors for s in seqs])
-        tokens = choose(logits, [s.sampler for s in seqs],
-                        lambda i: torch.tensor([seqs[i].ids], device=logits.device))
-        self._accept(seqs, tokens, time.perf_counter() - t0)
+        tokens = choose(logits, [s.sampler for s in seqs], lambda i: upload([seqs[i].ids], logits.device))
+        return tokens, time.perf_counter() - t0
 
     def _accept(self, seqs: list[Sequence], tokens: list[int], sample_s: float) -> None:
         """The host side of one chosen token per sequence: record, stream, hooks, finish."""

@@ -20,10 +20,11 @@ import torch
 from pipeline.errors import OutOfBlocks, UserError
 from pipeline.kv.states import StateSlots, state_shape
 from pipeline.memory import ATTENTION_KINDS, kv_bytes, kv_shape, layer_kinds, sliding_window, text_config, uncacheable_layers
+from pipeline.transfer import upload
 
 __all__ = ["BlockPool", "NULL_BLOCK", "OutOfBlocks"]
 
-NULL_BLOCK = 0  # never handed out: padding reads it (zeros), nothing writes it
+NULL_BLOCK = 0  # never handed out: padding reads it (masked out); only a compiled step's padding rows write it
 
 
 @dataclass
@@ -71,6 +72,7 @@ class BlockPool:
         self._attention = [kind in ATTENTION_KINDS for kind in layer_kinds(config)]
         self._kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.layers
         self._allocated = False
+        self._stores: list[torch.Tensor] = []
         shape = state_shape(config, dtype)
         self.states = StateSlots(shape, state_slots, self.devices, reserved_slots) if shape is not None else None
         # Recurrent states are checkpointed every this many tokens (a multiple of block_size).
@@ -108,8 +110,8 @@ class BlockPool:
         return self._kv[layer]
 
     def prepare_write(self) -> None:
-        """Before a forward: allocate every layer's tensors (once, on each layer's device) and
-        zero the blocks handed out for the first time since.
+        """Before a forward: allocate the pool (once) and zero the blocks handed out for the first
+        time since, all layers in one call per device.
 
         Why zero: a masked-out slot still goes through the attention product, and uninitialised
         memory can hold NaN, which a mask does not cancel (NaN * 0 is NaN). Zeroing only blocks
@@ -117,20 +119,42 @@ class BlockPool:
         """
         with self.lock:
             if not self._allocated:
-                shape = (self.num_blocks * self.block_size, self.kv_heads, self.head_dim)
-                for layer, device in enumerate(self.devices or [torch.device("cpu")] * self.layers):
-                    if self._attention[layer]:
-                        self._kv[layer] = (torch.empty(shape, dtype=self.dtype, device=device),
-                                           torch.empty(shape, dtype=self.dtype, device=device))
-                self._dirty = [NULL_BLOCK] + self._dirty
-                self._allocated = True
+                self._allocate()
             if not self._dirty:
                 return
             blocks, self._dirty = self._dirty, []
-            for kv in filter(None, self._kv):  # under the lock: no forward of another engine is writing them yet
-                index = torch.tensor(blocks, device=kv[0].device)
-                for t in kv:
-                    t.view(self.num_blocks, self.block_size, self.kv_heads, self.head_dim)[index] = 0
+            for store in self._stores:  # under the lock: no forward of another engine is writing them yet
+                store.index_fill_(2, upload(blocks, store.device), 0)
+
+    def _allocate(self) -> None:
+        """One tensor per device, [layers there, keys/values, blocks, block_size, kv_heads,
+        head_dim], each layer's keys and values views of it: new blocks are zeroed in one call,
+        and the pool's address never changes (a captured CUDA graph writes into it)."""
+        devices = self.devices or [torch.device("cpu")] * self.layers
+        by_device: dict[torch.device, list[int]] = {}
+        for layer, device in enumerate(devices):
+            if self._attention[layer]:
+                by_device.setdefault(torch.device(device), []).append(layer)
+        self._stores = []
+        slots = self.num_blocks * self.block_size
+        for device, layers in by_device.items():
+            store = torch.empty((len(layers), 2, self.num_blocks, self.block_size, self.kv_heads, self.head_dim),
+                                dtype=self.dtype, device=device)
+            self._stores.append(store)
+            for i, layer in enumerate(layers):
+                self._kv[layer] = (store[i, 0].view(slots, self.kv_heads, self.head_dim),
+                                   store[i, 1].view(slots, self.kv_heads, self.head_dim))
+        self._dirty = [NULL_BLOCK] + self._dirty
+        self._allocated = True
+
+    @property
+    def stores(self) -> list[torch.Tensor]:
+        """The pool's tensors (one per device; empty before the first forward)."""
+        return list(self._stores)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """Every attention layer's key and value views (what a forward reads and writes)."""
+        return [t for kv in self._kv if kv is not None for t in kv]
 
     # blocks ---------------------------------------------------------------------------------
     def allocate(self) -> int:
@@ -172,10 +196,8 @@ class BlockPool:
     def copy_block(self, src: int, dst: int) -> None:
         """Copy on write: ``dst`` gets ``src``'s keys and values in every layer."""
         self.prepare_write()  # dst may be fresh: zero it first, so the copy is not zeroed later
-        n = self.block_size
-        for kv in filter(None, self._kv):
-            for t in kv:
-                t[dst * n : (dst + 1) * n] = t[src * n : (src + 1) * n]
+        for store in self._stores:
+            store[:, :, dst] = store[:, :, src]
 
     # prefix cache ---------------------------------------------------------------------------
     @staticmethod

@@ -169,8 +169,8 @@ def time_pipeline(pipe: Pipeline, prompts: list[list[int]], gen: int) -> dict:
     for ctx in ctxs:
         ctx.cache.clear()
     out = _figures(len(prompts[0]), gen, first - start, end - start, len(prompts))
-    for key in ("prefill_tok_s", "decode_tok_s", "sample_s", "kv_cache_bytes", "peak_memory_bytes", "bandwidth_gb_s",
-                "spec_accept_rate", "spec_tokens_per_step"):
+    for key in ("prefill_tok_s", "decode_tok_s", "sample_s", "kv_cache_bytes", "peak_memory_bytes", "kv_pool_bytes",
+                "bandwidth_gb_s", "spec_accept_rate", "spec_tokens_per_step"):
         out[key] = m.get(key)
     return out
 

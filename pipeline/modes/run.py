@@ -22,8 +22,10 @@ def main(cfg: DictConfig) -> None:
     stages = stages_from_cfg(cfg)
     check_media(stages, request)
     lm = load_from_cfg(cfg)
-    print(f"weights (quant={lm.quant}):\n{format_placement(lm.placement)}", file=sys.stderr)
+    note = f" {lm.quant_note}" if lm.quant_note else ""
+    print(f"weights (quant={lm.quant}):{note}\n{format_placement(lm.placement)}", file=sys.stderr)
     pipe = pipeline_from_cfg(cfg, lm, stages)  # kv.static / decode.compile: warm-up happens here
+    print(pipe.pools.describe(), file=sys.stderr)  # the pool's size, and what kv.memory=auto kept free
     result = pipe.run(request, on_text=stdout_writer if cfg.stream else None)
     if not cfg.stream:
         sys.stdout.write(result.text)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -58,7 +59,8 @@ def paged_attention(
     k_pool.index_copy_(0, batch.slots, _as(key[0].transpose(0, 1), k_pool.dtype))
     v_pool.index_copy_(0, batch.slots, _as(value[0].transpose(0, 1), v_pool.dtype))
     flat_q = query[0].transpose(0, 1)  # [T, heads, D]
-    parts = [(g, _attend(g, flat_q, k_pool, v_pool, g.mask if window is None else g.window_mask, scaling))
+    parts = [(g, _attend_causal(g, query, key, value, k_pool, v_pool, scaling) if g.causal else
+              _attend(g, flat_q, k_pool, v_pool, g.mask if window is None else g.window_mask, scaling))
              for g in batch.groups]
     if len(parts) == 1 and parts[0][0].start == 0 and parts[0][1].shape[0] == flat_q.shape[0]:
         return parts[0][1].unsqueeze(0), None  # one contiguous group: already in packed order
@@ -118,6 +120,46 @@ def _attend_in_place(g: Group, flat_q: torch.Tensor, k_pool: torch.Tensor, v_poo
     kv_heads = ks.shape[1]
     qs = flat_q[g.start : g.start + 1].reshape(1, kv_heads, heads // kv_heads, dim)
     return scaled_dot_product_attention(qs, ks, vs, scale=scaling).reshape(1, heads, dim)
+
+
+QUERY_TILE = 64  # CPU: rows of a chunk over cached keys attended at once (bounds the mask it needs)
+
+
+def _attend_causal(g: Group, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
+                   v_pool: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """One plainly causal prefill chunk (``batch.causal_chunk``): [q, heads, D].
+
+    From position 0 its keys are its own new ones and the kernel is ``is_causal``, as
+    ``generate()``'s (the same fused kernel, no mask). Over cached keys the mask is causality
+    aligned to the bottom right: on CUDA SDPA takes it as a bias object (``causal_lower_right``)
+    that its memory-efficient kernel applies without building it; on CPU no kernel does (the bias
+    is materialised as a float [q, keys] tensor, 3.4x a boolean mask's bytes), so the queries go in
+    tiles of ``QUERY_TILE`` rows, each with a boolean mask over the keys it can see."""
+    q, first = g.q, g.start
+    qs = query[:, :, first : first + q]
+    gqa = key.shape[1] != query.shape[1]
+    if g.span is None and g.k_slots is None:
+        ks, vs = key[:, :, first : first + q], value[:, :, first : first + q]
+        return scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=gqa)[0].transpose(0, 1)
+    if g.span is not None:
+        lo, n = g.span
+        ks, vs = (_as(p[lo : lo + n].transpose(0, 1).unsqueeze(0), qs.dtype) for p in (k_pool, v_pool))
+    else:
+        ks, vs = _gather(k_pool, g.k_slots, qs.dtype), _gather(v_pool, g.k_slots, qs.dtype)
+    if qs.device.type == "cuda":
+        o = scaled_dot_product_attention(qs, ks, vs, attn_mask=causal_lower_right(q, ks.shape[2]), scale=scaling,
+                                         enable_gqa=gqa)
+        return o[0].transpose(0, 1)
+    cached = ks.shape[2] - q
+    parts = []
+    for lo in range(0, q, QUERY_TILE):
+        hi = min(q, lo + QUERY_TILE)
+        seen = cached + hi
+        rows = torch.arange(cached + lo, cached + hi, device=qs.device).unsqueeze(1)
+        mask = torch.arange(seen, device=qs.device) <= rows  # [tile, seen]: causal
+        parts.append(scaled_dot_product_attention(qs[:, :, lo:hi], ks[:, :, :seen], vs[:, :, :seen], attn_mask=mask,
+                                                  scale=scaling, enable_gqa=gqa))
+    return torch.cat(parts, dim=2)[0].transpose(0, 1)
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

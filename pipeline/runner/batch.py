@@ -15,6 +15,7 @@ import torch
 
 from pipeline.kv import NULL_BLOCK, BlockPool, StateIO
 from pipeline.runner.linear import StateBatch, build_state_batch
+from pipeline.transfer import upload
 
 
 @dataclass
@@ -68,6 +69,7 @@ class Group:
     src: torch.Tensor | None = None  # its row in the flattened [B * q] output
     window_mask: torch.Tensor | None = None  # ``mask`` and'ed with the sliding window (models that have one)
     span: tuple[int, int] | None = None
+    causal: bool = False  # one prefill chunk, plainly causal: no mask tensor (``causal_chunk``)
 
 
 def in_place_span(pool: BlockPool, table: Sequence[int], keys: int) -> tuple[int, int] | None:
@@ -77,6 +79,28 @@ def in_place_span(pool: BlockPool, table: Sequence[int], keys: int) -> tuple[int
     if pool.window is not None or len(table) < used or any(table[i] != table[0] + i for i in range(used)):
         return None
     return table[0] * pool.block_size, keys
+
+
+def causal_chunk(pool: BlockPool, chunk: Chunk, start: int, device: torch.device) -> Group:
+    """The group of a prefill chunk attended alone whose mask is plainly causal (no bidirectional
+    media blocks, no sliding window): no mask is built. Its queries see every cached key and the
+    chunk's keys up to their own, which is causality aligned to the bottom right; attention then
+    runs a fused kernel (``is_causal``, or ``causal_lower_right`` over cached keys) instead of
+    one that reads a [q, keys] mask and builds the score matrix. A chunk from position 0 attends
+    to its own new keys (no read of the pool); otherwise its keys are read in place where its
+    blocks are consecutive, else gathered."""
+    keys = chunk.start + chunk.count
+    span = in_place_span(pool, chunk.table, keys) if chunk.start else None
+    k_slots = None
+    if chunk.start and span is None:
+        blocks = -(-keys // pool.block_size)
+        k_slots = key_slots(upload([padded_table(chunk.table, blocks)], device), pool.block_size)[:, :keys]
+    return Group(1, chunk.count, k_slots, None, start=start, span=span, causal=True)
+
+
+def plainly_causal(pool: BlockPool, chunk: Chunk) -> bool:
+    """Whether a chunk's attention mask is causal and nothing else."""
+    return pool.window is None and not (chunk.extras or {}).get("blocks")
 
 
 @dataclass
@@ -142,9 +166,9 @@ def _group(
     """
     q = max(c.count for c in chunks)
     blocks = max(-(-(c.start + c.count) // block_size) for c in chunks)
-    table = torch.tensor([padded_table(c.table, blocks) for c in chunks], device=device)
+    table = upload([padded_table(c.table, blocks) for c in chunks], device)
     k_slots = key_slots(table, block_size)
-    k_len = torch.tensor([c.start + c.count for c in chunks], device=device)
+    k_len = upload([c.start + c.count for c in chunks], device)
     window_mask = None
     if q == 1:
         mask = decode_mask(k_slots, k_len)
@@ -153,10 +177,10 @@ def _group(
     else:
         k_pos = torch.arange(k_slots.shape[1], device=device)
         rows = [_query_limits(c, q) for c in chunks]
-        limit = torch.tensor([lim for _, lim in rows], device=device).unsqueeze(-1)
+        limit = upload([lim for _, lim in rows], device).unsqueeze(-1)
         mask = ((k_pos < limit) & (k_pos < k_len.view(-1, 1, 1))).unsqueeze(1)
         if window is not None:
-            qp = torch.tensor([pos for pos, _ in rows], device=device).unsqueeze(-1)
+            qp = upload([pos for pos, _ in rows], device).unsqueeze(-1)
             window_mask = mask & (k_pos > qp - window).unsqueeze(1)
     contiguous = all(c.count == q for c in chunks) and all(
         offsets[i] == offsets[0] + i * q for i in range(len(chunks))
@@ -167,8 +191,8 @@ def _group(
     dest = [off + i for c, off in zip(chunks, offsets) for i in range(c.count)]
     src = [r * q + i for r, c in enumerate(chunks) for i in range(c.count)]
     return Group(
-        len(chunks), q, k_slots, mask, start=None, q_index=torch.tensor(q_index, device=device),
-        dest=torch.tensor(dest, device=device), src=torch.tensor(src, device=device), window_mask=window_mask,
+        len(chunks), q, k_slots, mask, start=None, q_index=upload(q_index, device),
+        dest=upload(dest, device), src=upload(src, device), window_mask=window_mask,
     )
 
 
@@ -179,7 +203,7 @@ def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device, 
     for c in chunks:
         offsets.append(total)
         total += c.count
-    slots = torch.tensor([i for c in chunks for i in c.slots], device=device)
+    slots = upload([i for c in chunks for i in c.slots], device)
     decode = [i for i, c in enumerate(chunks) if c.count == 1]
     prefill = [i for i, c in enumerate(chunks) if c.count > 1]
 
@@ -191,7 +215,9 @@ def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device, 
         lone = chunks[decode[0]]
         span = in_place_span(pool, lone.table, lone.start + 1) if in_place and len(decode) == 1 else None
         groups.append(Group(1, 1, None, None, start=offsets[decode[0]], span=span) if span else group(decode))
-    if prefill:
+    if len(prefill) == 1 and plainly_causal(pool, chunks[prefill[0]]):
+        groups.append(causal_chunk(pool, chunks[prefill[0]], offsets[prefill[0]], device))
+    elif prefill:
         groups.append(group(prefill))
     states = build_state_batch(pool.states, chunks, device) if pool.states is not None else None
     return PagedBatch(pool, slots, groups, states)

@@ -2,32 +2,46 @@
 pool under ``torch.compile``, for every decode-only engine step.
 
 gpt-fast's lesson: at small batch the decode step is bound by Python and kernel-launch overhead,
-not by arithmetic; compiling the whole forward removes most of it. Two functions are compiled,
-with dynamic shapes so that one graph serves every batch size and context length:
+not by arithmetic; compiling the whole forward removes most of it. Two functions are compiled:
 
 - ``forward.greedy_step``: batch built, model run and argmax taken in one call, repeated by the
   engine's decode bursts (greedy rows, nobody waiting) with the token fed straight back;
-- ``forward.run_model``: any other decode-only step (sampled rows, requests waiting).
+- ``forward.decode_logits``: any other decode-only step (sampled rows, requests waiting).
 
-Dynamo specialises sizes 0 and 1, so ``Pipeline.warmup`` runs batches of three, two and one to
-build every graph before the first request. Steps with prefill chunks run eagerly. Where the
-step cannot be compiled (bitsandbytes weights, a compile error) the engine warns once
-(``FastPathFallback``) and stays eager: the tokens are the same either way.
+Fixed shapes: the batch and the block-table width are rounded up to buckets
+(``forward.batch_bucket``, ``width_bucket``) and marked dynamic, so one graph serves every
+bucket from 2 up (dynamo specialises size 1: batch 1 has its own); masks and write slots are
+built inside the graph from tensors. ``Pipeline.warmup`` builds both before the first request;
+after it no batch size or context length recompiles (tests/test_compiled.py counts).
+
+On CUDA the default mode is ``reduce-overhead``: every bucket is captured as a CUDA graph, the
+pool's tensors marked static (their address never changes: ``BlockPool`` allocates once), so a
+replay writes the keys in place. A replay reuses its outputs' memory, so they are cloned before
+the next one. Steps with prefill chunks run eagerly. Where the step cannot be compiled
+(bitsandbytes weights, a compile error) the engine warns once (``FastPathFallback``) and stays
+eager: the tokens are the same either way.
 """
 from __future__ import annotations
 
+import sys
 import warnings
+import weakref
 from typing import Any, Sequence
 
 import torch
 
 from pipeline.kv import BlockPool
 from pipeline.runner.batch import Chunk
-from pipeline.runner.forward import forward, greedy_step, greedy_steps, run_model
+from pipeline.runner.forward import burst_state, decode_logits, greedy_step, greedy_steps
 
 
 class FastPathFallback(UserWarning):
     """``decode.compile`` was asked for but this model cannot use it: decoding is eager."""
+
+
+# Shown by ``CompiledStep.fallback`` as one clean line; appended, so a user's own filter for it
+# (``error``, ``always``, a ``catch_warnings`` record) still comes first.
+warnings.filterwarnings("ignore", category=FastPathFallback, append=True)
 
 
 class CompiledStep:
@@ -42,9 +56,11 @@ class CompiledStep:
         self.backend = backend
         self.mode = mode if backend == "inductor" else None  # modes are inductor options
         self.broken: str | None = None  # why compiling failed, once it did
-        self._forward: Any = None  # compiled run_model
+        self._forward: Any = None  # compiled decode_logits
         self._greedy: Any = None  # compiled greedy_step
         self._warned = False
+        self.shapes: set[tuple[int, int]] = set()  # (batch, keys) the compiled step has run at
+        self._static: weakref.WeakSet = weakref.WeakSet()  # pools whose tensors CUDA graphs may keep
 
     def why_not(self, lm: Any) -> str | None:
         """Why this model cannot take the compiled step (None: it can)."""
@@ -58,21 +74,41 @@ class CompiledStep:
         return None
 
     def _settings(self, lm: Any) -> dict:
-        """``mode`` as asked; on CPU with inductor's default mode, its C++ wrapper: the Python
-        wrapper around the generated kernels cost a third of a tiny model's step (measured:
-        decode 2.9x -> 3.5-3.9x ``generate()``, warm-up 17 -> 21 s)."""
-        if self.mode is None and self.backend == "inductor" and lm.device.type == "cpu":
-            return {"options": {"cpp_wrapper": True}}
+        """``mode`` as asked; on CUDA by default ``reduce-overhead`` (CUDA graphs); on CPU with
+        inductor's default mode, its C++ wrapper: the Python wrapper around the generated
+        kernels cost a third of a tiny model's step (measured: decode 2.9x -> 3.5-3.9x
+        ``generate()``, warm-up 17 -> 21 s)."""
+        if self.mode is None and self.backend == "inductor":
+            if lm.device.type == "cuda":
+                return {"mode": "reduce-overhead"}
+            if lm.device.type == "cpu":
+                return {"options": {"cpp_wrapper": True}}
         return {"mode": self.mode}
 
+    def graphs(self, lm: Any) -> bool:
+        """Whether the compiled step replays CUDA graphs (its outputs must then be cloned)."""
+        return self.backend == "inductor" and lm.device.type == "cuda" and self._settings(lm).get("mode") in (
+            "reduce-overhead", "max-autotune")
+
     def fallback(self, reason: str) -> None:
+        """Say once, in one line on stderr, why decoding stays eager; also raised as a
+        ``FastPathFallback`` warning, which Python does not print (its two-line file:line form
+        would repeat the line) but filters and ``catch_warnings`` still see."""
         if not self._warned:
             self._warned = True
-            warnings.warn(f"decode.compile: {reason}; decoding uncompiled", FastPathFallback, stacklevel=2)
+            message = f"decode.compile: {reason}; decoding uncompiled"
+            warnings.warn(message, FastPathFallback, stacklevel=2)
+            print(f"mm-pipeline: {message}", file=sys.stderr)
 
     def __call__(self, lm: Any, pool: BlockPool, chunks: Sequence[Chunk], device: torch.device | None = None) -> torch.Tensor:
-        """``forward.forward`` over decode rows, compiled."""
-        return self._run("_forward", run_model, lambda run, _: forward(lm, pool, chunks, run=run, device=device), lm)
+        """Next-token logits [rows, V] of decode rows (one token each), compiled, at bucketed shapes."""
+        device = device if device is not None else lm.device
+        positions = [[c.positions[r][0] for c in chunks] for r in range(len(chunks[0].positions))]
+        state = burst_state(pool, [c.ids[0] for c in chunks], positions, [c.start for c in chunks],
+                            [c.table for c in chunks], 1, device, bucketed=self.why_not(lm) is None)
+        pool.prepare_write()
+        logits = self._run("_forward", decode_logits, lambda fn, _: fn(lm.model, pool, *state), lm)
+        return logits[: len(chunks)]
 
     def greedy_steps(self, lm: Any, pool: BlockPool, state: tuple[torch.Tensor, ...], steps: int) -> list[torch.Tensor]:
         """``forward.greedy_steps`` (a decode burst) on the compiled ``greedy_step``.
@@ -98,7 +134,7 @@ class CompiledStep:
             return call(fn, False)
         compiled = getattr(self, slot)
         if compiled is None:
-            compiled = torch.compile(fn, backend=self.backend, dynamic=None, **self._settings(lm))
+            compiled = self._compile(fn, lm)
             setattr(self, slot, compiled)
         try:
             return call(compiled, True)
@@ -107,3 +143,34 @@ class CompiledStep:
             self.broken = f"torch.compile failed ({type(err).__name__}: {first_line})"
             self.fallback(self.broken)
             return call(fn, False)
+
+    def _compile(self, fn: Any, lm: Any) -> Any:
+        """``fn`` compiled, called with its batch and key dimensions marked dynamic; under CUDA
+        graphs, each call a new graph step with its outputs cloned (the next replay reuses their
+        memory)."""
+        compiled = torch.compile(fn, backend=self.backend, dynamic=None, **self._settings(lm))
+        graphs = self.graphs(lm)
+
+        def step(model: Any, pool: BlockPool, *inputs: torch.Tensor) -> Any:
+            self.shapes.add(tuple(inputs[-1].shape))  # k_slots [batch, keys]: one CUDA graph each
+            _mark_dynamic(*inputs)
+            if not graphs:
+                return compiled(model, pool, *inputs)
+            if pool not in self._static:
+                for t in pool.kv_tensors():
+                    torch._dynamo.mark_static_address(t)
+                self._static.add(pool)
+            torch.compiler.cudagraph_mark_step_begin()
+            out = compiled(model, pool, *inputs)
+            return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+
+        return step
+
+
+def _mark_dynamic(ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, k_slots: torch.Tensor) -> None:
+    """The batch (and key) dimensions vary between calls: one graph for every bucket from 2 up,
+    instead of a recompile at the second size seen (size 1 stays specialised: its own graph)."""
+    for t, dims in ((ids, (1,)), (positions, (positions.dim() - 1,)), (lengths, (0,)), (k_slots, (0, 1))):
+        for d in dims:
+            if t.shape[d] >= 2:
+                torch._dynamo.maybe_mark_dynamic(t, d)

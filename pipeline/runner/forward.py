@@ -1,7 +1,8 @@
 """The one forward pass every prefill and decode goes through, and the greedy decode burst.
 
-``forward`` packs the chunks' tokens into one row and runs the model once (``run_model``: the
-unit ``torch.compile`` sees); ``greedy_steps`` repeats a one-token greedy step with the chosen
+``forward`` packs the chunks' tokens into one row and runs the model once (``run_model``);
+``decode_logits`` is a decode-only step built from tensors alone (the unit ``torch.compile``
+sees, at bucketed shapes); ``greedy_steps`` repeats a one-token greedy step with the chosen
 token fed straight back, no host work in between (a decode burst).
 """
 from __future__ import annotations
@@ -11,9 +12,10 @@ from typing import Any, Sequence
 
 import torch
 
-from pipeline.kv import BlockPool
+from pipeline.kv import NULL_BLOCK, BlockPool
 from pipeline.runner.attention import attach
 from pipeline.runner.batch import Chunk, Group, PagedBatch, build_batch, decode_mask, in_place_span, key_slots, padded_table
+from pipeline.transfer import upload
 
 
 def forward(
@@ -27,9 +29,9 @@ def forward(
     if not model.__dict__.get("_mm_paged_attached"):
         attach(model)
     device = device if device is not None else lm.device
-    ids = torch.tensor([[i for c in chunks for i in c.ids]], device=device)
+    ids = upload([[i for c in chunks for i in c.ids]], device)
     rows = len(chunks[0].positions)
-    positions = torch.tensor([[p for c in chunks for p in c.positions[r]] for r in range(rows)], device=device)
+    positions = upload([[p for c in chunks for p in c.positions[r]] for r in range(rows)], device)
     positions = positions.unsqueeze(1) if rows > 1 else positions  # [rows, 1, T] or [1, T]
     embeds = None
     if any(c.embeds is not None for c in chunks):
@@ -43,7 +45,7 @@ def forward(
     for c in chunks:
         off += c.count
         keep.extend(range(off - int(c.logits), off))
-    index = torch.tensor(keep or [off - 1], device=device)
+    index = upload(keep or [off - 1], device)
     extra = lm.family.lm_inputs(chunks, device) if any(c.extras for c in chunks) else None
     pool.prepare_write()
     batch = build_batch(pool, chunks, device, in_place=run is None)
@@ -90,6 +92,29 @@ def run_model(
     return out.logits[0]
 
 
+def decode_logits(
+    model: torch.nn.Module,
+    pool: BlockPool,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    lengths: torch.Tensor,
+    k_slots: torch.Tensor,
+) -> torch.Tensor:
+    """Next-token logits [B, V] of rows that each feed one token, the batch (write slots, masks)
+    built inside the call from tensors alone: the unit the compiled decode step is, so that its
+    shapes are the inputs' (bucketed, ``burst_state``) and no host data enters the graph.
+
+    ``ids`` [1, B] the tokens fed, ``positions`` [rows, 1, B] or [1, B] theirs, ``lengths`` [B]
+    each row's cache length counting the fed token, ``k_slots`` [B, K] the pool slot of each of
+    its key positions (its block table padded with the null block). Every op here runs once per
+    token: keep them few.
+    """
+    slots = k_slots.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
+    window = None if pool.window is None else decode_mask(k_slots, lengths, pool.window)
+    group = Group(ids.shape[1], 1, k_slots, decode_mask(k_slots, lengths), start=0, window_mask=window)
+    return run_model(model, ids, None, positions, None, PagedBatch(pool, slots, [group]))
+
+
 def greedy_step(
     model: torch.nn.Module,
     pool: BlockPool,
@@ -98,20 +123,11 @@ def greedy_step(
     lengths: torch.Tensor,
     k_slots: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One greedy decode token for every row, batch built and token chosen inside the call: the
+    """One greedy decode token for every row (``decode_logits`` and the argmax in one call): the
     unit a decode burst repeats with no host work in between (see ``Engine`` and
-    ``pipeline.runner.compiled``).
-
-    ``ids`` [1, B] the tokens fed, ``positions`` [rows, 1, B] or [1, B] theirs, ``lengths`` [B]
-    each row's cache length counting the fed token, ``k_slots`` [B, K] the pool slot of each of
-    its key positions (from its block table padded with the null block, covering every position
-    the burst writes: fixed for the whole burst). Returns the chosen ids and the next step's
-    positions and lengths. Every op here runs once per token: keep them few.
-    """
-    slots = k_slots.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
-    window = None if pool.window is None else decode_mask(k_slots, lengths, pool.window)
-    group = Group(ids.shape[1], 1, k_slots, decode_mask(k_slots, lengths), start=0, window_mask=window)
-    logits = run_model(model, ids, None, positions, None, PagedBatch(pool, slots, [group]))
+    ``pipeline.runner.compiled``). Returns the chosen ids and the next step's positions and
+    lengths."""
+    logits = decode_logits(model, pool, ids, positions, lengths, k_slots)
     return logits.argmax(dim=-1).view(1, -1), positions + 1, lengths + 1
 
 
@@ -145,6 +161,20 @@ def single_row_step(pool: BlockPool, tables: Sequence[Sequence[int]], starts: Se
     return SingleRowStep(starts[0] + 1, None if span is None else span[0])
 
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def batch_bucket(rows: int) -> int:
+    """The batch size a compiled step runs ``rows`` at: few sizes, so few graphs (and CUDA
+    graphs), at most a third of the rows wasted; beyond the table, multiples of 64."""
+    return next((b for b in BATCH_BUCKETS if b >= rows), -(-rows // 64) * 64)
+
+
+def width_bucket(blocks: int) -> int:
+    """A compiled step's block-table width: a power of two, at least 2 (dynamo specialises 1)."""
+    return max(2, 1 << (blocks - 1).bit_length())
+
+
 def burst_state(
     pool: BlockPool,
     fed: Sequence[int],
@@ -153,18 +183,28 @@ def burst_state(
     tables: Sequence[Sequence[int]],
     steps: int,
     device: torch.device,
+    bucketed: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """The state ``greedy_steps`` starts from, for rows that each feed one token: ``fed`` [B],
     ``positions`` [position rows][B] the fed tokens' positions, ``starts`` [B] each row's cache
     length before it, ``tables`` [B] their block tables, padded to cover the ``steps`` positions
-    the burst writes (at least 2 blocks wide: no size-1 specialisation when compiled)."""
+    the burst writes (at least 2 blocks wide: no size-1 specialisation when compiled).
+
+    ``bucketed`` (the compiled step): the batch and the table width rounded up to their buckets.
+    A padding row feeds token 0 at position 0 with an all-null table: it writes (finite values)
+    into the null block, which every real row masks out, and its token is dropped."""
     width = max(2, max(-(-(s + steps) // pool.block_size) for s in starts))
-    pos = torch.tensor([list(row) for row in positions], device=device)
+    rows = len(fed)
+    pad = 0
+    if bucketed:
+        width, pad = width_bucket(width), batch_bucket(rows) - rows
+    pos = upload([list(row) + [0] * pad for row in positions], device)
     return (
-        torch.tensor([list(fed)], device=device),
+        upload([list(fed) + [0] * pad], device),
         pos.unsqueeze(1) if len(positions) > 1 else pos,
-        torch.tensor([s + 1 for s in starts], device=device),
-        key_slots(torch.tensor([padded_table(t, width) for t in tables], device=device), pool.block_size),
+        upload([s + 1 for s in starts] + [1] * pad, device),
+        key_slots(upload([padded_table(t, width) for t in tables] + [[NULL_BLOCK] * width] * pad, device),
+                  pool.block_size),
     )
 
 

@@ -18,6 +18,7 @@ from transformers.activations import ACT2FN
 
 from pipeline.errors import UserError
 from pipeline.kv import StateIO, StateShape, StateSlots
+from pipeline.transfer import upload
 
 
 @dataclass
@@ -45,7 +46,7 @@ def build_state_batch(slots: StateSlots, chunks: Sequence[Any], device: torch.de
         offset += c.count
 
     def tensor(values: list[int]) -> torch.Tensor | None:
-        return torch.tensor(values, device=device) if values else None
+        return upload(values, device) if values else None
 
     return StateBatch(slots, tensor(rows), tensor(sources), tensor(targets), longer)
 

@@ -13,6 +13,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from pipeline.transfer import upload
+
 LogitsProcessor = Callable[[torch.Tensor, list], torch.Tensor]
 
 
@@ -31,7 +33,7 @@ def apply_processors(
             if level < len(procs):
                 groups.setdefault(_key(procs[level]), (procs[level], []))[1].append(row)
         for fn, rows in groups.values():
-            index = torch.tensor(rows, device=out.device)
+            index = upload(rows, out.device)
             processed = fn(out.index_select(0, index), [owners[r] for r in rows])
             if processed.shape != (len(rows), out.shape[1]):
                 raise ValueError(f"logits processor {fn!r} returned shape {tuple(processed.shape)} for "

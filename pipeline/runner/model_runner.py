@@ -16,22 +16,30 @@ from typing import Any, Sequence
 import torch
 
 from pipeline.kv import BlockPool
-from pipeline.metrics import synchronize
 from pipeline.runner.batch import Chunk
 from pipeline.runner.compiled import CompiledStep
 from pipeline.runner.forward import burst_state, forward, run_burst, single_row_step
+from pipeline.transfer import read
 
 
 @dataclass
 class StepOutput:
     """What one model step gave back: next-token logits of the chunks that asked for them (in
     chunk order), or a burst's chosen tokens [steps][rows]; the seconds per step and whether
-    the compiled step ran."""
+    the compiled step ran.
+
+    A forward's logits may still be computing when it returns (nothing waited for them): its
+    ``seconds`` are set by whoever reads its result (``finish_timing``), from ``started``."""
 
     logits: torch.Tensor | None
     tokens: list[list[int]] | None
     seconds: float
     compiled: bool
+    started: float = 0.0
+
+    def finish_timing(self) -> None:
+        """The step's wall time, once its result has been read back (or waited for)."""
+        self.seconds = time.perf_counter() - self.started
 
 
 class ModelRunner:
@@ -50,13 +58,13 @@ class ModelRunner:
         return self.compiled is not None and self.compiled.why_not(self.lm) is None
 
     def forward(self, chunks: Sequence[Chunk]) -> StepOutput:
-        """One packed forward; compiled when every chunk is a single token (a decode step)."""
+        """One packed forward, launched: compiled when every chunk is a single token (a decode
+        step). Nothing waits here; the caller's read of the logits does (``StepOutput.finish_timing``)."""
         t0 = time.perf_counter()
         use_compiled = self.compiled is not None and all(c.count == 1 for c in chunks)
         run = self.compiled if use_compiled else self._eager
         logits = run(self.lm, self.pool, chunks, device=self.device)
-        synchronize(self.device)
-        return StepOutput(logits, None, time.perf_counter() - t0, use_compiled and self.compiles)
+        return StepOutput(logits, None, 0.0, use_compiled and self.compiles, started=t0)
 
     @staticmethod
     def _eager(lm: Any, pool: BlockPool, chunks: Sequence[Chunk], device: torch.device) -> torch.Tensor:
@@ -69,9 +77,9 @@ class ModelRunner:
         """``steps`` greedy decode steps for rows that each feed one token (``fed`` at
         ``positions``, cache lengths ``starts``, block tables covering every slot written),
         each chosen token fed straight back; one host read at the end."""
-        state = burst_state(self.pool, fed, positions, starts, tables, steps, self.device)
+        state = burst_state(self.pool, fed, positions, starts, tables, steps, self.device, bucketed=self.compiles)
         t0 = time.perf_counter()
         step = None if self.compiled is not None else single_row_step(self.pool, tables, starts, steps)
         chosen = run_burst(self.lm, self.pool, state, steps, self.compiled, step)
-        tokens = torch.cat(chosen).tolist()  # [steps][rows]: the one host read of the burst
+        tokens = read(torch.cat(chosen))  # [steps][rows]: the one host read of the burst
         return StepOutput(None, tokens, (time.perf_counter() - t0) / steps, self.compiles)

@@ -6,6 +6,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from pipeline.transfer import read
+
 
 def argmax_only(sampler: Any) -> bool:
     """Whether choosing is a plain argmax: no sampler, or one that says so (the built-in greedy
@@ -26,15 +28,22 @@ def choose(
     logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int], torch.Tensor]
 ) -> list[int]:
     """One token id per row of ``logits`` [n, V]. ``history(i)``: row i's ids so far [1, T], for
-    samplers that look back (repetition penalty); asked only for rows that call a sampler."""
-    n = len(samplers)
+    samplers that look back (repetition penalty); asked only for rows that call a sampler.
+
+    Argmax rows are chosen together; every other row by its own sampler (its own generator, so
+    a seeded row draws the same alone or in any batch). The chosen ids stay on the device until
+    one read for the whole batch: a step waits for the device once, however many rows sample."""
     plain = [i for i, s in enumerate(samplers) if argmax_only(s)]
-    values: list[int] = [0] * n
+    order, parts = [], []
     if plain:
-        rows = logits if len(plain) == n else logits[plain]
-        for i, token in zip(plain, rows.argmax(dim=-1).tolist()):
-            values[i] = token
+        parts.append((logits if len(plain) == len(samplers) else logits[plain]).argmax(dim=-1))
+        order += plain
     for i, sampler in enumerate(samplers):
         if not argmax_only(sampler):
-            values[i] = int(sampler(logits[i : i + 1], history(i)).reshape(-1)[0])
+            token = sampler(logits[i : i + 1], history(i))
+            parts.append(torch.as_tensor(token, device=logits.device).reshape(-1)[:1].long())
+            order.append(i)
+    values = [0] * len(samplers)
+    for i, token in zip(order, read(torch.cat(parts))):
+        values[i] = token
     return values

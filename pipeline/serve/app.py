@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP API over one pipeline (``create_app``), built with FastAPI.
 
-Every request becomes one engine sequence per choice, submitted from the event loop. The loop
-never steps the engine: another thread drives it (``Engine.drive``; ``mode=serve`` drives it on
-the main thread while uvicorn serves on its own), so the loop never waits on the model. Media are
-decoded off the loop. A streamed response is committed (status 200) only once its first piece
-of text or its end is known, so a request that fails before generating anything (bad media, a
-prompt too long) still gets its 4xx JSON error. A client that goes away cancels its sequences:
+Every request becomes one engine sequence per choice. The loop never touches the device: another
+thread drives the engine (``Engine.drive``; ``mode=serve`` drives it on the main thread while
+uvicorn serves on its own), and media decoding and submission (which may upload ids to the
+device) run on worker threads, so the loop never waits on the model. A streamed response is
+committed (status 200) only once its first piece of text or its end is known, so a request that
+fails before generating anything (bad media, a prompt too long) still gets its 4xx JSON error. A client that goes away cancels its sequences:
 their blocks go back to the pool at the next engine step.
 """
 from __future__ import annotations
@@ -320,13 +320,19 @@ class _API:
         except APIError as err:
             return self._failed(rid, endpoint, err)
         sub = Submission()
-        for i, request in enumerate(requests):
-            request.id = f"{rid}-{i}"
-            sub.track(self.pipe.submit(request, on_text=sub.on_text(i) if body.stream else None, ids=ids))
+        await asyncio.to_thread(self._submit, sub, rid, requests, ids, body.stream)
         meta = {"id": rid, "created": int(time.time()), "model": self.settings.model_name}
         if body.stream:
             return await self._stream(body, http, sub, meta, chat, endpoint)
         return await self._whole(http, sub, meta, chat, endpoint)
+
+    def _submit(self, sub: Submission, rid: str, requests: list[Request], ids: list[int] | None, stream: bool) -> None:
+        """Queue the choices on the engine. Run off the event loop: a submission may touch the
+        device (raw ids uploaded to it, a draft model's pool made on first use), which would
+        stall every open stream for as long as the device is busy."""
+        for i, request in enumerate(requests):
+            request.id = f"{rid}-{i}"
+            sub.track(self.pipe.submit(request, on_text=sub.on_text(i) if stream else None, ids=ids))
 
     def _failed(self, rid: str, endpoint: str, err: APIError) -> JSONResponse:
         self.metrics.requests.labels(endpoint, str(err.status)).inc()

@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.errors import UserError, whole_number
-from pipeline.kv import pool_for
+from pipeline.kv import BlockPool, pool_for
 from pipeline.runner import CompiledStep, ModelRunner
 from pipeline.spec.drafters import ModelDrafter, NgramDrafter
 
@@ -41,7 +41,8 @@ class Speculative:
     sizes, and for ``draft`` the loaded draft model (``pipeline.load_model``) and whether its
     greedy drafting steps are compiled (``compile``; ``compile_backend`` as in ``DecodeLoop``).
     One instance serves every sequence (``drafter()`` makes each its own state); the draft
-    model's KV pool is made on first use and shared by their caches."""
+    model's KV pool is shared by their caches: the one its target's ``Pipeline`` sized with its
+    own from one budget (``use_pool``), else one sized by ``draft_memory`` on first use."""
 
     def __init__(self, method: str = "none", num_draft: int = 4, ngram_max: int = 3, ngram_min: int = 1,
                  draft: Any = None, draft_memory: float | int | str | None = None, compile: bool = False,
@@ -55,6 +56,7 @@ class Speculative:
         self.draft = draft
         self.draft_memory = draft_memory
         self._runner: ModelRunner | None = None  # the draft model on its own pool, made on first use
+        self.pool: BlockPool | None = None  # the draft's pool when sized with the target's (use_pool)
         # The draft's greedy steps under torch.compile (decode.draft_compile). Why: a small
         # draft's eager step is mostly per-call overhead, so it costs nearly what the target's
         # does and drafting cannot pay (CPU: the benchmark's 256-wide draft 2.4 ms eager, 0.7 ms
@@ -71,12 +73,26 @@ class Speculative:
         return (f"Speculative(method={self.method!r}, num_draft={self.num_draft}, ngram_max={self.ngram_max}, "
                 f"ngram_min={self.ngram_min}, compile={self.compiled is not None})")
 
+    @property
+    def shares_budget(self) -> bool:
+        """Whether the draft model's pool should come out of its target's ``kv.memory`` budget
+        (``pipeline.kv.pools_for``): a draft model with no ``draft_memory`` of its own and no
+        pool yet."""
+        return self.method == "draft" and self.draft is not None and self.draft_memory is None and self._runner is None
+
+    def use_pool(self, pool: BlockPool) -> None:
+        """Draft on ``pool`` (sized with the target's pool from one budget) instead of sizing
+        one at first use, which would claim free memory the target's pool is counting on."""
+        if self._runner is None:
+            self.pool = pool
+
     def drafter(self) -> "NgramDrafter | ModelDrafter | None":
         if self.method == "ngram":
             return NgramDrafter(self.ngram_max, self.ngram_min)
         if self.method == "draft":
             if self._runner is None:
-                self._runner = ModelRunner(self.draft, pool_for(self.draft, self.draft_memory), self.compiled)
+                pool = self.pool if self.pool is not None else pool_for(self.draft, self.draft_memory)
+                self._runner = ModelRunner(self.draft, pool, self.compiled)
             return ModelDrafter(self._runner)
         return None
 

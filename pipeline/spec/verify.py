@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from pipeline.runner.sampling import argmax_only
+from pipeline.transfer import read
 
 
 def verify(sampler: Any, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
@@ -20,7 +21,7 @@ def verify(sampler: Any, logits: torch.Tensor, drafts: list[int], q: torch.Tenso
     compared in one go.
     """
     if argmax_only(sampler):
-        best = logits.argmax(dim=-1).tolist()
+        best = read(logits.argmax(dim=-1))
         m = 0
         while m < len(drafts) and drafts[m] == best[m]:
             m += 1
