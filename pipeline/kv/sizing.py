@@ -20,9 +20,11 @@ from pipeline.memory import cache_devices, fmt_bytes, free_bytes, kv_bytes, kv_s
 AUTO_CUDA_SHARE = 0.8  # of what is free once the activation headroom is kept
 AUTO_CPU_SHARE, AUTO_CPU_CAP = 0.25, 2 << 30  # of available RAM (pages are touched only as blocks are used)
 
-# Whether a prefill chunk's attention builds its [heads, chunk, context] float32 score matrices
-# (SDPA with an explicit mask and grouped-query heads falls to the math kernel): counted in the
-# headroom. A fused paged kernel that reads the pool in place builds none: set this False with it.
+# Whether a prefill step's attention may build [heads, chunk, context] float32 score matrices:
+# counted in the headroom. A lone plainly causal chunk takes a fused kernel (no mask, no scores:
+# runner.attention._attend_causal), but several prompts' chunks in one step, windows and
+# bidirectional image blocks still attend with an explicit mask, which on CUDA with grouped-query
+# heads falls to the math kernel. A fused paged kernel for those too would set this False.
 PREFILL_SCORE_MATRICES = True
 
 

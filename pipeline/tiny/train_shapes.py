@@ -9,9 +9,14 @@ through the chat template exactly as the pipeline renders a prompt (system promp
 template, one user message: the image, then the question); the loss is on the answer tokens
 and the end-of-turn token ``<|im_end|>``. Its answers can be checked by meaning.
 
+The images are the task's scenes painted in a style sampled per image (``shapes.draw_varied``:
+antialiased edges, JPEG round trips, shifted colour shades, off-white backgrounds, lower
+triangles; a quarter exactly as ``shapes.draw`` paints them). Trained on one way of drawing,
+the model answered 97% of its own generator's images but 94% of an independent reviewer's.
+
 Deterministic: the data (``shapes.TRAIN_SEED``), the initialisation and the order of the
 batches are seeded, and it runs on 2 threads; a rerun on the same machine and library versions
-gives the same weights (10 to 12 minutes on 2 idle cores).
+gives the same weights (about 17 minutes on 2 idle cores; 2600 steps measured 1031 s).
 
 The output is a complete ``from_pretrained`` directory (safetensors, tokenizer, processor, chat
 template, generation config) plus the marker file that makes the loader treat it as the
@@ -73,7 +78,7 @@ class Recipe:
     # patch or two wide and the model could not learn their kinds (45% on the shapes question).
     pixels: int = 112 * 112
     patch_size: int = 7
-    steps: int = 1800
+    steps: int = 2600
     batch: int = 32
     lr: float = 2e-3
     min_lr_fraction: float = 0.05
@@ -81,6 +86,9 @@ class Recipe:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     count_fraction: float = 0.25  # share of samples asking the count question
+    # share of images painted exactly as shapes.draw paints them; the rest in a sampled style
+    # (antialiased, JPEG, jittered colours...), so the model is not tied to one way of drawing
+    plain_fraction: float = 0.25
     data_seed: int = shapes.TRAIN_SEED
     init_seed: int = 0
 
@@ -225,10 +233,11 @@ class Encoder:
 
 
 def sample_batch(rng: np.random.Generator, encoder: Encoder, recipe: Recipe, size: int) -> dict[str, Any]:
-    """``size`` fresh training examples: an image from the task and one of its two questions."""
+    """``size`` fresh training examples: an image from the task (in a varied drawing style) and
+    one of its two questions."""
     images, questions, answers = [], [], []
     for _ in range(size):
-        image, drawn = shapes.draw(rng)
+        image, drawn = shapes.draw_varied(rng, recipe.plain_fraction)
         question = shapes.COUNT_QUESTION if rng.random() < recipe.count_fraction else shapes.SHAPES_QUESTION
         images.append(image)
         questions.append(question)
@@ -253,23 +262,31 @@ def answer_loss(model: PreTrainedModel, batch: dict[str, Any]) -> tuple[torch.Te
     return loss, hit.all(dim=1)
 
 
-def evaluate(model: PreTrainedModel, encoder: Encoder, n: int = 200, seed: int = shapes.EVAL_SEED,
+def evaluate(model: PreTrainedModel, encoder: Encoder, data: list[tuple[Image.Image, list[shapes.Shape]]],
              batch: int = 50) -> dict[str, float]:
-    """Greedy exact-match rate per question on ``n`` held-out images (teacher-forced argmax)."""
-    data = shapes.dataset(seed, n)
+    """Greedy exact-match rate per question on ``data`` (teacher-forced argmax)."""
     scores: dict[str, float] = {}
     model.eval()
     for name, question in (("shapes", shapes.SHAPES_QUESTION), ("count", shapes.COUNT_QUESTION)):
         right = 0
-        for start in range(0, n, batch):
+        for start in range(0, len(data), batch):
             part = data[start:start + batch]
             inputs = encoder([image for image, _ in part], [question] * len(part),
                              [shapes.answer(question, drawn) for _, drawn in part])
             with torch.no_grad():
                 _, hit = answer_loss(model, inputs)
             right += int(hit.sum())
-        scores[name] = right / n
+        scores[name] = right / len(data)
     return scores
+
+
+def heldout_sets(n: int = 200) -> dict[str, list[tuple[Image.Image, list[shapes.Shape]]]]:
+    """The images the trainer scores itself on, from ``shapes.EVAL_SEED`` (training never draws
+    from it): drawn as ``shapes.draw`` draws (what tests/test_shapes.py checks too), and in the
+    varied training styles (robustness the plain set cannot show)."""
+    rng = np.random.default_rng(shapes.EVAL_SEED + 1)
+    return {"heldout_exact": shapes.dataset(shapes.EVAL_SEED, n),
+            "heldout_varied_exact": [shapes.draw_varied(rng, plain_fraction=0.0) for _ in range(n)]}
 
 
 def train(recipe: Recipe, out: Path, progress: bool = True) -> dict[str, Any]:
@@ -286,7 +303,8 @@ def train(recipe: Recipe, out: Path, progress: bool = True) -> dict[str, Any]:
 
         fitted = fit(model, recipe, lambda step: sample_batch(rng, encoder, recipe, recipe.batch), loss_of,
                      "train shapes", metric="exact", progress=progress)
-        summary = {"steps": recipe.steps, **fitted, "heldout_exact": evaluate(model, encoder), "recipe": asdict(recipe)}
+        scores = {name: evaluate(model, encoder, data) for name, data in heldout_sets().items()}
+        summary = {"steps": recipe.steps, **fitted, **scores, "recipe": asdict(recipe)}
         save(model, processor, work, summary)
     return summary
 
@@ -314,9 +332,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=SHIPPED_DIR, help=f"output directory (default: {SHIPPED_DIR})")
     args = parser.parse_args(argv)
     summary = train(Recipe(), args.out)
-    scores = summary["heldout_exact"]
+    plain, varied = summary["heldout_exact"], summary["heldout_varied_exact"]
     print(f"{args.out}: {summary['steps']} steps in {summary['train_seconds']:.0f} s, loss {summary['final_loss']:.4f}, "
-          f"held-out greedy exact match: shapes {scores['shapes']:.1%}, count {scores['count']:.1%}")
+          f"held-out greedy exact match: shapes {plain['shapes']:.1%}, count {plain['count']:.1%} "
+          f"(varied styles: shapes {varied['shapes']:.1%}, count {varied['count']:.1%})")
 
 
 if __name__ == "__main__":
