@@ -3,7 +3,7 @@
 Everything that touches the model during a step goes through here, so this is the one place
 that decides compiled or eager (``decode.compile``: one-token decode steps on the compiled
 step, everything else eager; a model that cannot compile falls back with one warning), and
-the place later CUDA-graph capture by batch-size bucket and the tensor-parallel step belong.
+the place the tensor-parallel step belongs (CUDA graphs by bucket live in ``compiled``).
 The engine hands it chunks and gets logits (``forward``) or, for a greedy decode burst, the
 chosen tokens (``burst``).
 """
