@@ -168,23 +168,31 @@ def unseen_dataset(seed: int, n: int) -> list[tuple[Image.Image, list[shapes.Sha
 # ------------------------------------------------------------------------------ the task
 
 
+def assert_task_geometry(image: Image.Image, drawn: list[shapes.Shape], gap_slack: float = 0.0) -> None:
+    """The task's definition, whoever drew the image: 112-224 px sides, shapes 20-50% of the
+    shorter side, two shapes left to right at least a quarter of the width apart (``gap_slack``:
+    pixels lost to rounding positions to whole pixels)."""
+    w, h = image.size
+    assert shapes.MIN_SIDE <= w <= shapes.MAX_SIDE and shapes.MIN_SIDE <= h <= shapes.MAX_SIDE
+    for s in drawn:
+        assert 0.2 * min(w, h) <= s.size <= 0.5 * min(w, h)
+    if len(drawn) == 2:
+        assert drawn[1].centre_x - drawn[0].centre_x >= 0.25 * w - gap_slack
+
+
 def test_generator_follows_the_task():
     rng = np.random.default_rng(123)
     counts = {1: 0, 2: 0}
     for _ in range(300):
         image, drawn = shapes.draw(rng)
         w, h = image.size
-        assert shapes.MIN_SIDE <= w <= shapes.MAX_SIDE and shapes.MIN_SIDE <= h <= shapes.MAX_SIDE
+        assert_task_geometry(image, drawn)
         counts[len(drawn)] += 1
         pixels = np.asarray(image)
         for s in drawn:
-            assert 0.2 * min(w, h) <= s.size <= 0.5 * min(w, h)
             assert s.left >= 0 and s.top >= 0 and s.left + s.size <= w and s.top + s.size <= h
             inside = pixels[s.top + s.size * 3 // 4, int(s.centre_x)]  # inside every kind of shape
             assert tuple(inside) == shapes.COLOURS[s.colour]
-        if len(drawn) == 2:
-            a, b = drawn
-            assert b.centre_x - a.centre_x >= 0.25 * w  # left to right, far enough apart
         colours = {tuple(int(v) for v in c) for c in np.unique(pixels.reshape(-1, 3), axis=0)}
         assert colours <= {shapes.BACKGROUND, *shapes.COLOURS.values()}  # flat colours on white
     assert min(counts.values()) > 100
@@ -230,15 +238,11 @@ def test_training_styles_vary_the_drawing_not_the_task():
 def test_unseen_style_follows_the_task(unseen):
     counts = {1: 0, 2: 0}
     for image, drawn in unseen:
-        w, h = image.size
-        assert shapes.MIN_SIDE <= w <= shapes.MAX_SIDE and shapes.MIN_SIDE <= h <= shapes.MAX_SIDE
+        assert_task_geometry(image, drawn, gap_slack=1)  # positions rounded to whole pixels
         counts[len(drawn)] += 1
         pixels = np.asarray(image)
         for s in drawn:
-            assert 0.2 * min(w, h) <= s.size <= 0.5 * min(w, h)
             assert nearest_colour(pixels[s.top + s.size // 2, int(s.centre_x)]) == s.colour
-        if len(drawn) == 2:
-            assert drawn[1].centre_x - drawn[0].centre_x >= 0.25 * w - 1  # rounded to whole pixels
     assert min(counts.values()) > 60
 
 
