@@ -87,10 +87,10 @@ def window_peak(device: torch.device | str | None) -> int:
 def pool_bytes(pool: Any) -> int:
     """Bytes the KV pool's tensors take (keys/values on every device, recurrent-state slots);
     0 before its first forward allocates them. On CPU the pages count only once touched."""
-    tensors = [t for layer in range(pool.layers) for t in (pool.layer_kv(layer) or ())]
-    total = sum(t.numel() * t.element_size() for t in tensors)
+    stores = pool.stores  # one tensor per device, every layer's keys and values
+    total = sum(t.numel() * t.element_size() for t in stores)
     states = getattr(pool, "states", None)
-    if states is not None and tensors:
+    if states is not None and stores:
         total += states.num_slots * states.slot_bytes
     return total
 

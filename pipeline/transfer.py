@@ -16,6 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
+from pipeline.metrics import synchronize
+
 _counts = threading.local()
 
 
@@ -37,8 +39,7 @@ def read(tensor: torch.Tensor) -> list:
 def wait(device: torch.device | str | None) -> None:
     """Wait for the device's queued work (to time it), counted."""
     _count()
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
 
 
 def _count() -> None:
