@@ -11,7 +11,7 @@ import torch
 from pipeline.context import Context, Request, Result
 from pipeline.engine import Engine, Handle, Phases, Sequence as EngineSequence
 from pipeline.errors import UserError
-from pipeline.kv import BlockPool, KVCache
+from pipeline.kv import ATTENTION, BlockPool, KVCache
 from pipeline.kv.sizing import Pools, pools_for
 from pipeline.loading import LoadedModel
 from pipeline.metrics import Metrics, decode_weight_bytes, reset_window, synchronize
@@ -94,7 +94,8 @@ class Pipeline:
     Every run goes through one engine (``pipeline.engine``), so any number of threads may call
     ``run`` at once and each gets the answer it would get alone; the waiting threads take turns
     stepping it. ``kv_memory`` / ``kv_block_size`` (and, for models with linear-attention layers,
-    ``kv_state_checkpoint_every``) size the paged KV pool (``pipeline.kv.pool_for``); ``max_seqs`` / ``max_batch_tokens``
+    ``kv_state_checkpoint_every``) size the paged KV pool (``pipeline.kv.pool_for``); ``kv_attention`` is how
+    attention reads it (``auto``, ``flex``, ``sdpa``: ``pipeline.runner.flex``); ``max_seqs`` / ``max_batch_tokens``
     bound the engine's batches; ``burst``: greedy decode steps run back to back (``Engine``).
     """
 
@@ -106,6 +107,7 @@ class Pipeline:
         kv_memory: float | int | str | None = None,
         kv_block_size: int = 16,
         kv_state_checkpoint_every: int = 1024,
+        kv_attention: str = "auto",
         max_seqs: int | None = None,
         max_batch_tokens: int = 2048,
         burst: int = 8,
@@ -118,6 +120,9 @@ class Pipeline:
         self.kv_memory = kv_memory
         self.kv_block_size = kv_block_size
         self.kv_state_checkpoint_every = kv_state_checkpoint_every
+        if kv_attention not in ATTENTION:
+            raise UserError(f"kv_attention must be one of {', '.join(ATTENTION)} (got {kv_attention!r})")
+        self.kv_attention = kv_attention
         self.max_seqs = max_seqs if max_seqs is not None else default_max_seqs(lm.device)
         self.max_batch_tokens = max_batch_tokens
         self.burst = burst
@@ -148,7 +153,7 @@ class Pipeline:
         """Sized on first use, once per model and settings. A draft model (``decode.speculative=draft``)
         without a memory setting of its own gets its pool from the same budget
         (``pipeline.kv.pools_for``), handed to its ``Speculative``."""
-        key = ("pool", self.kv_memory, self.kv_block_size)
+        key = ("pool", self.kv_memory, self.kv_block_size, self.kv_attention)
         if getattr(self.lm, "recurrent", False):  # the state slots depend on these too
             key += (self.kv_state_checkpoint_every, self.max_seqs)
         spec = getattr(self.stages.get("decode"), "speculative", None)
@@ -158,6 +163,7 @@ class Pipeline:
             models, self.kv_memory, self.kv_block_size, self.kv_state_checkpoint_every, self.max_seqs,
             self.max_batch_tokens))
         for i, pool in enumerate(pools.pools):  # each BlockPool in the table too, where code looking for them reads
+            pool.attention = self.kv_attention
             _shared(self.lm, (*key, i), lambda pool=pool: pool)
         if joint is not None and len(pools.models) > 1 and pools.models[1] is joint.draft:
             joint.use_pool(pools.pools[1])
@@ -175,7 +181,8 @@ class Pipeline:
     def with_stages(self, stages: Mapping[str, Stage]) -> "Pipeline":
         """Another stage chain on the same model, pool and engine (e.g. prefill only, for scoring)."""
         other = Pipeline(self.lm, stages, kv_memory=self.kv_memory, kv_block_size=self.kv_block_size,
-                         kv_state_checkpoint_every=self.kv_state_checkpoint_every, max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens, burst=self.burst)
+                         kv_state_checkpoint_every=self.kv_state_checkpoint_every, kv_attention=self.kv_attention,
+                         max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens, burst=self.burst)
         other._pool, other._pools, other._engine, other.warmup_s = self.pool, self._pools, self.engine, self.warmup_s
         return other
 

@@ -24,7 +24,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.errors import UserError, whole_number
-from pipeline.kv import kv_memory_setting
+from pipeline.kv import ATTENTION, kv_memory_setting
 from pipeline.loading import check_device_map, parse_max_memory
 from pipeline.media.video import check_sampling
 from pipeline.quant import SCHEMES, scheme_name
@@ -71,6 +71,7 @@ class KVSettings:
     memory: Any = "auto"  # bytes, "2GiB", a fraction of free memory, or auto
     block_size: int = 16
     state_checkpoint_every: int = 1024
+    attention: str = "auto"  # auto | flex | sdpa
 
 
 @dataclass
@@ -211,6 +212,8 @@ def check(cfg: DictConfig) -> None:
     whole_number("kv.block_size", cfg.kv.block_size)
     whole_number("kv.state_checkpoint_every", cfg.kv.state_checkpoint_every)
     kv_memory_setting(plain(cfg.kv.memory))
+    if cfg.kv.attention not in ATTENTION:
+        raise UserError(f"kv.attention must be one of {', '.join(ATTENTION)} (got {cfg.kv.attention!r})")
     for name in ("max_batch_tokens", "burst") + (("max_seqs",) if cfg.engine.max_seqs is not None else ()):
         whole_number(f"engine.{name}", cfg.engine[name])
     if cfg.prefill.chunk_size is not None:

@@ -10,12 +10,12 @@ The bottom layer: it imports nothing else of the engine (see ``[tool.importlinte
 """
 from pipeline.errors import OutOfBlocks
 from pipeline.kv.cache import KVCache, Snapshot, shared_prefix_length
-from pipeline.kv.pool import NULL_BLOCK, BlockPool
+from pipeline.kv.pool import ATTENTION, NULL_BLOCK, BlockPool
 from pipeline.kv.sizing import kv_memory_setting, pool_for, state_budget
 from pipeline.kv.states import LINEAR, ZERO_SLOT, OutOfSlots, StateIO, StateShape, StateSlots, state_shape
 
 __all__ = [
-    "KVCache", "Snapshot", "shared_prefix_length", "BlockPool", "NULL_BLOCK", "OutOfBlocks", "kv_memory_setting",
+    "ATTENTION", "KVCache", "Snapshot", "shared_prefix_length", "BlockPool", "NULL_BLOCK", "OutOfBlocks", "kv_memory_setting",
     "pool_for", "state_budget", "LINEAR", "ZERO_SLOT", "OutOfSlots", "StateIO", "StateShape", "StateSlots",
     "state_shape",
 ]

@@ -22,7 +22,9 @@ from pipeline.kv.states import StateSlots, state_shape
 from pipeline.memory import ATTENTION_KINDS, kv_bytes, kv_shape, layer_kinds, sliding_window, text_config, uncacheable_layers
 from pipeline.transfer import upload
 
-__all__ = ["BlockPool", "NULL_BLOCK", "OutOfBlocks"]
+__all__ = ["ATTENTION", "BlockPool", "NULL_BLOCK", "OutOfBlocks"]
+
+ATTENTION = ("auto", "flex", "sdpa")  # how attention reads the pool (kv.attention; pipeline.runner.flex)
 
 NULL_BLOCK = 0  # never handed out: padding reads it (masked out); only a compiled step's padding rows write it
 
@@ -47,6 +49,7 @@ class BlockPool:
     def __init__(
         self, config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device],
         state_slots: int = 0, checkpoint_every: int | None = None, reserved_slots: int = 0,
+        attention: str = "auto",
     ) -> None:
         other = uncacheable_layers(config)
         if other:
@@ -66,6 +69,10 @@ class BlockPool:
         # position for them as well; the attention masks keys older than the window.
         self.window = sliding_window(config)
         self.devices = list(devices)
+        # How attention reads the pool (``kv.attention``): "flex", FlexAttention over the blocks in
+        # place (``pipeline.runner.flex``); "sdpa", each row's keys gathered for SDPA; "auto",
+        # flex on CUDA and sdpa on CPU.
+        self.attention = attention
         # Per attention layer, keys and values as [slots, kv_heads, head_dim]; allocated before the
         # first forward (prepare_write), on the layer's own device (accelerate may spread layers).
         # Linear-attention layers have none: their recurrent states live in ``states``.

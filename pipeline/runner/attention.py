@@ -25,7 +25,8 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from pipeline.kv import state_shape
 from pipeline.memory import text_config
-from pipeline.runner.batch import Group, PagedBatch
+from pipeline.runner import flex
+from pipeline.runner.batch import Group, PagedBatch, key_slots
 from pipeline.runner.decoder import plain_head
 from pipeline.runner.linear import attach_linear
 
@@ -60,7 +61,7 @@ def paged_attention(
     v_pool.index_copy_(0, batch.slots, _as(value[0].transpose(0, 1), v_pool.dtype))
     flat_q = query[0].transpose(0, 1)  # [T, heads, D]
     parts = [(g, _attend_causal(g, query, key, value, k_pool, v_pool, scaling) if g.causal else
-              _attend(g, flat_q, k_pool, v_pool, g.mask if window is None else g.window_mask, scaling))
+              _attend(g, flat_q, k_pool, v_pool, window is not None, scaling, batch.pool.block_size))
              for g in batch.groups]
     if len(parts) == 1 and parts[0][0].start == 0 and parts[0][1].shape[0] == flat_q.shape[0]:
         return parts[0][1].unsqueeze(0), None  # one contiguous group: already in packed order
@@ -84,19 +85,26 @@ def _check_layer(module: torch.nn.Module, batch: PagedBatch, kwargs: dict) -> in
     return window
 
 
-def _attend(g: Group, flat_q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, mask: torch.Tensor,
-            scaling: float | None) -> torch.Tensor:
-    """One group's attention over its rows' blocks: [rows * q, heads, D] in row order."""
+def _attend(g: Group, flat_q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, sliding: bool,
+            scaling: float | None, block_size: int) -> torch.Tensor:
+    """One group's attention over its rows' blocks: [rows * q, heads, D] in row order
+    (``sliding``: the layer has the pool's sliding window)."""
     if g.span is not None:
         return _attend_in_place(g, flat_q, k_pool, v_pool, scaling)
-    # Sizes from tensors (symbolic under torch.compile); a group without a mask is eager.
-    rows, q = (g.rows, g.q) if g.mask is None else (g.mask.shape[0], g.mask.shape[2])
+    rows, q = _sizes(g)
     heads, dim = flat_q.shape[1], flat_q.shape[2]
     if g.start is not None:
         qs = flat_q[g.start : g.start + rows * q].reshape(rows, q, heads, dim).transpose(1, 2)
     else:
         qs = flat_q[g.q_index].transpose(1, 2)  # [B, heads, q, D]
-    ks, vs = _gather(k_pool, g.k_slots, qs.dtype), _gather(v_pool, g.k_slots, qs.dtype)  # [B, kv_heads, K, D]
+    if g.flex is not None:
+        o = _attend_flex(g.flex, qs, k_pool, v_pool, sliding, scaling, block_size)
+        if o is not None:
+            return o.transpose(1, 2).reshape(rows * q, heads, dim)
+        k_slots, mask = _dense(g.flex, sliding, block_size)
+    else:
+        k_slots, mask = g.k_slots, g.window_mask if sliding else g.mask
+    ks, vs = _gather(k_pool, k_slots, qs.dtype), _gather(v_pool, k_slots, qs.dtype)  # [B, kv_heads, K, D]
     kv_heads = ks.shape[1]
     if g.q == 1 and kv_heads != heads:
         # One query per row: the query heads sharing a key/value head become its rows (no
@@ -106,6 +114,42 @@ def _attend(g: Group, flat_q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         return o.reshape(rows * q, heads, dim)
     o = scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=kv_heads != heads)
     return o.transpose(1, 2).reshape(rows * q, heads, dim)
+
+
+def _sizes(g: Group) -> tuple[Any, Any]:
+    """(rows, queries per row), from the group's tensors where it has them: symbolic under
+    torch.compile (a group without them is eager)."""
+    if g.flex is not None:
+        return g.flex.hi.shape[0], g.flex.hi.shape[1]
+    if g.mask is not None:
+        return g.mask.shape[0], g.mask.shape[2]
+    return g.rows, g.q
+
+
+def _attend_flex(masks: flex.PagedMasks, qs: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                 sliding: bool, scaling: float | None, block_size: int) -> torch.Tensor | None:
+    """[B, heads, q, D] by FlexAttention over the pool in place; None where it cannot run (keys
+    stored in another dtype than the queries, or the kernel failed: said once, then never tried)."""
+    if qs.dtype != k_pool.dtype or flex.KERNEL.broken is not None:
+        return None
+    if torch.compiler.is_compiling():  # a failure here is the compiled step's to handle
+        return flex.attend(qs, k_pool, v_pool, masks, sliding, scaling, block_size)
+    try:
+        return flex.attend(qs, k_pool, v_pool, masks, sliding, scaling, block_size)
+    except Exception as err:  # dynamo/inductor raise many types; all mean "cannot compile this"
+        flex.KERNEL.fail(err)
+        return None
+
+
+def _dense(masks: flex.PagedMasks, sliding: bool, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key slots [B, K], boolean mask [B, 1, q, K]): a FlexAttention group's masks as tensors,
+    for SDPA over gathered keys."""
+    slots = key_slots(masks.tables, block_size)
+    position = torch.arange(slots.shape[1], device=slots.device)
+    mask = position < masks.hi.unsqueeze(-1)
+    if sliding and masks.lo is not None:
+        mask = mask & (position >= masks.lo.unsqueeze(-1))
+    return slots, mask.unsqueeze(1)
 
 
 def _attend_in_place(g: Group, flat_q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

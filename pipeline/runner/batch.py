@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 
 from pipeline.kv import NULL_BLOCK, BlockPool, StateIO
+from pipeline.runner import flex
 from pipeline.runner.linear import StateBatch, build_state_batch
 from pipeline.transfer import upload
 
@@ -57,6 +58,9 @@ class Group:
     the pool with no gather and no mask; then ``k_slots`` and ``mask`` are None. A group with
     ``k_slots`` and no ``mask`` attends to every key it names. Eager steps only: both carry the
     key count as a Python int, which a compiled step would specialise on.
+
+    ``flex``: the group is attended by FlexAttention over the pool in place (``runner.flex``);
+    then ``k_slots`` and the masks are None.
     """
 
     rows: int
@@ -70,6 +74,7 @@ class Group:
     window_mask: torch.Tensor | None = None  # ``mask`` and'ed with the sliding window (models that have one)
     span: tuple[int, int] | None = None
     causal: bool = False  # one prefill chunk, plainly causal: no mask tensor (``causal_chunk``)
+    flex: flex.PagedMasks | None = None
 
 
 def in_place_span(pool: BlockPool, table: Sequence[int], keys: int) -> tuple[int, int] | None:
@@ -101,6 +106,15 @@ def causal_chunk(pool: BlockPool, chunk: Chunk, start: int, device: torch.device
 def plainly_causal(pool: BlockPool, chunk: Chunk) -> bool:
     """Whether a chunk's attention mask is causal and nothing else."""
     return pool.window is None and not (chunk.extras or {}).get("blocks")
+
+
+def _fused_causal(pool: BlockPool, chunk: Chunk, prefill_flex: bool) -> bool:
+    """Whether a lone prefill chunk takes ``causal_chunk``: plainly causal, and (where
+    FlexAttention reads the pool for prefill) its keys need no gather: it starts at position 0
+    or its blocks are consecutive."""
+    if not plainly_causal(pool, chunk):
+        return False
+    return not prefill_flex or not chunk.start or in_place_span(pool, chunk.table, chunk.start + chunk.count) is not None
 
 
 @dataclass
@@ -156,44 +170,56 @@ def _query_limits(chunk: Chunk, q: int) -> tuple[list[int], list[int]]:
     return positions, limits + limits[-1:] * (q - n)
 
 
-def _group(
-    chunks: Sequence[Chunk], offsets: Sequence[int], block_size: int, device: torch.device, window: int | None = None
-) -> Group:
+def _group(chunks: Sequence[Chunk], offsets: Sequence[int], pool: BlockPool, device: torch.device,
+           use_flex: bool) -> Group:
     """Padded query / key indices and the masks of a set of chunks attended together.
 
-    ``window``: the model's sliding window; then ``window_mask`` is built too (once per batch,
-    for every sliding layer), as transformers composes it: AND(window, OR(causal, block)).
+    ``use_flex``: FlexAttention's block masks over the pool (``runner.flex``); otherwise each row's
+    key slots (gathered by attention) and boolean masks. With a sliding window (the pool's), a
+    second mask for the sliding layers, built once per batch as transformers composes it:
+    AND(window, OR(causal, block)).
     """
     q = max(c.count for c in chunks)
-    blocks = max(-(-(c.start + c.count) // block_size) for c in chunks)
-    table = upload([padded_table(c.table, blocks) for c in chunks], device)
-    k_slots = key_slots(table, block_size)
+    blocks = max(-(-(c.start + c.count) // pool.block_size) for c in chunks)
+    tables = [padded_table(c.table, blocks) for c in chunks]
+    table = upload(tables, device)
     k_len = upload([c.start + c.count for c in chunks], device)
-    window_mask = None
-    if q == 1:
+    rows = [_query_limits(c, q) for c in chunks] if q > 1 else None
+    if use_flex:
+        if rows is None:
+            hi, qpos = k_len.unsqueeze(1), k_len.unsqueeze(1) - 1
+        else:
+            hi = torch.minimum(upload([lim for _, lim in rows], device), k_len.unsqueeze(1))
+            qpos = upload([pos for pos, _ in rows], device)
+        masks = flex.paged_masks(table, hi, qpos, pool.block_size, flex.extent_blocks(pool, tables, blocks, device),
+                                 pool.window)
+        return _placed(chunks, offsets, q, device, Group(len(chunks), q, None, None, start=None, flex=masks))
+    k_slots = key_slots(table, pool.block_size)
+    window, window_mask = pool.window, None
+    if rows is None:
         mask = decode_mask(k_slots, k_len)
         if window is not None:
             window_mask = decode_mask(k_slots, k_len, window)
     else:
         k_pos = torch.arange(k_slots.shape[1], device=device)
-        rows = [_query_limits(c, q) for c in chunks]
         limit = upload([lim for _, lim in rows], device).unsqueeze(-1)
         mask = ((k_pos < limit) & (k_pos < k_len.view(-1, 1, 1))).unsqueeze(1)
         if window is not None:
             qp = upload([pos for pos, _ in rows], device).unsqueeze(-1)
             window_mask = mask & (k_pos > qp - window).unsqueeze(1)
-    contiguous = all(c.count == q for c in chunks) and all(
-        offsets[i] == offsets[0] + i * q for i in range(len(chunks))
-    )
-    if contiguous:
-        return Group(len(chunks), q, k_slots, mask, start=offsets[0], window_mask=window_mask)
-    q_index = [[off + min(i, c.count - 1) for i in range(q)] for c, off in zip(chunks, offsets)]
-    dest = [off + i for c, off in zip(chunks, offsets) for i in range(c.count)]
-    src = [r * q + i for r, c in enumerate(chunks) for i in range(c.count)]
-    return Group(
-        len(chunks), q, k_slots, mask, start=None, q_index=upload(q_index, device),
-        dest=upload(dest, device), src=upload(src, device), window_mask=window_mask,
-    )
+    return _placed(chunks, offsets, q, device, Group(len(chunks), q, k_slots, mask, start=None, window_mask=window_mask))
+
+
+def _placed(chunks: Sequence[Chunk], offsets: Sequence[int], q: int, device: torch.device, group: Group) -> Group:
+    """``group`` with where its queries are in the packed tokens: a start when they are contiguous
+    and unpadded, else the gather and scatter indices."""
+    if all(c.count == q for c in chunks) and all(offsets[i] == offsets[0] + i * q for i in range(len(chunks))):
+        group.start = offsets[0]
+        return group
+    group.q_index = upload([[off + min(i, c.count - 1) for i in range(q)] for c, off in zip(chunks, offsets)], device)
+    group.dest = upload([off + i for c, off in zip(chunks, offsets) for i in range(c.count)], device)
+    group.src = upload([r * q + i for r, c in enumerate(chunks) for i in range(c.count)], device)
+    return group
 
 
 def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device, in_place: bool = False) -> PagedBatch:
@@ -207,17 +233,19 @@ def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device, 
     decode = [i for i, c in enumerate(chunks) if c.count == 1]
     prefill = [i for i, c in enumerate(chunks) if c.count > 1]
 
-    def group(members: list[int]) -> Group:
-        return _group([chunks[i] for i in members], [offsets[i] for i in members], pool.block_size, device, pool.window)
+    def group(members: list[int], use_flex: bool) -> Group:
+        return _group([chunks[i] for i in members], [offsets[i] for i in members], pool, device, use_flex)
 
     groups = []
     if decode:
         lone = chunks[decode[0]]
         span = in_place_span(pool, lone.table, lone.start + 1) if in_place and len(decode) == 1 else None
-        groups.append(Group(1, 1, None, None, start=offsets[decode[0]], span=span) if span else group(decode))
-    if len(prefill) == 1 and plainly_causal(pool, chunks[prefill[0]]):
+        groups.append(Group(1, 1, None, None, start=offsets[decode[0]], span=span) if span
+                      else group(decode, flex.usable(pool, device)))
+    prefill_flex = flex.usable_for_prefill(pool, device)
+    if len(prefill) == 1 and _fused_causal(pool, chunks[prefill[0]], prefill_flex):
         groups.append(causal_chunk(pool, chunks[prefill[0]], offsets[prefill[0]], device))
     elif prefill:
-        groups.append(group(prefill))
+        groups.append(group(prefill, prefill_flex))
     states = build_state_batch(pool.states, chunks, device) if pool.states is not None else None
     return PagedBatch(pool, slots, groups, states)

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 
 from pipeline.kv import BlockPool
+from pipeline.runner import flex
 from pipeline.runner.batch import Chunk
 from pipeline.runner.forward import burst_state, decode_logits, greedy_step, greedy_steps
 
@@ -107,7 +108,7 @@ class CompiledStep:
         state = burst_state(pool, [c.ids[0] for c in chunks], positions, [c.start for c in chunks],
                             [c.table for c in chunks], 1, device, bucketed=self.why_not(lm) is None)
         pool.prepare_write()
-        logits = self._run("_forward", decode_logits, lambda fn, _: fn(lm.model, pool, *state), lm)
+        logits = self._run("_forward", decode_logits, lambda fn, _: fn(lm.model, pool, *state), lm, pool)
         return logits[: len(chunks)]
 
     def greedy_steps(self, lm: Any, pool: BlockPool, state: tuple[torch.Tensor, ...], steps: int) -> list[torch.Tensor]:
@@ -123,11 +124,12 @@ class CompiledStep:
             return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
 
         return self._run("_greedy", greedy_step, lambda fn, compiled: greedy_steps(
-            lm.model, pool, state, steps, step=fn, settled=settled if compiled else None), lm)
+            lm.model, pool, state, steps, step=fn, settled=settled if compiled else None), lm, pool)
 
-    def _run(self, slot: str, fn: Any, call: Any, lm: Any) -> Any:
+    def _run(self, slot: str, fn: Any, call: Any, lm: Any, pool: BlockPool) -> Any:
         """``call(compiled fn, True)``; ``call(fn, False)`` where compiling is impossible or failed
-        (the calls are functional over the pool's slots: rerunning one rewrites the same slots)."""
+        (the calls are functional over the pool's slots: rerunning one rewrites the same slots).
+        A failure with FlexAttention in the graph first retries the compile without it."""
         reason = self.why_not(lm)
         if reason is not None:
             self.fallback(reason)
@@ -139,6 +141,10 @@ class CompiledStep:
         try:
             return call(compiled, True)
         except Exception as err:  # dynamo/inductor raise many types; all mean "cannot compile this"
+            if flex.usable(pool, lm.device):
+                flex.KERNEL.fail(err)
+                setattr(self, slot, None)
+                return self._run(slot, fn, call, lm, pool)
             first_line = (str(err).strip().splitlines() or [""])[0][:200]
             self.broken = f"torch.compile failed ({type(err).__name__}: {first_line})"
             self.fallback(self.broken)
@@ -152,7 +158,8 @@ class CompiledStep:
         graphs = self.graphs(lm)
 
         def step(model: Any, pool: BlockPool, *inputs: torch.Tensor) -> Any:
-            self.shapes.add(tuple(inputs[-1].shape))  # k_slots [batch, keys]: one CUDA graph each
+            tables = inputs[3]
+            self.shapes.add((tables.shape[0], tables.shape[1] * pool.block_size))  # (batch, keys): one CUDA graph each
             _mark_dynamic(*inputs)
             if not graphs:
                 return compiled(model, pool, *inputs)
@@ -167,10 +174,12 @@ class CompiledStep:
         return step
 
 
-def _mark_dynamic(ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, k_slots: torch.Tensor) -> None:
-    """The batch (and key) dimensions vary between calls: one graph for every bucket from 2 up,
-    instead of a recompile at the second size seen (size 1 stays specialised: its own graph)."""
-    for t, dims in ((ids, (1,)), (positions, (positions.dim() - 1,)), (lengths, (0,)), (k_slots, (0, 1))):
+def _mark_dynamic(ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, tables: torch.Tensor,
+                  extent: torch.Tensor) -> None:
+    """The batch, table width and pool extent vary between calls: one graph for every bucket from
+    2 up, instead of a recompile at the second size seen (size 1 stays specialised: its own graph)."""
+    for t, dims in ((ids, (1,)), (positions, (positions.dim() - 1,)), (lengths, (0,)), (tables, (0, 1)),
+                    (extent, (0,))):
         for d in dims:
             if t.shape[d] >= 2:
                 torch._dynamo.maybe_mark_dynamic(t, d)

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from pipeline.kv import NULL_BLOCK, BlockPool
+from pipeline.runner import flex
 from pipeline.runner.attention import attach
 from pipeline.runner.batch import Chunk, Group, PagedBatch, build_batch, decode_mask, in_place_span, key_slots, padded_table
 from pipeline.transfer import upload
@@ -98,20 +99,29 @@ def decode_logits(
     ids: torch.Tensor,
     positions: torch.Tensor,
     lengths: torch.Tensor,
-    k_slots: torch.Tensor,
+    tables: torch.Tensor,
+    extent: torch.Tensor,
 ) -> torch.Tensor:
     """Next-token logits [B, V] of rows that each feed one token, the batch (write slots, masks)
     built inside the call from tensors alone: the unit the compiled decode step is, so that its
     shapes are the inputs' (bucketed, ``burst_state``) and no host data enters the graph.
 
     ``ids`` [1, B] the tokens fed, ``positions`` [rows, 1, B] or [1, B] theirs, ``lengths`` [B]
-    each row's cache length counting the fed token, ``k_slots`` [B, K] the pool slot of each of
-    its key positions (its block table padded with the null block). Every op here runs once per
+    each row's cache length counting the fed token, ``tables`` [B, W] their block tables padded
+    with the null block, ``extent`` [E, 0] (no data: its length is how many pool blocks
+    FlexAttention's key tensors cover, ``flex.extent_blocks``). Every op here runs once per
     token: keep them few.
     """
-    slots = k_slots.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
-    window = None if pool.window is None else decode_mask(k_slots, lengths, pool.window)
-    group = Group(ids.shape[1], 1, k_slots, decode_mask(k_slots, lengths), start=0, window_mask=window)
+    size = pool.block_size
+    last = lengths - 1
+    slots = tables.gather(1, (last // size).unsqueeze(1)).squeeze(1) * size + last % size
+    if flex.usable(pool, tables.device):
+        masks = flex.paged_masks(tables, lengths.unsqueeze(1), last.unsqueeze(1), size, extent.shape[0], pool.window)
+        group = Group(ids.shape[1], 1, None, None, start=0, flex=masks)
+    else:
+        k_slots = key_slots(tables, size)
+        window = None if pool.window is None else decode_mask(k_slots, lengths, pool.window)
+        group = Group(ids.shape[1], 1, k_slots, decode_mask(k_slots, lengths), start=0, window_mask=window)
     return run_model(model, ids, None, positions, None, PagedBatch(pool, slots, [group]))
 
 
@@ -121,13 +131,14 @@ def greedy_step(
     ids: torch.Tensor,
     positions: torch.Tensor,
     lengths: torch.Tensor,
-    k_slots: torch.Tensor,
+    tables: torch.Tensor,
+    extent: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One greedy decode token for every row (``decode_logits`` and the argmax in one call): the
     unit a decode burst repeats with no host work in between (see ``Engine`` and
     ``pipeline.runner.compiled``). Returns the chosen ids and the next step's positions and
     lengths."""
-    logits = decode_logits(model, pool, ids, positions, lengths, k_slots)
+    logits = decode_logits(model, pool, ids, positions, lengths, tables, extent)
     return logits.argmax(dim=-1).view(1, -1), positions + 1, lengths + 1
 
 
@@ -140,15 +151,19 @@ class SingleRowStep:
 
     def __init__(self, keys: int, first_slot: int | None) -> None:
         self.keys, self.first = keys, first_slot
+        self.k_slots: torch.Tensor | None = None
 
     def __call__(self, model: torch.nn.Module, pool: BlockPool, ids: torch.Tensor, positions: torch.Tensor,
-                 lengths: torch.Tensor, k_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 lengths: torch.Tensor, tables: torch.Tensor,
+                 extent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, self.keys = self.keys, self.keys + 1
+        if self.k_slots is None:
+            self.k_slots = key_slots(tables, pool.block_size)
         if self.first is not None:
             group = Group(1, 1, None, None, start=0, span=(self.first, n))
         else:
-            group = Group(1, 1, k_slots[:, :n], None, start=0)
-        logits = run_model(model, ids, None, positions, None, PagedBatch(pool, k_slots[0, n - 1 : n], [group]))
+            group = Group(1, 1, self.k_slots[:, :n], None, start=0)
+        logits = run_model(model, ids, None, positions, None, PagedBatch(pool, self.k_slots[0, n - 1 : n], [group]))
         return logits.argmax(dim=-1).view(1, -1), positions + 1, lengths + 1
 
 
@@ -199,12 +214,13 @@ def burst_state(
     if bucketed:
         width, pad = width_bucket(width), batch_bucket(rows) - rows
     pos = upload([list(row) + [0] * pad for row in positions], device)
+    padded = [padded_table(t, width) for t in tables] + [[NULL_BLOCK] * width] * pad
     return (
         upload([list(fed) + [0] * pad], device),
         pos.unsqueeze(1) if len(positions) > 1 else pos,
         upload([s + 1 for s in starts] + [1] * pad, device),
-        key_slots(upload([padded_table(t, width) for t in tables] + [[NULL_BLOCK] * width] * pad, device),
-                  pool.block_size),
+        upload(padded, device),
+        torch.empty(flex.extent_blocks(pool, padded, width, device), 0, device=device),
     )
 
 
@@ -229,12 +245,12 @@ def greedy_steps(
     """``steps`` greedy steps, each fed the token the last one chose; the chosen ids [1, B] of
     each. ``settled``: a context entered for the steps after the second, whose inputs look
     exactly like the second's (the compiled path stops re-checking its guards there)."""
-    ids, positions, lengths, k_slots = state
+    ids, positions, lengths, *fixed = state  # the tables and extent stay; the rest moves on
     chosen = []
     with contextlib.ExitStack() as stack:
         for i in range(steps):
             if i == 2 and settled is not None:
                 stack.enter_context(settled())
-            ids, positions, lengths = step(model, pool, ids, positions, lengths, k_slots)
+            ids, positions, lengths = step(model, pool, ids, positions, lengths, *fixed)
             chosen.append(ids)
     return chosen
