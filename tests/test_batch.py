@@ -245,6 +245,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_process_accelerate_launch_equals_one_process(tmp_path, tiny_dir, monkeypatch):
     """On CPU, accelerate needs --multi_gpu to start N processes (--cpu alone starts one)."""
     p = write_text_prompts(tmp_path / "p.txt")
@@ -278,6 +279,7 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow
 def test_report_over_a_two_job_multirun(tmp_path, tiny_dir, monkeypatch):
     sweep = tmp_path / "sweep"
     proc = run_cli("-m", "max_new_tokens=2,3", f"hydra.sweep.dir={sweep}", f"model.path={tiny_dir('qwen3')}",

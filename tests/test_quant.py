@@ -291,6 +291,7 @@ def test_bad_placement_settings_fail_before_loading(tiny_dir, tmp_path, kwargs, 
 
 
 # --- end to end: one sweep compares schemes; bad input exits 2 with one line --------------------
+@pytest.mark.slow
 def test_cli_sweep_reports_each_scheme_in_its_result(tiny_dir, tmp_path):
     proc = run_cli("-m", "quant=nf4,int8", f"model.path={tiny_dir('qwen3')}", "max_new_tokens=3",
                    "metrics_table=false", f"hydra.sweep.dir={tmp_path}")

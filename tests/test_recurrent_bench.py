@@ -9,9 +9,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
+@pytest.mark.slow
 def test_quick_run_keeps_generate_tokens(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "recurrent.py"), "--quick", "--cache-dir", str(tmp_path),
