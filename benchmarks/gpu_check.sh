@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-check}
 mkdir -p "$OUT"
 export TMPDIR=${TMPDIR:-/tmp} PYTHONUNBUFFERED=1
-STEPS=${STEPS:-"env cuda_tests decode_bf16 decode_nf4 batch prefill_16k speculative serve"}
+STEPS=${STEPS:-"env cuda_tests attention decode_bf16 decode_nf4 batch prefill_16k speculative serve"}
 ARCH="--arch qwen2-vl-2b"
 PY=python3
 
@@ -23,6 +23,7 @@ step_cmd() {
     case "$1" in
     env) echo "nvidia-smi; $PY -c 'import torch, transformers, bitsandbytes; print(torch.__version__, torch.version.cuda, transformers.__version__, bitsandbytes.__version__, torch.cuda.get_device_name())'" ;;
     cuda_tests) echo "$PY -m pytest -q -k cuda tests/test_sampler.py tests/test_gpu_path.py" ;;
+    attention) echo "$PY benchmarks/paged_attention.py --device cuda --dtype bfloat16" ;;
     decode_bf16) echo "$PY benchmarks/decode_vs_generate.py $ARCH --quant none --dtype bfloat16 ${FAST---fast} --image 448 --prompt-tokens 32 --new-tokens 256 --reps 2 --peak-gb-s \${PEAK_GB_S:-3350} --json $OUT/decode_bf16.json" ;;
     decode_nf4) echo "$PY benchmarks/decode_vs_generate.py $ARCH --quant nf4 ${FAST---fast} --image 448 --prompt-tokens 32 --new-tokens 256 --reps 2 --peak-gb-s \${PEAK_GB_S:-3350} --json $OUT/decode_nf4.json" ;;
     batch) echo "$PY benchmarks/engine_throughput.py $ARCH --dtype bfloat16 --requests 64 --new-tokens 32 --max-seqs 1,16,64 --skip-solo --skip-hf --reps 1 --json $OUT/batch.json" ;;
@@ -34,7 +35,7 @@ step_cmd() {
 }
 
 limit() {  # seconds per step: 540 in all, so the default set ends within 9 minutes whatever hangs
-    case "$1" in env) echo 20 ;; cuda_tests) echo 60 ;; decode_bf16) echo 130 ;; decode_nf4) echo 100 ;;
+    case "$1" in env) echo 20 ;; cuda_tests) echo 60 ;; decode_bf16) echo 130 ;; decode_nf4) echo 80 ;; attention) echo 20 ;;
         batch) echo 90 ;; prefill_16k) echo 40 ;; speculative) echo 50 ;; serve) echo 50 ;; esac
 }
 
