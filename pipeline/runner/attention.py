@@ -29,6 +29,7 @@ from pipeline.runner import flex
 from pipeline.runner.batch import Group, PagedBatch, key_slots
 from pipeline.runner.decoder import plain_head
 from pipeline.runner.linear import attach_linear
+from pipeline.runner.masks import dense_mask
 
 ATTENTION = "mm_paged"
 
@@ -145,11 +146,7 @@ def _dense(masks: flex.PagedMasks, sliding: bool, block_size: int) -> tuple[torc
     """(key slots [B, K], boolean mask [B, 1, q, K]): a FlexAttention group's masks as tensors,
     for SDPA over gathered keys."""
     slots = key_slots(masks.tables, block_size)
-    position = torch.arange(slots.shape[1], device=slots.device)
-    mask = position < masks.hi.unsqueeze(-1)
-    if sliding and masks.lo is not None:
-        mask = mask & (position >= masks.lo.unsqueeze(-1))
-    return slots, mask.unsqueeze(1)
+    return slots, dense_mask(slots.shape[1], masks.hi, masks.lo if sliding else None)
 
 
 def _attend_in_place(g: Group, flat_q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

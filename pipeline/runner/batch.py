@@ -16,6 +16,7 @@ import torch
 from pipeline.kv import NULL_BLOCK, BlockPool, StateIO
 from pipeline.runner import flex
 from pipeline.runner.linear import StateBatch, build_state_batch
+from pipeline.runner.masks import dense_mask, window_start
 from pipeline.transfer import upload
 
 
@@ -137,21 +138,6 @@ def key_slots(table: torch.Tensor, block_size: int) -> torch.Tensor:
     return (table.unsqueeze(-1) * block_size + torch.arange(block_size, device=table.device)).flatten(1)
 
 
-def decode_mask(k_slots: torch.Tensor, lengths: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """[B, 1, 1, K] for decode rows: the one query is the last position, so causal means every
-    key within the row's length (``lengths`` [B], counting the query's own token).
-
-    ``window``: also drop keys the sliding window no longer sees. transformers' rule
-    (``masking_utils.sliding_window_overlay``) keeps key ``k`` for query ``q`` when
-    ``k > q - window``; here ``q = length - 1``, so ``k >= length - window``.
-    """
-    k_pos = torch.arange(k_slots.shape[1], device=k_slots.device)
-    mask = k_pos < lengths.view(-1, 1)
-    if window is not None:
-        mask = mask & (k_pos >= lengths.view(-1, 1) - window)
-    return mask[:, None, None, :]
-
-
 def _query_limits(chunk: Chunk, q: int) -> tuple[list[int], list[int]]:
     """Per padded query row of ``chunk``: its position, and the first key position it may not
     see: position + 1 (causal), or the end of the bidirectional block it lies in (the family's
@@ -174,40 +160,30 @@ def _group(chunks: Sequence[Chunk], offsets: Sequence[int], pool: BlockPool, dev
            use_flex: bool) -> Group:
     """Padded query / key indices and the masks of a set of chunks attended together.
 
-    ``use_flex``: FlexAttention's block masks over the pool (``runner.flex``); otherwise each row's
-    key slots (gathered by attention) and boolean masks. With a sliding window (the pool's), a
-    second mask for the sliding layers, built once per batch as transformers composes it:
-    AND(window, OR(causal, block)).
+    Each query sees the key positions below ``hi`` (its limit, cut at its row's length) and, in
+    sliding layers, from its window's start (``runner.masks``), as transformers composes it:
+    AND(window, OR(causal, block)). ``use_flex``: as FlexAttention's block masks over the pool
+    (``runner.flex``); otherwise each row's key slots (gathered by attention) and boolean masks.
     """
     q = max(c.count for c in chunks)
     blocks = max(-(-(c.start + c.count) // pool.block_size) for c in chunks)
     tables = [padded_table(c.table, blocks) for c in chunks]
     table = upload(tables, device)
-    k_len = upload([c.start + c.count for c in chunks], device)
-    rows = [_query_limits(c, q) for c in chunks] if q > 1 else None
+    hi = upload([c.start + c.count for c in chunks], device).unsqueeze(1)  # [B, 1]: each row's length
+    qpos = hi - 1 if pool.window is not None else None  # a decode row's query is its last position
+    if q > 1:
+        rows = [_query_limits(c, q) for c in chunks]
+        hi = torch.minimum(upload([lim for _, lim in rows], device), hi)
+        qpos = upload([pos for pos, _ in rows], device) if pool.window is not None else None
     if use_flex:
-        if rows is None:
-            hi, qpos = k_len.unsqueeze(1), k_len.unsqueeze(1) - 1
-        else:
-            hi = torch.minimum(upload([lim for _, lim in rows], device), k_len.unsqueeze(1))
-            qpos = upload([pos for pos, _ in rows], device)
-        masks = flex.paged_masks(table, hi, qpos, pool.block_size, flex.extent_blocks(pool, tables, blocks, device),
+        masks = flex.paged_masks(table, hi, qpos, pool.block_size, flex.extent_blocks(pool, tables, device),
                                  pool.window)
         return _placed(chunks, offsets, q, device, Group(len(chunks), q, None, None, start=None, flex=masks))
     k_slots = key_slots(table, pool.block_size)
-    window, window_mask = pool.window, None
-    if rows is None:
-        mask = decode_mask(k_slots, k_len)
-        if window is not None:
-            window_mask = decode_mask(k_slots, k_len, window)
-    else:
-        k_pos = torch.arange(k_slots.shape[1], device=device)
-        limit = upload([lim for _, lim in rows], device).unsqueeze(-1)
-        mask = ((k_pos < limit) & (k_pos < k_len.view(-1, 1, 1))).unsqueeze(1)
-        if window is not None:
-            qp = upload([pos for pos, _ in rows], device).unsqueeze(-1)
-            window_mask = mask & (k_pos > qp - window).unsqueeze(1)
-    return _placed(chunks, offsets, q, device, Group(len(chunks), q, k_slots, mask, start=None, window_mask=window_mask))
+    keys = k_slots.shape[1]
+    window_mask = None if qpos is None else dense_mask(keys, hi, window_start(qpos, pool.window))
+    return _placed(chunks, offsets, q, device,
+                   Group(len(chunks), q, k_slots, dense_mask(keys, hi), start=None, window_mask=window_mask))
 
 
 def _placed(chunks: Sequence[Chunk], offsets: Sequence[int], q: int, device: torch.device, group: Group) -> Group:

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from pipeline.runner.masks import window_start
+
 Q_BLOCK = 128  # query rows per block of the mask (CUDA's decoding kernel needs a multiple of its 16-row tiles)
 FLEX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -71,7 +73,7 @@ def usable_for_prefill(pool: Any, device: torch.device) -> bool:
     return usable(pool, device) and (device.type == "cuda" or KERNEL.unfused)
 
 
-def extent_blocks(pool: Any, tables: list[list[int]], width: int, device: torch.device) -> int:
+def extent_blocks(pool: Any, tables: list[list[int]], device: torch.device) -> int:
     """How many pool blocks the key tensors cover. On CUDA the whole pool (one shape for every
     step, so CUDA graphs stay few; the mask's per-row index rows are pool-wide, cheap there).
     On CPU the blocks up to the highest one the batch names, rounded up to a power of two: a
@@ -82,13 +84,13 @@ def extent_blocks(pool: Any, tables: list[list[int]], width: int, device: torch.
     return min(pool.num_blocks, max(2, 1 << (top - 1).bit_length()))
 
 
-def paged_masks(tables: torch.Tensor, hi: torch.Tensor, qpos: torch.Tensor, block_size: int, extent: int,
+def paged_masks(tables: torch.Tensor, hi: torch.Tensor, qpos: torch.Tensor | None, block_size: int, extent: int,
                 window: int | None) -> PagedMasks:
-    """The masks of rows with block ``tables`` [B, W], queries at ``qpos`` [B, L] seeing keys below
-    ``hi`` [B, L]; with a sliding ``window`` a second mask for the sliding layers (transformers'
-    rule, ``masking_utils.sliding_window_overlay``: key k is seen from query q when k > q - window)."""
+    """The masks of rows with block ``tables`` [B, W], queries seeing keys below ``hi`` [B, L];
+    with a sliding ``window`` a second mask for the sliding layers, from ``qpos`` [B, L] (the
+    queries' positions: ``masks.window_start``)."""
     hi = hi.to(torch.int32)
-    lo = None if window is None else (qpos - window + 1).clamp(min=0).to(torch.int32)
+    lo = None if window is None else window_start(qpos, window).to(torch.int32)
     logical = torch.zeros(extent, dtype=torch.int32, device=tables.device)
     rows, width = tables.shape
     logical.scatter_(0, tables.reshape(-1), torch.arange(width, dtype=torch.int32, device=tables.device).repeat(rows))

@@ -15,7 +15,8 @@ import torch
 from pipeline.kv import NULL_BLOCK, BlockPool
 from pipeline.runner import flex
 from pipeline.runner.attention import attach
-from pipeline.runner.batch import Chunk, Group, PagedBatch, build_batch, decode_mask, in_place_span, key_slots, padded_table
+from pipeline.runner.batch import Chunk, Group, PagedBatch, build_batch, in_place_span, key_slots, padded_table
+from pipeline.runner.masks import dense_mask, window_start
 from pipeline.transfer import upload
 
 
@@ -115,13 +116,15 @@ def decode_logits(
     size = pool.block_size
     last = lengths - 1
     slots = tables.gather(1, (last // size).unsqueeze(1)).squeeze(1) * size + last % size
+    hi, qpos = lengths.unsqueeze(1), last.unsqueeze(1)  # one query, the row's last position: sees the row
     if flex.usable(pool, tables.device):
-        masks = flex.paged_masks(tables, lengths.unsqueeze(1), last.unsqueeze(1), size, extent.shape[0], pool.window)
+        masks = flex.paged_masks(tables, hi, qpos, size, extent.shape[0], pool.window)
         group = Group(ids.shape[1], 1, None, None, start=0, flex=masks)
     else:
         k_slots = key_slots(tables, size)
-        window = None if pool.window is None else decode_mask(k_slots, lengths, pool.window)
-        group = Group(ids.shape[1], 1, k_slots, decode_mask(k_slots, lengths), start=0, window_mask=window)
+        keys = k_slots.shape[1]
+        window = None if pool.window is None else dense_mask(keys, hi, window_start(qpos, pool.window))
+        group = Group(ids.shape[1], 1, k_slots, dense_mask(keys, hi), start=0, window_mask=window)
     return run_model(model, ids, None, positions, None, PagedBatch(pool, slots, [group]))
 
 
@@ -220,7 +223,7 @@ def burst_state(
         pos.unsqueeze(1) if len(positions) > 1 else pos,
         upload([s + 1 for s in starts] + [1] * pad, device),
         upload(padded, device),
-        torch.empty(flex.extent_blocks(pool, padded, width, device), 0, device=device),
+        torch.empty(flex.extent_blocks(pool, padded, device), 0, device=device),
     )
 
 
