@@ -25,6 +25,20 @@ from pipeline.tiny.registry import FAMILIES
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 
 
+@pytest.fixture(autouse=True)
+def poisoned_pools(monkeypatch):
+    """Every pool starts as NaN, as reused memory may (a fresh page reads as zeros, which hid a
+    bug: FlexAttention weighed never-written blocks, and a weight of 0 times NaN is NaN)."""
+    allocate = BlockPool._allocate
+
+    def allocate_poisoned(pool):
+        allocate(pool)
+        for store in pool.stores:
+            store.fill_(float("nan"))
+
+    monkeypatch.setattr(BlockPool, "_allocate", allocate_poisoned)
+
+
 @pytest.fixture
 def kernel(monkeypatch):
     """A fresh process-wide kernel for the test (broken state and compiled function its own)."""

@@ -95,6 +95,7 @@ class BlockPool:
         self._used = 0  # blocks with a reference count above zero
         self._fresh = bytearray(b"\x01") * self.num_blocks  # never handed out yet (memory not initialised)
         self._dirty: list[int] = []  # handed out since the last prepare_write, still to be zeroed
+        self._exposed = 0  # blocks below this are read whole by attention (expose): none is fresh
 
     # sizes ----------------------------------------------------------------------------------
     @property
@@ -132,6 +133,20 @@ class BlockPool:
             blocks, self._dirty = self._dirty, []
             for store in self._stores:  # under the lock: no forward of another engine is writing them yet
                 store.index_fill_(2, upload(blocks, store.device), 0)
+
+    def expose(self, blocks: int) -> None:
+        """Attention is about to read the first ``blocks`` blocks whole, listed or not (FlexAttention's
+        key tensors; its reference path weighs every key): zero those never handed out, as
+        ``prepare_write`` does for blocks handed out. Amortised: each block is looked at once."""
+        with self.lock:
+            if blocks <= self._exposed:
+                return
+            for block in range(self._exposed, blocks):
+                if self._fresh[block]:
+                    self._fresh[block] = 0
+                    self._dirty.append(block)
+            self._exposed = blocks
+            self.prepare_write()
 
     def _allocate(self) -> None:
         """One tensor per device, [layers there, keys/values, blocks, block_size, kv_heads,

@@ -77,11 +77,16 @@ def extent_blocks(pool: Any, tables: list[list[int]], device: torch.device) -> i
     """How many pool blocks the key tensors cover. On CUDA the whole pool (one shape for every
     step, so CUDA graphs stay few; the mask's per-row index rows are pool-wide, cheap there).
     On CPU the blocks up to the highest one the batch names, rounded up to a power of two: a
-    mostly idle pool costs nothing per step."""
+    mostly idle pool costs nothing per step. Blocks in it never written yet are zeroed first
+    (``BlockPool.expose``): uninitialised memory can hold NaN, and a masked key's weight of 0
+    times NaN is NaN."""
     if device.type == "cuda":
-        return pool.num_blocks
-    top = max((max(t) for t in tables if t), default=0) + 1
-    return min(pool.num_blocks, max(2, 1 << (top - 1).bit_length()))
+        extent = pool.num_blocks
+    else:
+        top = max((max(t) for t in tables if t), default=0) + 1
+        extent = min(pool.num_blocks, max(2, 1 << (top - 1).bit_length()))
+    pool.expose(extent)
+    return extent
 
 
 def paged_masks(tables: torch.Tensor, hi: torch.Tensor, qpos: torch.Tensor | None, block_size: int, extent: int,
