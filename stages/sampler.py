@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from pipeline.transfer import upload
+
 __all__ = ["Sampler"]
 
 _CHOICE_METHODS = ("__call__", "filtered_logits", "_process", "_repetition_penalty")
+_BATCH_METHODS = _CHOICE_METHODS + ("draw", "choose_rows")
 
 
 def _number(name: str, value: object, rule: str) -> float:
@@ -85,6 +89,13 @@ class Sampler:
         return (self.greedy and self.repetition_penalty == 1.0
                 and all(getattr(cls, name) is getattr(Sampler, name) for name in _CHOICE_METHODS))
 
+    @property
+    def batchable(self) -> bool:
+        """No method of the choice overridden: the engine chooses such rows together
+        (``choose_rows``); a subclass that changes how tokens are chosen is called row by row."""
+        cls = type(self)
+        return all(getattr(cls, name) is getattr(Sampler, name) for name in _BATCH_METHODS)
+
     def __repr__(self) -> str:
         return (
             f"Sampler(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
@@ -141,19 +152,39 @@ class Sampler:
             return scores.argmax(dim=-1)
         return self.draw(torch.softmax(scores, dim=-1))
 
+    @staticmethod
+    def choose_rows(samplers: Sequence["Sampler"], logits: Tensor, history: Callable[[int], Sequence[int]]) -> Tensor:
+        """One token per row of ``logits`` [n, V], row i by ``samplers[i]``: the engine's batched
+        choice. Each filter runs once for the whole batch with per-row settings (one top-k and
+        one sort, not one per row); each row draws its noise from its own generator, so a seeded
+        row gets the same token alone or in any batch. ``history(i)``: row i's ids so far, asked
+        only of rows with a repetition penalty. Same tokens as calling each sampler on its row."""
+        scores, device = logits.float(), logits.device
+        if any(s.repetition_penalty != 1.0 for s in samplers):
+            ids = _padded([history(i) if s.repetition_penalty != 1.0 else [] for i, s in enumerate(samplers)], device)
+            penalty = upload([[s.repetition_penalty] for s in samplers], device, dtype=torch.float32)
+            scores = _penalise(scores, penalty, ids)
+        sampling = [i for i, s in enumerate(samplers) if not s.greedy]
+        if not sampling:
+            return scores.argmax(dim=-1)
+        index = None if len(sampling) == len(samplers) else upload(sampling, device)
+        part = scores if index is None else scores.index_select(0, index)
+        probs = torch.softmax(_filter(part, _Rows.of([samplers[i] for i in sampling], device)), dim=-1)
+        noise = torch.empty_like(probs)
+        for row, i in enumerate(sampling):
+            noise[row].exponential_(1, generator=samplers[i]._generator(device))
+        drawn = _argmax_over_noise(probs, noise)
+        return drawn if index is None else scores.argmax(dim=-1).index_copy(0, index, drawn)
+
     def draw(self, probs: Tensor) -> Tensor:
         """One token per row of ``probs`` (any distribution, e.g. speculative decoding's residual),
         from this sampler's generator: seeded requests stay reproducible."""
         q = torch.empty_like(probs).exponential_(1, generator=self._generator(probs.device))
-        # An Exp(1) draw of exactly 0 would turn a removed token's 0/0 into NaN, which argmax prefers.
-        q.clamp_min_(torch.finfo(q.dtype).tiny)
-        return (probs / q).argmax(dim=-1)
+        return _argmax_over_noise(probs, q)
 
     def uniform(self, device: torch.device) -> float:
         """A U[0, 1) draw from this sampler's generator (speculative decoding's acceptance test)."""
         return float(torch.rand((), device=device, generator=self._generator(device)))
-
-    # -- the chain; each step is the same arithmetic as its transformers counterpart ----------
 
     def _process(self, scores: Tensor, previous_ids: Tensor | Sequence[int] | None) -> Tensor:
         scores = scores.float()  # no copy when already float32; every step below is out of place
@@ -161,26 +192,7 @@ class Sampler:
             scores = self._repetition_penalty(scores, previous_ids)
         if self.greedy:
             return scores
-        if self.temperature != 1.0:
-            scores = scores / self.temperature  # TemperatureLogitsWarper
-        if self.top_k > 0 and self.top_k < scores.shape[-1]:
-            # TopKLogitsWarper: ties with the k-th value are kept.
-            kth = torch.topk(scores, self.top_k)[0][..., -1, None]
-            scores = scores.masked_fill(scores < kth, -math.inf)
-        if self.top_p < 1.0:
-            # TopPLogitsWarper: drop the low tail whose total mass is <= 1 - top_p; keep the top token.
-            sorted_logits, sorted_indices = torch.sort(scores, descending=False)
-            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-            sorted_remove = cumulative <= (1 - self.top_p)
-            sorted_remove[..., -1:] = False
-            remove = sorted_remove.scatter(1, sorted_indices, sorted_remove)
-            scores = scores.masked_fill(remove, -math.inf)
-        if self.min_p > 0.0:
-            # MinPLogitsWarper: drop tokens below min_p x the top probability. The top token
-            # always survives (min_p < 1), so transformers' min_tokens_to_keep scatter is a no-op.
-            probs = torch.softmax(scores, dim=-1)
-            scores = scores.masked_fill(probs < self.min_p * probs.amax(dim=-1, keepdim=True), -math.inf)
-        return scores
+        return _filter(scores, _Rows.one(self))
 
     def _repetition_penalty(self, scores: Tensor, previous_ids: Tensor | Sequence[int]) -> Tensor:
         """RepetitionPenaltyLogitsProcessor: seen tokens get logit/p if positive, logit*p if negative.
@@ -188,7 +200,7 @@ class Sampler:
         `previous_ids` is [B, T], or [T] shared by every row. Ids outside the vocabulary
         (negative padding, embedding rows beyond lm_head) are ignored, as in transformers.
         """
-        batch, vocab = scores.shape
+        batch = scores.shape[0]
         ids = torch.as_tensor(previous_ids, device=scores.device).long()
         if ids.dim() == 1:
             ids = ids.unsqueeze(0).expand(batch, -1)
@@ -196,12 +208,90 @@ class Sampler:
             raise ValueError(
                 f"previous_ids must be [B, T] with B={batch} or [T], got shape {tuple(ids.shape)}"
             )
-        if ids.shape[1] == 0:
-            return scores
-        # Out-of-vocabulary ids go to one padding column that is dropped afterwards.
-        ids = ids.masked_fill(ids < 0, vocab).clamp(max=vocab)
-        padded = torch.nn.functional.pad(scores, (0, 1))
-        seen = torch.gather(padded, 1, ids)
-        seen = torch.where(seen < 0, seen * self.repetition_penalty, seen / self.repetition_penalty)
-        padded.scatter_(1, ids, seen)
-        return padded[:, :vocab]
+        return _penalise(scores, self.repetition_penalty, ids)
+
+
+# -- the chain, on rows of one sampler or of many; each step is the same arithmetic as its
+# transformers counterpart, and a row's neutral setting leaves its scores bit for bit unchanged.
+
+@dataclass
+class _Rows:
+    """The filter settings of a batch's sampling rows: one number for all of them (one sampler),
+    or [n, 1] columns uploaded together. ``top_k_max``: the largest k any row filters with (0:
+    none); ``top_p``, ``min_p``: None when no row uses them."""
+
+    temperature: float | Tensor
+    top_k: int | Tensor
+    top_k_max: int
+    top_p: float | Tensor | None
+    min_p: float | Tensor | None
+
+    @classmethod
+    def one(cls, s: Sampler) -> "_Rows":
+        return cls(s.temperature, s.top_k, s.top_k, s.top_p if s.top_p < 1.0 else None,
+                   s.min_p if s.min_p > 0.0 else None)
+
+    @classmethod
+    def of(cls, samplers: Sequence[Sampler], device: torch.device) -> "_Rows":
+        host = [[s.temperature, s.top_k, s.top_p, s.min_p] for s in samplers]
+        t, k, p, m = (c[:, None] for c in upload(host, device, dtype=torch.float32).unbind(1))
+        return cls(t, k.long(), max(s.top_k for s in samplers), p if any(s.top_p < 1.0 for s in samplers) else None,
+                   m if any(s.min_p > 0.0 for s in samplers) else None)
+
+
+def _filter(scores: Tensor, rows: _Rows) -> Tensor:
+    """Temperature, top-k, top-p, min-p (generate()'s order) on float32 ``scores`` [n, V]."""
+    if isinstance(rows.temperature, Tensor) or rows.temperature != 1.0:
+        scores = scores / rows.temperature  # TemperatureLogitsWarper
+    vocab = scores.shape[-1]
+    if isinstance(rows.top_k, int):
+        if 0 < rows.top_k < vocab:  # TopKLogitsWarper: ties with the k-th value are kept.
+            scores = scores.masked_fill(scores < torch.topk(scores, rows.top_k)[0][..., -1, None], -math.inf)
+    elif rows.top_k_max > 0:
+        # A row's k-th largest value is the same in a top-k of any larger k; rows with k = 0
+        # (or k >= V) keep everything.
+        top = torch.topk(scores, min(rows.top_k_max, vocab))[0]
+        kth = top.gather(1, rows.top_k.clamp(1, top.shape[-1]) - 1)
+        kth = torch.where((rows.top_k > 0) & (rows.top_k < vocab), kth, -math.inf)
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if rows.top_p is not None:
+        # TopPLogitsWarper: drop the low tail whose total mass is <= 1 - top_p; keep the top token.
+        sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        sorted_remove = (cumulative <= (1 - rows.top_p)) & (rows.top_p < 1.0)
+        sorted_remove[..., -1:] = False
+        remove = sorted_remove.scatter(1, sorted_indices, sorted_remove)
+        scores = scores.masked_fill(remove, -math.inf)
+    if rows.min_p is not None:
+        # MinPLogitsWarper: drop tokens below min_p x the top probability (min_p 0: none). The top
+        # token always survives (min_p < 1), so transformers' min_tokens_to_keep scatter is a no-op.
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < rows.min_p * probs.amax(dim=-1, keepdim=True), -math.inf)
+    return scores
+
+
+def _penalise(scores: Tensor, penalty: float | Tensor, ids: Tensor) -> Tensor:
+    """RepetitionPenaltyLogitsProcessor on ``scores`` [n, V] with ``ids`` [n, T] (ids outside the
+    vocabulary, padding included, go to one extra column that is dropped afterwards)."""
+    vocab = scores.shape[-1]
+    if ids.shape[1] == 0:
+        return scores
+    ids = ids.masked_fill(ids < 0, vocab).clamp(max=vocab)
+    padded = torch.nn.functional.pad(scores, (0, 1))
+    seen = torch.gather(padded, 1, ids)
+    seen = torch.where(seen < 0, seen * penalty, seen / penalty)
+    padded.scatter_(1, ids, seen)
+    return padded[:, :vocab]
+
+
+def _padded(histories: list[Sequence[int]], device: torch.device) -> Tensor:
+    """[n, T] ids, rows padded with -1 (outside the vocabulary): one upload for the batch."""
+    width = max(len(h) for h in histories)
+    return upload([list(h) + [-1] * (width - len(h)) for h in histories], device)
+
+
+def _argmax_over_noise(probs: Tensor, q: Tensor) -> Tensor:
+    """gpt-fast's draw: argmax(p / q) with q ~ Exp(1) is a sample from p, with no host sync."""
+    # An Exp(1) draw of exactly 0 would turn a removed token's 0/0 into NaN, which argmax prefers.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)

@@ -289,3 +289,56 @@ def test_cuda_sampling_stays_on_device_without_sync():
     s.reset()  # reseeded: the seed's first draw again (the warm-up's, not toks[0], the second)
     assert torch.equal(s(x, ids), first)
     assert torch.equal(greedy, RepetitionPenaltyLogitsProcessor(1.1)(ids, x.float()).argmax(-1))
+
+
+BATCH_SETTINGS = CHAIN_SETTINGS + [
+    dict(temperature=0.0, repetition_penalty=1.4),  # greedy with a penalty, next to sampling rows
+    dict(temperature=0.9),
+    dict(temperature=1.0, top_k=1),
+    dict(temperature=1.2, top_k=4000),  # k past the vocabulary: keeps everything
+]
+
+
+def _one_by_one(settings: list[dict], x: torch.Tensor, histories: list[list[int]]) -> list[int]:
+    tokens = []
+    for i, s in enumerate(settings):
+        sampler = Sampler(**s, seed=100 + i)
+        ids = torch.tensor([histories[i]]) if histories[i] else torch.empty(1, 0, dtype=torch.long)
+        tokens.append(int(sampler(x[i : i + 1], ids)))
+    return tokens
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_rows_chosen_together_get_the_tokens_each_gets_alone(ties):
+    """The engine's batched choice (one top-k, one sort for every row) against each row's own
+    sampler: the same tokens, whatever the mix of settings, ties included."""
+    settings = BATCH_SETTINGS * 3
+    x = _logits((len(settings), 1000), 7, ties)
+    histories = [_prev_ids(1, 1000, i, length=i % 5 * 4)[0].tolist() for i in range(len(settings))]
+    samplers = [Sampler(**s, seed=100 + i) for i, s in enumerate(settings)]
+    asked = []
+
+    def history(i):
+        asked.append(i)
+        return histories[i]
+
+    together = Sampler.choose_rows(samplers, x, history).tolist()
+    assert together == _one_by_one(settings, x, histories)
+    assert sorted(asked) == [i for i, s in enumerate(settings) if s.get("repetition_penalty", 1.0) != 1.0]
+
+
+def test_a_seeded_row_draws_the_same_in_any_batch():
+    x = _logits((6, 300), 8)
+    alone = [int(Sampler.choose_rows([Sampler(temperature=1.0, top_p=0.95, seed=5)], x[i : i + 1], list)[0])
+             for i in range(6)]
+    batch = Sampler.choose_rows([Sampler(temperature=1.0, top_p=0.95, seed=5) for _ in range(6)], x, list)
+    assert batch.tolist() == alone
+
+
+def test_a_subclass_that_changes_the_choice_is_not_batched():
+    class Biased(Sampler):
+        def _process(self, scores, previous_ids):
+            return super()._process(scores, previous_ids) - torch.arange(scores.shape[-1])
+
+    assert Sampler(temperature=0.7, top_k=3).batchable
+    assert not Biased(temperature=0.7).batchable

@@ -38,7 +38,7 @@ from pipeline.memory import release_cached_memory
 from pipeline.metrics import note_step
 from pipeline.runner import ModelRunner, StepOutput, apply_processors, argmax_only, choose
 from pipeline.spec import draft_budget, verify
-from pipeline.transfer import blocking_count, upload, wait
+from pipeline.transfer import blocking_count, wait
 
 
 class Engine:
@@ -284,7 +284,7 @@ class Engine:
         seconds that took."""
         t0 = time.perf_counter()
         logits = apply_processors(logits, [s.ctx for s in seqs], [s.phases.processors for s in seqs])
-        tokens = choose(logits, [s.sampler for s in seqs], lambda i: upload([seqs[i].ids], logits.device))
+        tokens = choose(logits, [s.sampler for s in seqs], lambda i: seqs[i].ids)
         return tokens, time.perf_counter() - t0
 
     def _accept(self, seqs: list[Sequence], tokens: list[int], sample_s: float) -> None:

@@ -6,7 +6,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pipeline.transfer import read
+from pipeline.transfer import read, upload
 
 
 def argmax_only(sampler: Any) -> bool:
@@ -24,25 +24,35 @@ def fork_sampler(sampler: Any) -> Any:
     return sampler.fork() if hasattr(sampler, "fork") else copy.copy(sampler)
 
 
-def choose(
-    logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int], torch.Tensor]
-) -> list[int]:
-    """One token id per row of ``logits`` [n, V]. ``history(i)``: row i's ids so far [1, T], for
-    samplers that look back (repetition penalty); asked only for rows that call a sampler.
+def choose(logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int], Sequence[int]]) -> list[int]:
+    """One token id per row of ``logits`` [n, V]. ``history(i)``: row i's ids so far, asked only
+    for rows whose sampler looks back (repetition penalty).
 
-    Argmax rows are chosen together; every other row by its own sampler (its own generator, so
-    a seeded row draws the same alone or in any batch). The chosen ids stay on the device until
-    one read for the whole batch: a step waits for the device once, however many rows sample."""
-    plain = [i for i, s in enumerate(samplers) if argmax_only(s)]
-    order, parts = [], []
-    if plain:
-        parts.append((logits if len(plain) == len(samplers) else logits[plain]).argmax(dim=-1))
-        order += plain
+    Argmax rows are chosen together; rows whose samplers can be batched (``batchable``: the
+    built-in ``Sampler``, whatever its settings) together through their class's ``choose_rows``
+    (one pass of each filter for all of them, each row's own generator); any other sampler on its
+    own row, given its ids as a [1, T] tensor. The chosen ids stay on the device until one read
+    for the whole batch: a step waits for the device once, however many rows sample."""
+    groups: dict[Any, list[int]] = {}
     for i, sampler in enumerate(samplers):
-        if not argmax_only(sampler):
-            token = sampler(logits[i : i + 1], history(i))
+        if argmax_only(sampler):
+            key = "argmax"
+        elif getattr(sampler, "batchable", False):
+            key = type(sampler).choose_rows
+        else:
+            key = i
+        groups.setdefault(key, []).append(i)
+    order, parts = [], []
+    for key, rows in groups.items():
+        part = logits if len(rows) == len(samplers) else logits[rows]
+        if key == "argmax":
+            parts.append(part.argmax(dim=-1))
+        elif callable(key):
+            parts.append(key([samplers[i] for i in rows], part, lambda j, rows=rows: history(rows[j])))
+        else:
+            token = samplers[key](part, upload([list(history(key))], logits.device))
             parts.append(torch.as_tensor(token, device=logits.device).reshape(-1)[:1].long())
-            order.append(i)
+        order += rows
     values = [0] * len(samplers)
     for i, token in zip(order, read(torch.cat(parts))):
         values[i] = token
