@@ -11,6 +11,7 @@ import torch
 from pipeline.context import Context, Request, Result
 from pipeline.engine import Engine, Handle, Phases, Sequence as EngineSequence
 from pipeline.errors import UserError
+from pipeline.headroom import measured_headroom
 from pipeline.kv import ATTENTION, BlockPool, KVCache
 from pipeline.kv.sizing import Pools, pools_for
 from pipeline.loading import LoadedModel
@@ -21,7 +22,7 @@ Stage = Callable[[Context], Any]
 ENGINE_STAGES = {"prefill": "stages.Prefill", "decode": "stages.DecodeLoop"}  # run by the engine, through hooks
 
 
-_SHARED_LOCK = threading.Lock()
+_SHARED_LOCK = threading.RLock()  # re-entered: sizing a pool runs a scratch pipeline (pipeline.headroom)
 
 
 def _shared(lm: LoadedModel, key: tuple, make: Callable[[], Any]) -> Any:
@@ -161,7 +162,7 @@ class Pipeline:
         models = [self.lm] + ([joint.draft] if joint is not None else [])
         pools = _shared(self.lm, ("pools", *key[1:]), lambda: pools_for(
             models, self.kv_memory, self.kv_block_size, self.kv_state_checkpoint_every, self.max_seqs,
-            self.max_batch_tokens))
+            self.max_batch_tokens, headroom=measured_headroom(self)))
         for i, pool in enumerate(pools.pools):  # each BlockPool in the table too, where code looking for them reads
             pool.attention = self.kv_attention
             _shared(self.lm, (*key, i), lambda pool=pool: pool)
@@ -177,6 +178,20 @@ class Pipeline:
             self._engine = shared_engine(self.lm, self.pool, compiled, max_seqs=self.max_seqs,
                                          max_batch_tokens=self.max_batch_tokens, burst=self.burst)
         return self._engine
+
+    def scratch(self, kv_memory: int) -> "Pipeline":
+        """A prefill-only copy of this chain on a pool (``kv_memory`` bytes) and engine of its own,
+        shared with nothing: dropped, it frees them (``pipeline.headroom`` measures with it)."""
+        stages = {name: stage for name, stage in self.stages.items() if name != "decode"}
+        other = Pipeline(self.lm, stages, kv_memory=kv_memory, kv_block_size=self.kv_block_size,
+                         kv_state_checkpoint_every=self.kv_state_checkpoint_every, kv_attention=self.kv_attention,
+                         max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens, burst=self.burst)
+        other._pools = pools_for([self.lm], kv_memory, self.kv_block_size, self.kv_state_checkpoint_every,
+                                 self.max_seqs, self.max_batch_tokens)
+        other._pools.pools[0].attention = self.kv_attention
+        other._engine = Engine(ModelRunner(self.lm, other.pool), max_seqs=self.max_seqs,
+                               max_batch_tokens=self.max_batch_tokens, burst=self.burst)
+        return other
 
     def with_stages(self, stages: Mapping[str, Stage]) -> "Pipeline":
         """Another stage chain on the same model, pool and engine (e.g. prefill only, for scoring)."""

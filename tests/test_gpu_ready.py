@@ -5,6 +5,7 @@ under a scheme that cannot compile saying so in one line."""
 from __future__ import annotations
 
 import shutil
+import gc
 import sys
 import weakref
 
@@ -15,22 +16,46 @@ from hydra.core.global_hydra import GlobalHydra
 import pipeline.__main__ as entry
 import pipeline.modes.bench as bench
 from pipeline import Pipeline, Request, UserError, load_model
-from pipeline import loading
+from pipeline import headroom, loading
 from pipeline.kv import sizing
 from pipeline.spec import Speculative
 from pipeline.tiny import MARKER_FILE
-from stages import DecodeLoop, Prefill
+from pipeline.runner import ModelRunner
+from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 
 MiB = 1 << 20
 
 
+class FakeMeter:
+    """CUDA's allocator statistics, simulated: a warm-up peaks at what the test says."""
+
+    def __init__(self, peak: int) -> None:
+        self.device, self._peak, self.started = torch.device("cpu"), peak, 0
+
+    def start(self) -> None:
+        self.started += 1
+
+    def held(self) -> int:
+        return 0
+
+    def peak(self) -> int:
+        return self._peak
+
+
 @pytest.fixture
 def cuda_free(monkeypatch):
-    """Pools sized as on a GPU with ``set(bytes)`` free: the device the pool is judged on reads
-    as cuda:0 and its free memory as given (the pools themselves stay where the layers are)."""
-    free = {"bytes": 64 * MiB}
+    """Pools sized as on a GPU with ``free["bytes"]`` free: the device the pool is judged on reads
+    as cuda:0, its free memory as given, and a warm-up's measured peak as ``free["peak"]`` (the
+    pools themselves stay where the layers are)."""
+    free = {"bytes": 64 * MiB, "peak": 4 * MiB, "meters": []}
+
+    def meter(device):
+        free["meters"].append(FakeMeter(free["peak"]))
+        return free["meters"][-1]
+
     monkeypatch.setattr(sizing, "pool_device", lambda lm: torch.device("cuda", 0))
     monkeypatch.setattr(sizing, "free_bytes", lambda device, lm: (free["bytes"], "simulated free on cuda:0"))
+    monkeypatch.setattr(headroom, "meter_for", meter)
     return free
 
 
@@ -88,6 +113,54 @@ def test_auto_keeps_room_for_a_full_prefill_and_the_largest_image(load_tiny, cud
     line = large.describe()
     assert "for activations" in line and "4,096-token prefill" in line and "largest image" in line
     assert sizing.largest_image_patches(vl) > 0
+
+
+def test_auto_is_sized_after_a_warm_up_of_the_largest_steps(tiny_dir, cuda_free, monkeypatch):
+    """A pipeline's kv.memory=auto on a GPU: before the pool is sized, a scratch copy of the chain
+    runs the largest image, a lone max_batch_tokens prompt and max_seqs prompts packed into one
+    step; what the device peaked at (simulated), with a margin, is kept free. The scratch pool is
+    gone afterwards and the real one serves requests."""
+    vl = load_model(str(tiny_dir("qwen2-vl")), dtype=torch.float32)  # its own: no pool shared with other tests
+    cuda_free.update(bytes=512 * MiB, peak=40 * MiB)
+    steps, pixels, scratch_pools = [], [], []
+    forward, encode, scratch = ModelRunner.forward, vl.family.encode_images, Pipeline.scratch
+    monkeypatch.setattr(ModelRunner, "forward", lambda self, chunks: steps.append([c.count for c in chunks])
+                        or forward(self, chunks))
+    monkeypatch.setattr(vl.family, "encode_images", lambda ctx, todo: pixels.append(
+        sum(int(t.prod()) for t in ctx.model_inputs["image_grid_thw"])) or encode(ctx, todo))
+    monkeypatch.setattr(Pipeline, "scratch", lambda self, nbytes: scratch_pools.append(scratch(self, nbytes))
+                        or scratch_pools[-1])
+    pipe = Pipeline(vl, {"tokenize": Tokenize(), "vision": VisionEncoder(), "prefill": Prefill(),
+                         "decode": DecodeLoop()}, max_batch_tokens=256, max_seqs=4)
+    pools = pipe.pools
+    assert cuda_free["meters"][0].started == 1
+    assert pools.budget.reserved == int(40 * MiB * headroom.MARGIN)
+    assert pools.budget.nbytes == int(0.8 * (512 * MiB - pools.budget.reserved))
+    assert "for activations: a 256-token prefill and the largest image peaked at 40.00 MiB in a warm-up" in pools.describe()
+    assert pixels == [sizing.largest_image_patches(vl)]  # the encoder saw the processor's largest image
+    assert [256] in steps and [64, 64, 64, 64] in steps  # a lone full step, and max_seqs chunks filling one
+    pool = weakref.ref(scratch_pools.pop().pool)
+    gc.collect()
+    assert pool() is None and pipe.pool is pools.pools[0]
+    assert len(pipe.run_ids(list(range(5, 25)), Request(max_new_tokens=4, ignore_eos=True)).generated) == 4
+
+
+def test_a_warm_up_that_runs_out_of_memory_is_one_line(tiny_dir, cuda_free, monkeypatch):
+    lm = load_model(str(tiny_dir("qwen3")), dtype=torch.float32)
+
+    def oom(self, chunks):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+
+    monkeypatch.setattr(ModelRunner, "forward", oom)
+    with pytest.raises(UserError, match="warm-up .* ran out of it .* lower engine.max_batch_tokens") as err:
+        Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}).pools
+    assert "\n" not in str(err.value)
+
+
+def test_a_set_kv_memory_runs_no_warm_up(tiny_dir, cuda_free):
+    lm = load_model(str(tiny_dir("qwen3")), dtype=torch.float32)
+    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=0.5)
+    assert pipe.pools.budget.reserved == 0 and cuda_free["meters"] == []
 
 
 def test_auto_that_leaves_no_room_after_the_headroom_is_one_line(load_tiny, cuda_free):

@@ -1,7 +1,8 @@
 """How big the KV pools are: ``kv.memory`` turned into blocks (and recurrent-state slots).
 
 On a GPU the pools share the device with everything else a step needs, so ``auto`` first keeps
-room for the activations of the largest step (``activation_headroom``), a draft model's pool is
+room for the activations of the largest step (measured by a pipeline's warm-up,
+``pipeline.headroom``; estimated from the configs otherwise, ``activation_headroom``), a draft model's pool is
 sized with its target's from one budget (``pools_for``), and each CUDA pool is allocated as soon
 as it is sized, so that free memory read afterwards sees it gone.
 """
@@ -88,6 +89,7 @@ def pool_for(
 def pools_for(
     models: Sequence[Any], memory: float | int | str | None = None, block_size: int = 16,
     checkpoint_every: int = 1024, max_seqs: int = 8, max_batch_tokens: int = 2048,
+    headroom: tuple[int, str] | None = None,
 ) -> Pools:
     """One pool per model (a target, then its draft model) from one ``memory`` budget measured on
     the first model's device, split by their KV bytes per token so that every pool holds the
@@ -95,6 +97,9 @@ def pools_for(
 
     Why together: sized one after the other before either is allocated, both would claim 80% of
     the same free memory, and the first draft forward would run out of it.
+
+    ``headroom``: (bytes, what for) kept free under ``auto`` on CUDA, as measured by a warm-up
+    run (``pipeline.headroom``); without it, ``activation_headroom`` estimates it from the configs.
     """
     memory = kv_memory_setting(memory)
     block_size = whole_number("kv.block_size", block_size)
@@ -103,7 +108,7 @@ def pools_for(
     device = pool_device(target)
     reserved, why = (0, "")
     if memory == "auto" and device.type == "cuda":
-        reserved, why = activation_headroom(target, max_batch_tokens, max_seqs)
+        reserved, why = headroom or activation_headroom(target, max_batch_tokens, max_seqs)
     budget = _budget(memory, device, target, reserved, why)
     rates = [bytes_per_token(lm, block_size, checkpoint_every) for lm in models]
     pools = []
@@ -118,6 +123,16 @@ def pool_device(lm: Any) -> torch.device:
     else the first layer's device."""
     devices = cache_devices(lm)
     return next((d for d in devices if d.type == "cuda"), devices[0] if devices else torch.device("cpu"))
+
+
+def pool_bytes_for(lm: Any, tokens: int, block_size: int, checkpoint_every: int, max_seqs: int) -> int:
+    """Bytes of ``memory`` that give a pool room for ``tokens`` tokens (and, for models with
+    recurrent states, the slots ``state_budget`` sets aside first): ``pools_for``'s inverse."""
+    nbytes = -(-tokens // block_size) * kv_bytes(lm.config, block_size, _kv_dtype(lm))
+    shape = state_shape(lm.config, _kv_dtype(lm))
+    if shape is not None:
+        nbytes += (4 * max_seqs + tokens // checkpoint_every + 1) * shape.slot_bytes
+    return nbytes
 
 
 def bytes_per_token(lm: Any, block_size: int, checkpoint_every: int) -> float:
@@ -227,13 +242,20 @@ def vision_activation_bytes(config: Any, patches: int, dtype: torch.dtype) -> in
 
 
 def largest_image_patches(lm: Any) -> int:
-    """Patches the vision encoder sees for the largest image the processor lets through: its
-    pixel cap (Qwen-style ``max_pixels``/``longest_edge`` counts pixels) or fixed size, over the
-    patch area. 0 for a model without an image processor."""
+    """Patches the vision encoder sees for the largest image the processor lets through (its
+    pixels, ``largest_image_pixels``, over the patch area). 0 without an image processor."""
     vision = getattr(lm.config, "vision_config", None)
     proc = getattr(getattr(lm, "processor", None), "image_processor", None)
     if vision is None or proc is None:
         return 0
+    patch = int(getattr(proc, "patch_size", None) or getattr(vision, "patch_size", 14))
+    return largest_image_pixels(lm) // (patch * patch)
+
+
+def largest_image_pixels(lm: Any) -> int:
+    """Pixels of the largest image the processor lets through: its pixel cap (Qwen-style
+    ``max_pixels``/``longest_edge`` counts pixels) or fixed size. 0 when it has neither."""
+    proc = getattr(getattr(lm, "processor", None), "image_processor", None)
     size = getattr(proc, "size", None) or {}
 
     def get(key: str) -> Any:
@@ -244,8 +266,7 @@ def largest_image_patches(lm: Any) -> int:
         pixels = get("longest_edge")
     if not pixels and get("height") and get("width"):
         pixels = int(get("height")) * int(get("width"))
-    patch = int(getattr(proc, "patch_size", None) or getattr(vision, "patch_size", 14))
-    return int(pixels or 0) // (patch * patch)
+    return int(pixels or 0)
 
 
 def state_budget(
