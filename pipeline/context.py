@@ -29,6 +29,23 @@ class Request:
     thinking: bool | None = None  # passed to the template as enable_thinking when set
     id: str | None = None
     sampler: Any = None  # this request's sampler (e.g. its own temperature and seed); None: the pipeline's
+    # Per generated token, its log-probability and this many most likely alternatives (0-20;
+    # None: none). "raw": the model's own distribution; "processed": after logits processors,
+    # penalties, temperature and filters (pipeline.runner.logprobs).
+    logprobs: int | None = None
+    logprobs_mode: str = "raw"
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability and the most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+    def to_dict(self) -> dict:
+        return {"token_id": self.token_id, "logprob": self.logprob, "top_logprobs": [list(t) for t in self.top]}
 
 
 @dataclass
@@ -46,6 +63,7 @@ class Context:
     inputs_embeds: torch.Tensor | None = None  # [1, L, H] when media embeddings are merged in
     logits: torch.Tensor | None = None  # [1, V] logits for the next token
     generated: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when asked
     text: str = ""
     finish_reason: str | None = None
     extras: dict = field(default_factory=dict)  # per-family or per-stage facts worth reporting
@@ -63,6 +81,7 @@ class Result:
     prompt_ids: list[int]
     metrics: dict
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (Request.logprobs)
 
     @property
     def prompt_tokens(self) -> int:
@@ -76,4 +95,5 @@ class Result:
             "prompt_tokens": self.prompt_tokens,
             "finish_reason": self.finish_reason,
             "metrics": self.metrics,
+            **({} if self.logprobs is None else {"logprobs": [t.to_dict() for t in self.logprobs]}),
         }

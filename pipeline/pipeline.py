@@ -395,4 +395,5 @@ class Pipeline:
             prompt_ids=ctx.input_ids[0].tolist() if ctx.input_ids is not None else [],
             metrics=m.to_dict(),
             finish_reason=ctx.finish_reason,
+            logprobs=list(ctx.logprobs) if ctx.request.logprobs is not None else None,
         )

@@ -36,9 +36,10 @@ from pipeline.engine.sequence import Sequence, Status
 from pipeline.errors import OutOfBlocks, whole_number
 from pipeline.memory import release_cached_memory
 from pipeline.metrics import note_step
-from pipeline.runner import ModelRunner, StepOutput, apply_processors, argmax_only, choose
+from pipeline.context import TokenLogprob
+from pipeline.runner import ModelRunner, StepOutput, apply_processors, argmax_only, choose, logprobs
 from pipeline.spec import draft_budget, verify
-from pipeline.transfer import blocking_count, wait
+from pipeline.transfer import blocking_count, read, upload, wait
 
 
 class Engine:
@@ -247,7 +248,7 @@ class Engine:
                     rows.append(row)
             row += n
         if choosing:
-            tokens, sample_s = self._pick(choosing, logits if len(rows) == logits.shape[0] else logits[rows])
+            picked = self._pick(choosing, logits if len(rows) == logits.shape[0] else logits[rows])
         else:
             wait(self.runner.device)
         out.finish_timing()
@@ -256,7 +257,7 @@ class Engine:
         for seq in ending:
             self._finish(seq)
         if choosing:
-            self._accept(choosing, tokens, sample_s)
+            self._accept(choosing, *picked)
         for seq, seq_logits in verifying:
             self._verify(seq, seq_logits, out.seconds)
 
@@ -278,20 +279,46 @@ class Engine:
         self._accept(seqs, *self._pick(seqs, logits))
 
     @staticmethod
-    def _pick(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], float]:
+    def _pick(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], float, list[TokenLogprob | None]]:
         """Each sequence's logits processors (one call per processor for all its rows), then one
-        token per sequence (argmax rows together, other samplers on their own rows), and the
-        seconds that took."""
+        token per sequence (argmax rows together, other samplers on their own rows), the seconds
+        that took, and the log-probabilities the sequences asked for (``Request.logprobs``), read
+        back with the tokens in one transfer."""
         t0 = time.perf_counter()
+        raw = logits
         logits = apply_processors(logits, [s.ctx for s in seqs], [s.phases.processors for s in seqs])
-        tokens = choose(logits, [s.sampler for s in seqs], lambda i: seqs[i].ids)
-        return tokens, time.perf_counter() - t0
+        samplers = [s.sampler for s in seqs]
+        chosen = choose(logits, samplers, lambda i: seqs[i].ids)
+        asked = [i for i, s in enumerate(seqs) if s.ctx.request.logprobs is not None]
+        if not asked:
+            return [int(t) for t in read(chosen)], time.perf_counter() - t0, [None] * len(seqs)
+        k = max(seqs[i].ctx.request.logprobs for i in asked)
+        index = upload(asked, logits.device)
+        scores = raw.index_select(0, index)
+        if any(seqs[i].ctx.request.logprobs_mode == "processed" for i in asked):
+            processed = logprobs.processed_scores(logits.index_select(0, index), [samplers[i] for i in asked],
+                                                  lambda j: seqs[asked[j]].ids)
+            modes = upload([seqs[i].ctx.request.logprobs_mode == "processed" for i in asked], logits.device,
+                           dtype=torch.bool)
+            scores = torch.where(modes[:, None], processed, scores.float())
+        table = logprobs.table(scores, chosen.index_select(0, index), k)
+        values = read(torch.cat([chosen.double(), table.flatten()]))
+        tokens, width = [int(t) for t in values[: len(seqs)]], 1 + 2 * k
+        entries: list[TokenLogprob | None] = [None] * len(seqs)
+        for j, i in enumerate(asked):
+            row = values[len(seqs) + j * width : len(seqs) + (j + 1) * width]
+            lp, top = logprobs.unpack(row, k, seqs[i].ctx.request.logprobs)
+            entries[i] = TokenLogprob(tokens[i], lp, top)
+        return tokens, time.perf_counter() - t0, entries
 
-    def _accept(self, seqs: list[Sequence], tokens: list[int], sample_s: float) -> None:
+    def _accept(self, seqs: list[Sequence], tokens: list[int], sample_s: float,
+                scored: Seq[TokenLogprob | None] = ()) -> None:
         """The host side of one chosen token per sequence: record, stream, hooks, finish."""
         self.counters["tokens_out"] += len(tokens)
-        for seq, token_id in zip(seqs, tokens):
+        for i, (seq, token_id) in enumerate(zip(seqs, tokens)):
             seq.ctx.metrics.add_span("sample", sample_s, 1)
+            if i < len(scored) and scored[i] is not None:
+                seq.ctx.logprobs.append(scored[i])
             try:
                 reason = self._take(seq, int(token_id))
             except BaseException as err:  # its streaming callback or hook raised (Ctrl-C in a chat): it ends
@@ -323,7 +350,7 @@ class Engine:
         """How many decode steps this step may run back to back (1: an ordinary step).
 
         A burst needs a decode-only step of argmax-only sequences (no logits processors, no
-        drafts) and nobody waiting to be admitted; it is as long as the sequence with the fewest
+        drafts, no log-probabilities asked) and nobody waiting to be admitted; it is as long as the sequence with the fewest
         tokens left allows. (Recurrent states are read and written per step, not inside a burst.)
         """
         if self.burst < 2 or self.scheduler.waiting or self._inbox or self.pool.states is not None:
@@ -333,7 +360,7 @@ class Engine:
             seq = item.seq
             decoding = item.end - item.begin == 1 and item.begin >= seq.prompt_len and seq.known - item.begin == 1
             if (not decoding or seq.prefill_only or seq.spec is not None or seq.phases.processors
-                    or not argmax_only(seq.sampler)):
+                    or not argmax_only(seq.sampler) or seq.ctx.request.logprobs is not None):
                 return 1
             steps = min(steps, seq.ctx.request.max_new_tokens - len(seq.ctx.generated))
         return steps

@@ -10,6 +10,7 @@ from pipeline.engine.sequence import Layout, Sequence
 from pipeline.errors import UserError
 from pipeline.memory import text_config
 from pipeline.runner import Chunk
+from pipeline.runner.logprobs import MAX_LOGPROBS, MODES
 
 MEDIA = {"images": "image", "videos": "video", "audios": "audio"}  # Request field -> the kind a stage encodes
 
@@ -79,11 +80,25 @@ def _check_limits(seq: Sequence, total: int) -> None:
     ctx, req = seq.ctx, seq.ctx.request
     if not seq.prefill_only and req.max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be >= 1 (got {req.max_new_tokens})")
+    _check_logprobs(seq)
     context = getattr(text_config(ctx.lm.config), "max_position_embeddings", None)
     if not seq.prefill_only and context and total + req.max_new_tokens > context:
         raise UserError(f"the prompt ({total} tokens) plus max_new_tokens ({req.max_new_tokens}) exceed the "
                         f"model's context of {context} tokens")
     ctx.cache.ensure_capacity(total + (0 if seq.prefill_only else req.max_new_tokens - 1))
+
+
+def _check_logprobs(seq: Sequence) -> None:
+    req = seq.ctx.request
+    if req.logprobs is None:
+        return
+    if isinstance(req.logprobs, bool) or not isinstance(req.logprobs, int) or not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise UserError(f"logprobs must be a whole number from 0 to {MAX_LOGPROBS} (got {req.logprobs!r})")
+    if req.logprobs_mode not in MODES:
+        raise UserError(f"logprobs_mode must be one of {', '.join(MODES)} (got {req.logprobs_mode!r})")
+    if seq.spec is not None:
+        raise UserError("logprobs with speculative decoding (decode.speculative) are not supported yet: "
+                        "leave decode.speculative unset for requests that ask for them")
 
 
 def make_chunk(item: Scheduled) -> Chunk:

@@ -6,7 +6,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from pipeline.transfer import read, upload
+from pipeline.transfer import upload
 
 
 def argmax_only(sampler: Any) -> bool:
@@ -24,15 +24,16 @@ def fork_sampler(sampler: Any) -> Any:
     return sampler.fork() if hasattr(sampler, "fork") else copy.copy(sampler)
 
 
-def choose(logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int], Sequence[int]]) -> list[int]:
+def choose(logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int], Sequence[int]]) -> torch.Tensor:
     """One token id per row of ``logits`` [n, V]. ``history(i)``: row i's ids so far, asked only
     for rows whose sampler looks back (repetition penalty).
 
     Argmax rows are chosen together; rows whose samplers can be batched (``batchable``: the
     built-in ``Sampler``, whatever its settings) together through their class's ``choose_rows``
     (one pass of each filter for all of them, each row's own generator); any other sampler on its
-    own row, given its ids as a [1, T] tensor. The chosen ids stay on the device until one read
-    for the whole batch: a step waits for the device once, however many rows sample."""
+    own row, given its ids as a [1, T] tensor. Returns the ids [n] on the device, in row order: the
+    caller reads them once, with whatever else the step reads (log-probabilities), so a step
+    waits for the device once however many rows sample."""
     groups: dict[Any, list[int]] = {}
     for i, sampler in enumerate(samplers):
         if argmax_only(sampler):
@@ -53,7 +54,7 @@ def choose(logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int
             token = samplers[key](part, upload([list(history(key))], logits.device))
             parts.append(torch.as_tensor(token, device=logits.device).reshape(-1)[:1].long())
         order += rows
-    values = [0] * len(samplers)
-    for i, token in zip(order, read(torch.cat(parts))):
-        values[i] = token
-    return values
+    chosen = torch.cat(parts)
+    if order == list(range(len(samplers))):
+        return chosen
+    return torch.empty_like(chosen).index_copy_(0, upload(order, chosen.device), chosen)

@@ -1,0 +1,120 @@
+"""Log-probabilities of generated tokens (``Request.logprobs``): equal to a plain transformers
+forward's log-softmax at each position (the oracle), batched with other requests, from the
+prefix cache, with an image in the prompt; read with the step's tokens in one transfer."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline import Pipeline, Request, UserError
+from pipeline.spec import Speculative
+from stages import DecodeLoop, Prefill, Sampler, Tokenize, VisionEncoder
+
+
+def engine(lm, **kwargs) -> Pipeline:
+    return Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(**kwargs)}, kv_memory=16 << 20, max_seqs=8)
+
+
+def oracle(lm, ids: list[int], generated: list[int]) -> torch.Tensor:
+    """log_softmax of a plain forward over prompt + generated: row j predicts generated[j]."""
+    with torch.no_grad():
+        logits = lm.model(torch.tensor([ids + generated[:-1]])).logits[0].float()
+    return logits.log_softmax(-1)[len(ids) - 1 :]
+
+
+def assert_matches(entries, generated: list[int], reference: torch.Tensor, k: int) -> None:
+    assert [e.token_id for e in entries] == generated
+    for j, e in enumerate(entries):
+        assert e.logprob == pytest.approx(float(reference[j, generated[j]]), abs=1e-4)
+        values, ids = reference[j].topk(k)
+        assert [t for t, _ in e.top] == ids.tolist() or k == 0
+        assert [v for _, v in e.top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_generated_logprobs_match_a_plain_forward_batched_and_cached(load_tiny, family):
+    lm = load_tiny(family)
+    pipe = engine(lm)
+    prompts = [list(range(5, 40)), list(range(7, 19)), list(range(5, 40)) + [60, 61]]  # the third: a cache hit
+    asks = [5, None, 0]
+    for wave in range(2):  # the second wave starts from the prefix cache
+        handles = [pipe.submit(Request(max_new_tokens=6, ignore_eos=True, logprobs=k), ids=p) for p, k in
+                   zip(prompts, asks)]
+        results = [h.result() for h in handles]
+        for p, k, r in zip(prompts, asks, results):
+            if k is None:
+                assert r.logprobs is None and "logprobs" not in r.to_dict()
+                continue
+            assert_matches(r.logprobs, r.token_ids, oracle(lm, p, r.token_ids), k)
+            assert len(r.to_dict()["logprobs"]) == 6
+    assert pipe.engine.counters["blocking_transfers_step_max"] <= 2  # read with the tokens, not after them
+
+
+def test_asking_for_logprobs_leaves_the_tokens_unchanged(load_tiny):
+    lm = load_tiny("qwen3")
+    pipe = engine(lm)
+    ids = list(range(9, 30))
+    plain = pipe.run_ids(ids, Request(max_new_tokens=10, ignore_eos=True)).generated
+    asked = pipe.run_ids(ids, Request(max_new_tokens=10, ignore_eos=True, logprobs=20)).generated
+    sampled = [pipe.run_ids(ids, Request(max_new_tokens=10, ignore_eos=True, logprobs=k,
+                                         sampler=Sampler(temperature=0.9, seed=3))).generated for k in (None, 4)]
+    assert asked == plain and sampled[0] == sampled[1]
+
+
+def test_raw_is_the_models_distribution_and_processed_what_the_sampler_drew_from(load_tiny):
+    lm = load_tiny("qwen3")
+    pipe = engine(lm)
+    ids = list(range(11, 31))
+    sampler = Sampler(temperature=0.7, top_k=3, seed=0)
+    raw = pipe.run_ids(ids, Request(max_new_tokens=4, ignore_eos=True, logprobs=5, sampler=sampler))
+    assert_matches(raw.logprobs, raw.generated, oracle(lm, ids, raw.generated), 5)
+    processed = pipe.run_ids(ids, Request(max_new_tokens=4, ignore_eos=True, logprobs=5, sampler=sampler,
+                                          logprobs_mode="processed"))
+    assert processed.generated == raw.generated  # same seed, same draws
+    reference = oracle(lm, ids, raw.generated)
+    for j, e in enumerate(processed.logprobs):
+        kept = (reference[j] / 0.7).topk(3)
+        expected = (kept.values - torch.logsumexp(kept.values, 0)).tolist()
+        assert [t for t, _ in e.top[:3]] == kept.indices.tolist()
+        assert [v for _, v in e.top[:3]] == pytest.approx(expected, abs=1e-4)
+        assert all(v == -math.inf for _, v in e.top[3:])  # removed by top_k
+
+
+def test_logprobs_with_an_image_in_the_prompt(load_tiny):
+    from PIL import Image
+
+    lm = load_tiny("qwen2-vl")
+    pipe = Pipeline(lm, {"tokenize": Tokenize(), "vision": VisionEncoder(), "prefill": Prefill(),
+                         "decode": DecodeLoop()}, kv_memory=16 << 20)
+    image = Image.new("RGB", (56, 56), (200, 30, 30))
+    request = Request(prompt="What colour?", images=[image], max_new_tokens=4, ignore_eos=True, logprobs=2)
+    ctx = pipe.run_context(request)
+    with torch.no_grad():
+        inputs = {k: v for k, v in ctx.model_inputs.items() if isinstance(v, torch.Tensor)}
+        ids = torch.cat([ctx.input_ids, torch.tensor([ctx.generated[:-1]])], dim=1)
+        inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids))
+        if "mm_token_type_ids" in inputs:  # per prompt token: the generated ones are text
+            types = inputs["mm_token_type_ids"]
+            inputs["mm_token_type_ids"] = torch.cat([types, types.new_zeros(1, ids.shape[1] - types.shape[1])], 1)
+        logits = lm.model(**inputs).logits[0].float().log_softmax(-1)[ctx.input_ids.shape[1] - 1 :]
+    assert_matches(ctx.logprobs, ctx.generated, logits, 2)
+
+
+@pytest.mark.parametrize("bad", [21, -1, True, 2.5])
+def test_a_bad_logprobs_value_is_refused_and_others_finish(load_tiny, bad):
+    pipe = engine(load_tiny("qwen3"))
+    other = pipe.submit(Request(max_new_tokens=3, ignore_eos=True), ids=[5, 6, 7])
+    with pytest.raises(UserError, match="logprobs must be a whole number from 0 to 20"):
+        pipe.run_ids([5, 6, 7], Request(max_new_tokens=3, logprobs=bad))
+    assert len(other.result().token_ids) == 3
+
+
+def test_logprobs_mode_and_speculative_decoding_are_checked(load_tiny):
+    lm = load_tiny("qwen3")
+    with pytest.raises(UserError, match="logprobs_mode must be one of raw, processed"):
+        engine(lm).run_ids([5, 6, 7], Request(max_new_tokens=3, logprobs=1, logprobs_mode="sampled"))
+    spec = engine(lm, speculative=Speculative("ngram", num_draft=2))
+    with pytest.raises(UserError, match="speculative decoding"):
+        spec.run_ids([5, 6, 7], Request(max_new_tokens=3, logprobs=1))
