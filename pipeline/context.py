@@ -34,6 +34,10 @@ class Request:
     # penalties, temperature and filters (pipeline.runner.logprobs).
     logprobs: int | None = None
     logprobs_mode: str = "raw"
+    # Per prompt token after the first, its log-probability given the tokens before it and this
+    # many alternatives (0-20; None: none). Every prompt position is computed for it: nothing
+    # is taken from the prefix cache.
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Context:
     logits: torch.Tensor | None = None  # [1, V] logits for the next token
     generated: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when asked
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # prompt position -> its score
     text: str = ""
     finish_reason: str | None = None
     extras: dict = field(default_factory=dict)  # per-family or per-stage facts worth reporting
@@ -82,6 +87,7 @@ class Result:
     metrics: dict
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (Request.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, the first None
 
     @property
     def prompt_tokens(self) -> int:
@@ -96,4 +102,6 @@ class Result:
             "finish_reason": self.finish_reason,
             "metrics": self.metrics,
             **({} if self.logprobs is None else {"logprobs": [t.to_dict() for t in self.logprobs]}),
+            **({} if self.prompt_logprobs is None else
+               {"prompt_logprobs": [None if t is None else t.to_dict() for t in self.prompt_logprobs]}),
         }

@@ -396,4 +396,6 @@ class Pipeline:
             metrics=m.to_dict(),
             finish_reason=ctx.finish_reason,
             logprobs=list(ctx.logprobs) if ctx.request.logprobs is not None else None,
+            prompt_logprobs=None if ctx.request.prompt_logprobs is None else
+            [ctx.prompt_logprobs.get(p) for p in range(ctx.input_ids.shape[1])],
         )

@@ -1,6 +1,7 @@
-"""Log-probabilities of generated tokens (``Request.logprobs``): equal to a plain transformers
-forward's log-softmax at each position (the oracle), batched with other requests, from the
-prefix cache, with an image in the prompt; read with the step's tokens in one transfer."""
+"""Log-probabilities of generated tokens (``Request.logprobs``) and prompt tokens
+(``Request.prompt_logprobs``): equal to a plain transformers forward's log-softmax at each
+position (the oracle), batched with other requests, with the prompt in the prefix cache, in
+chunks, with an image in the prompt; read with the step's tokens in one transfer."""
 from __future__ import annotations
 
 import math
@@ -82,6 +83,37 @@ def test_raw_is_the_models_distribution_and_processed_what_the_sampler_drew_from
         assert all(v == -math.inf for _, v in e.top[3:])  # removed by top_k
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_prompt_logprobs_match_a_plain_forward_though_the_prompt_is_cached(load_tiny, family):
+    """Scored prompts are computed whole (the prefix cache holds them, and another request next
+    to them uses it), in 16-token chunks next to other rows; the first position has no score."""
+    lm = load_tiny(family)
+    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=16 << 20, max_batch_tokens=16)
+    ids = list(range(5, 45))
+    pipe.run_ids(ids, Request(max_new_tokens=2))  # now in the prefix cache
+    scored = pipe.submit(Request(max_new_tokens=3, ignore_eos=True, prompt_logprobs=3), ids=ids)
+    reusing = pipe.submit(Request(max_new_tokens=3, ignore_eos=True), ids=ids + [50])
+    r = scored.result()
+    assert reusing.result().metrics["kv_reused_tokens"] > 0 and r.metrics["kv_reused_tokens"] == 0
+    with torch.no_grad():
+        reference = lm.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(ids) and r.logprobs is None
+    assert_matches(r.prompt_logprobs[1:], ids[1:], reference[:-1], 3)
+    assert r.to_dict()["prompt_logprobs"][0] is None
+
+
+def test_a_prefill_only_chain_scores_prompts(load_tiny):
+    """What evaluation runs: no decode stage, several prompts scored in one step."""
+    lm = load_tiny("qwen3")
+    pipe = engine(lm).with_stages({"prefill": Prefill()})
+    prompts = [list(range(5, 25)), list(range(30, 41)), list(range(5, 19))]
+    handles = [pipe.submit(Request(prompt_logprobs=0), ids=p) for p in prompts]
+    for p, h in zip(prompts, handles):
+        with torch.no_grad():
+            reference = lm.model(torch.tensor([p])).logits[0].float().log_softmax(-1)
+        assert_matches(h.result().prompt_logprobs[1:], p[1:], reference[:-1], 0)
+
+
 def test_logprobs_with_an_image_in_the_prompt(load_tiny):
     from PIL import Image
 
@@ -89,7 +121,8 @@ def test_logprobs_with_an_image_in_the_prompt(load_tiny):
     pipe = Pipeline(lm, {"tokenize": Tokenize(), "vision": VisionEncoder(), "prefill": Prefill(),
                          "decode": DecodeLoop()}, kv_memory=16 << 20)
     image = Image.new("RGB", (56, 56), (200, 30, 30))
-    request = Request(prompt="What colour?", images=[image], max_new_tokens=4, ignore_eos=True, logprobs=2)
+    request = Request(prompt="What colour?", images=[image], max_new_tokens=4, ignore_eos=True, logprobs=2,
+                      prompt_logprobs=1)
     ctx = pipe.run_context(request)
     with torch.no_grad():
         inputs = {k: v for k, v in ctx.model_inputs.items() if isinstance(v, torch.Tensor)}
@@ -98,8 +131,10 @@ def test_logprobs_with_an_image_in_the_prompt(load_tiny):
         if "mm_token_type_ids" in inputs:  # per prompt token: the generated ones are text
             types = inputs["mm_token_type_ids"]
             inputs["mm_token_type_ids"] = torch.cat([types, types.new_zeros(1, ids.shape[1] - types.shape[1])], 1)
-        logits = lm.model(**inputs).logits[0].float().log_softmax(-1)[ctx.input_ids.shape[1] - 1 :]
-    assert_matches(ctx.logprobs, ctx.generated, logits, 2)
+        logits = lm.model(**inputs).logits[0].float().log_softmax(-1)
+    prompt = ctx.input_ids[0].tolist()
+    assert_matches(ctx.logprobs, ctx.generated, logits[len(prompt) - 1 :], 2)
+    assert_matches([ctx.prompt_logprobs[p] for p in range(1, len(prompt))], prompt[1:], logits[: len(prompt) - 1], 1)
 
 
 @pytest.mark.parametrize("bad", [21, -1, True, 2.5])
@@ -108,6 +143,8 @@ def test_a_bad_logprobs_value_is_refused_and_others_finish(load_tiny, bad):
     other = pipe.submit(Request(max_new_tokens=3, ignore_eos=True), ids=[5, 6, 7])
     with pytest.raises(UserError, match="logprobs must be a whole number from 0 to 20"):
         pipe.run_ids([5, 6, 7], Request(max_new_tokens=3, logprobs=bad))
+    with pytest.raises(UserError, match="prompt_logprobs must be a whole number from 0 to 20"):
+        pipe.run_ids([5, 6, 7], Request(max_new_tokens=3, prompt_logprobs=bad))
     assert len(other.result().token_ids) == 3
 
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence as Seq
 import torch
 
 from pipeline.engine.handle import Cancelled, Handle
-from pipeline.engine.intake import make_chunk, prepare
+from pipeline.engine.intake import chosen_rows, kept_rows, make_chunk, prepare, prompt_rows
 from pipeline.engine.scheduler import Scheduled, Scheduler
 from pipeline.engine.sequence import Sequence, Status
 from pipeline.errors import OutOfBlocks, whole_number
@@ -232,34 +232,72 @@ class Engine:
             self._accept_burst(plan, out)
             return
         logits, row = out.logits, 0
-        choosing, rows, verifying, recorded, ending = [], [], [], [], []
+        choosing, rows, verifying, recorded, ending, scoring = [], [], [], [], [], []
         for item in plan:
-            seq, n = item.seq, (1 + len(item.seq.drafts) if item.end == item.seq.known else 0)
+            seq, n = item.seq, chosen_rows(item)
+            if prompt_rows(item):
+                scoring.append((item, row))
+            first = row + kept_rows(item) - n  # the choosing rows are the part's last
             if seq.drafts:
-                verifying.append((seq, logits[row : row + n]))
+                verifying.append((seq, logits[first : first + n]))
             else:
                 recorded.append(item)
             if n and not seq.drafts:
                 if seq.prefill_only:
-                    seq.ctx.logits = logits[row : row + 1]
+                    seq.ctx.logits = logits[first : first + 1]
                     ending.append(seq)
                 else:
                     choosing.append(seq)
-                    rows.append(row)
-            row += n
+                    rows.append(first)
+            row += kept_rows(item)
+        scores = self._prompt_scores(scoring, logits)
+        picked = None
         if choosing:
-            picked = self._pick(choosing, logits if len(rows) == logits.shape[0] else logits[rows])
+            picked = self._pick(choosing, logits if len(rows) == logits.shape[0] else logits[rows], scores)
+            scores = picked[3]
+        elif scores is not None:
+            scores = read(scores)
         else:
             wait(self.runner.device)
         out.finish_timing()
+        if scoring:
+            self._take_prompt_scores(scoring, scores)
         for item in recorded:
             self._record(item, out)
         for seq in ending:
             self._finish(seq)
-        if choosing:
-            self._accept(choosing, *picked)
+        if picked is not None:
+            self._accept(choosing, *picked[:3])
         for seq, seq_logits in verifying:
             self._verify(seq, seq_logits, out.seconds)
+
+    @staticmethod
+    def _prompt_scores(scoring: list[tuple[Scheduled, int]], logits: torch.Tensor) -> torch.Tensor | None:
+        """The prompt rows of the parts that score their prompt (``Request.prompt_logprobs``), as
+        one flat ``logprobs.table`` of every such row (each part's first rows, from ``row``)."""
+        if not scoring:
+            return None
+        index, targets = [], []
+        for item, row in scoring:
+            n = prompt_rows(item)
+            index += range(row, row + n)
+            targets += item.seq.ids[item.begin + 1 : item.begin + 1 + n]
+        k = max(item.seq.ctx.request.prompt_logprobs for item, _ in scoring)
+        device = logits.device
+        return logprobs.table(logits.index_select(0, upload(index, device)), upload(targets, device), k).flatten()
+
+    @staticmethod
+    def _take_prompt_scores(scoring: list[tuple[Scheduled, int]], values: list[float]) -> None:
+        """``_prompt_scores`` read back, into each sequence's ``ctx.prompt_logprobs`` by position
+        (a part recomputed after a preemption writes the same values again)."""
+        k = max(item.seq.ctx.request.prompt_logprobs for item, _ in scoring)
+        width, at = 1 + 2 * k, 0
+        for item, _ in scoring:
+            seq = item.seq
+            for position in range(item.begin + 1, item.begin + 1 + prompt_rows(item)):
+                lp, top = logprobs.unpack(values[at : at + width], k, seq.ctx.request.prompt_logprobs)
+                seq.ctx.prompt_logprobs[position] = TokenLogprob(seq.ids[position], lp, top)
+                at += width
 
     def _record(self, item: Scheduled, out: StepOutput) -> None:
         """The fed tokens' keys into the cache, and the step's time as prefill or decode."""
@@ -276,22 +314,27 @@ class Engine:
     # --- choosing tokens ----------------------------------------------------------------------
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Choose and take one token per sequence."""
-        self._accept(seqs, *self._pick(seqs, logits))
+        self._accept(seqs, *self._pick(seqs, logits)[:3])
 
     @staticmethod
-    def _pick(seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], float, list[TokenLogprob | None]]:
+    def _pick(seqs: list[Sequence], logits: torch.Tensor, also: torch.Tensor | None = None
+              ) -> tuple[list[int], float, list[TokenLogprob | None], list[float]]:
         """Each sequence's logits processors (one call per processor for all its rows), then one
         token per sequence (argmax rows together, other samplers on their own rows), the seconds
         that took, and the log-probabilities the sequences asked for (``Request.logprobs``), read
-        back with the tokens in one transfer."""
+        back with the tokens in one transfer, and with ``also`` (a flat float tensor, read too:
+        its values come last)."""
         t0 = time.perf_counter()
         raw = logits
         logits = apply_processors(logits, [s.ctx for s in seqs], [s.phases.processors for s in seqs])
         samplers = [s.sampler for s in seqs]
         chosen = choose(logits, samplers, lambda i: seqs[i].ids)
         asked = [i for i, s in enumerate(seqs) if s.ctx.request.logprobs is not None]
+        extra = [] if also is None else [also.double()]
         if not asked:
-            return [int(t) for t in read(chosen)], time.perf_counter() - t0, [None] * len(seqs)
+            values = read(torch.cat([chosen.double(), *extra]) if extra else chosen)
+            n = len(seqs)
+            return [int(t) for t in values[:n]], time.perf_counter() - t0, [None] * n, values[n:]
         k = max(seqs[i].ctx.request.logprobs for i in asked)
         index = upload(asked, logits.device)
         scores = raw.index_select(0, index)
@@ -302,14 +345,14 @@ class Engine:
                            dtype=torch.bool)
             scores = torch.where(modes[:, None], processed, scores.float())
         table = logprobs.table(scores, chosen.index_select(0, index), k)
-        values = read(torch.cat([chosen.double(), table.flatten()]))
+        values = read(torch.cat([chosen.double(), table.flatten(), *extra]))
         tokens, width = [int(t) for t in values[: len(seqs)]], 1 + 2 * k
         entries: list[TokenLogprob | None] = [None] * len(seqs)
         for j, i in enumerate(asked):
             row = values[len(seqs) + j * width : len(seqs) + (j + 1) * width]
             lp, top = logprobs.unpack(row, k, seqs[i].ctx.request.logprobs)
             entries[i] = TokenLogprob(tokens[i], lp, top)
-        return tokens, time.perf_counter() - t0, entries
+        return tokens, time.perf_counter() - t0, entries, values[len(seqs) + len(asked) * width :]
 
     def _accept(self, seqs: list[Sequence], tokens: list[int], sample_s: float,
                 scored: Seq[TokenLogprob | None] = ()) -> None:

@@ -31,7 +31,7 @@ def prepare(seq: Sequence) -> None:
     # its reply header) and at the last block boundary a repeat of this prompt can reuse.
     ctx.cache.checkpoint_at(total, (total - 1) // bs * bs, *([ctx.reply_start] if ctx.reply_start else []))
     if seq.pending is None:  # not prefilled yet: keep what the cache (and the prefix cache) holds
-        start = reused if reused is not None else ctx.cache.reuse(ctx.token_keys)
+        start = reused if reused is not None else ctx.cache.reuse(seq.reusable(ctx.token_keys))
         ctx.metrics.set("prompt_tokens", total)
         ctx.metrics.set("kv_reused_tokens", start)
         ctx.metrics.set("prefill_tokens", 0)
@@ -67,7 +67,7 @@ def _run_front(seq: Sequence) -> int | None:
     ctx, reused = seq.ctx, None
     for name, stage in seq.phases.front.items():
         if ctx.token_keys is not None and reused is None:
-            reused = ctx.cache.reuse(ctx.token_keys)
+            reused = ctx.cache.reuse(seq.reusable(ctx.token_keys))
         skip = getattr(stage, "skip", None)
         if skip is not None and skip(ctx):
             continue
@@ -90,10 +90,15 @@ def _check_limits(seq: Sequence, total: int) -> None:
 
 def _check_logprobs(seq: Sequence) -> None:
     req = seq.ctx.request
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(req, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value <= MAX_LOGPROBS):
+            raise UserError(f"{name} must be a whole number from 0 to {MAX_LOGPROBS} (got {value!r})")
+    if req.prompt_logprobs is not None and seq.pending is not None:
+        raise UserError("prompt_logprobs needs the engine to run the prefill (this prompt was prefilled by hand)")
     if req.logprobs is None:
         return
-    if isinstance(req.logprobs, bool) or not isinstance(req.logprobs, int) or not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise UserError(f"logprobs must be a whole number from 0 to {MAX_LOGPROBS} (got {req.logprobs!r})")
     if req.logprobs_mode not in MODES:
         raise UserError(f"logprobs_mode must be one of {', '.join(MODES)} (got {req.logprobs_mode!r})")
     if seq.spec is not None:
@@ -120,5 +125,23 @@ def make_chunk(item: Scheduled) -> Chunk:
     return Chunk(
         table=list(seq.cache.blocks), start=begin, ids=seq.ids[begin:end] + drafts, positions=positions,
         slots=item.slots, embeds=embeds[0, begin:mid] if embeds is not None and mid > begin else None,
-        state=seq.cache.state_io, logits=(1 + len(drafts)) if end == seq.known else 0, extras=extras,
+        state=seq.cache.state_io, logits=kept_rows(item), extras=extras,
     )
+
+
+def chosen_rows(item: Scheduled) -> int:
+    """Logits rows that choose tokens: ``1 + drafts`` when the part ends at the known tokens."""
+    return 1 + len(item.seq.drafts) if item.end == item.seq.known else 0
+
+
+def prompt_rows(item: Scheduled) -> int:
+    """Logits rows that score prompt tokens (``Request.prompt_logprobs``): one per fed position
+    whose next token is a prompt token, the part's first rows."""
+    seq = item.seq
+    return max(0, min(item.end, seq.prompt_len - 1) - item.begin) if seq.scores_prompt else 0
+
+
+def kept_rows(item: Scheduled) -> int:
+    """The part's last logits rows its forward keeps: every fed position when some score the
+    prompt (row r is position ``begin + r``), else the choosing rows."""
+    return item.end - item.begin + len(item.seq.drafts) if prompt_rows(item) else chosen_rows(item)

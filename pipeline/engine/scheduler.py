@@ -110,7 +110,7 @@ class Scheduler:
                 return False
             return True
         before = seq.cache.length
-        seq.cache.reuse(seq.keys[: seq.known])
+        seq.cache.reuse(seq.reusable(seq.keys[: seq.known]))
         if not seq.started and seq.cache.length != before:
             seq.ctx.metrics.set("kv_reused_tokens", seq.cache.length)
         return True

@@ -93,5 +93,16 @@ class Sequence:
         return self.status is Status.FINISHED
 
     @property
+    def scores_prompt(self) -> bool:
+        """``Request.prompt_logprobs``: every prompt position is computed (none taken from a cache)
+        and its logits row kept, to score the prompt token after it."""
+        return getattr(self.ctx.request, "prompt_logprobs", None) is not None
+
+    def reusable(self, keys: list) -> list:
+        """The keys a cache may keep a prefix of: all, or (scoring the prompt) only the first,
+        which keeps nothing."""
+        return keys[:1] if self.scores_prompt else keys
+
+    @property
     def drafts(self) -> list[int]:
         return self.spec.drafts if self.spec is not None else []
