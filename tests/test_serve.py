@@ -336,6 +336,7 @@ def test_api_key_and_a_clean_drain_on_sigterm(tiny_dir, tmp_path):
     assert re.search(r"chatcmpl-\S+ 200 prompt=\d+ generated=300 ttft=", log)
 
 
+@pytest.mark.slow  # a second process end to end (python -m pytest -m slow)
 def test_busy_port_and_bad_settings_fail_in_one_line(tmp_path):
     import socket
 

@@ -285,6 +285,7 @@ def test_nf4_weights_still_answer(heldout):
         assert score(answers[name], want) >= NF4_FLOOR, report(name, answers[name], want)
 
 
+@pytest.mark.slow  # a second process end to end (python -m pytest -m slow)
 def test_cli_batch_answers_fresh_and_unseen_style_images(heldout, unseen, tmp_path):
     """One ``mode=batch`` run over both sets (one model load): 800 requests."""
     sets = {"heldout": heldout, "unseen": unseen}

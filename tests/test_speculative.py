@@ -336,6 +336,7 @@ def test_draft_with_another_tokenizer_is_refused(load_tiny):
         check_same_tokenizer(load_tiny("qwen3").tokenizer, load_tiny("gemma3").tokenizer)
 
 
+@pytest.mark.slow  # a second process end to end (python -m pytest -m slow)
 def test_cli_refuses_before_loading_and_runs_ngram(tiny_dir, tmp_path):
     target = tiny_dir("qwen3")
     bad = run_cli(f"model.path={target}", "decode.speculative=draft", f"decode.draft_model={tiny_dir('gemma3')}",

@@ -96,7 +96,7 @@ class Sequence:
     def scores_prompt(self) -> bool:
         """``Request.prompt_logprobs``: every prompt position is computed (none taken from a cache)
         and its logits row kept, to score the prompt token after it."""
-        return getattr(self.ctx.request, "prompt_logprobs", None) is not None
+        return getattr(getattr(self.ctx, "request", None), "prompt_logprobs", None) is not None
 
     def reusable(self, keys: list) -> list:
         """The keys a cache may keep a prefix of: all, or (scoring the prompt) only the first,
