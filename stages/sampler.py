@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,6 +25,23 @@ __all__ = ["Sampler"]
 
 _CHOICE_METHODS = ("__call__", "filtered_logits", "_process", "_repetition_penalty")
 _BATCH_METHODS = _CHOICE_METHODS + ("draw", "choose_rows")
+
+
+def _bias(value: Mapping[Any, float] | None) -> dict[int, float]:
+    """``logit_bias`` checked: token id (an int, or its decimal string as JSON keys are) -> a bias
+    in [-100, 100], added to that token's logit."""
+    out = {}
+    for key, bias in dict(value or {}).items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"sampler logit_bias keys must be token ids, got {key!r}") from None
+        if token < 0 or isinstance(key, bool):
+            raise ValueError(f"sampler logit_bias keys must be token ids, got {key!r}")
+        out[token] = _number(f"logit_bias[{token}]", bias, "in [-100, 100]")
+        if not -100.0 <= out[token] <= 100.0:
+            raise ValueError(f"sampler logit_bias[{token}] must be in [-100, 100], got {bias!r}")
+    return out
 
 
 def _number(name: str, value: object, rule: str) -> float:
@@ -51,6 +69,9 @@ class Sampler:
         min_p: float = 0.0,
         repetition_penalty: float = 1.0,
         seed: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Mapping[int, float] | None = None,
     ) -> None:
         self.temperature = _number("temperature", temperature, ">= 0 (0 means greedy)")
         if self.temperature < 0:
@@ -72,6 +93,14 @@ class Sampler:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"sampler seed must be an integer or None, got {seed!r}")
         self.seed = seed
+        # OpenAI's / vLLM's penalties over the tokens generated so far: minus presence_penalty once
+        # for each token seen, minus frequency_penalty per time seen.
+        self.presence_penalty = _number("presence_penalty", presence_penalty, "in [-2, 2] (0 disables it)")
+        self.frequency_penalty = _number("frequency_penalty", frequency_penalty, "in [-2, 2] (0 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"sampler {name} must be in [-2, 2] (0 disables it), got {getattr(self, name)!r}")
+        self.logit_bias = _bias(logit_bias)
         # One generator per device, made on first use there: a CPU generator cannot feed CUDA kernels.
         self._generators: dict[torch.device, torch.Generator] = {}
 
@@ -86,8 +115,15 @@ class Sampler:
         inside decode bursts) instead of calling the sampler; a subclass that changes how tokens
         are chosen is always called on its rows."""
         cls = type(self)
-        return (self.greedy and self.repetition_penalty == 1.0
+        return (self.greedy and not self.adjusts
                 and all(getattr(cls, name) is getattr(Sampler, name) for name in _CHOICE_METHODS))
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether some setting moves logits before the choice (a penalty or a bias): then even
+        a greedy choice is not a plain argmax of the model's logits."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
     @property
     def batchable(self) -> bool:
@@ -99,7 +135,9 @@ class Sampler:
     def __repr__(self) -> str:
         return (
             f"Sampler(temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}, "
-            f"min_p={self.min_p}, repetition_penalty={self.repetition_penalty}, seed={self.seed})"
+            f"min_p={self.min_p}, repetition_penalty={self.repetition_penalty}, seed={self.seed}, "
+            f"presence_penalty={self.presence_penalty}, frequency_penalty={self.frequency_penalty}, "
+            f"logit_bias={self.logit_bias})"
         )
 
     def fork(self) -> "Sampler":
@@ -132,38 +170,54 @@ class Sampler:
         return g
 
     def filtered_logits(
-        self, logits: Tensor, previous_ids: Tensor | Sequence[int] | None = None
+        self, logits: Tensor, previous_ids: Tensor | Sequence[int] | None = None,
+        output_ids: Tensor | Sequence[int] | None = None,
     ) -> Tensor:
-        """Float32 logits after penalty, temperature and filters; removed tokens are -inf.
+        """Float32 logits after bias, penalties, temperature and filters; removed tokens are -inf.
 
-        Same shape as `logits`. When greedy, only the repetition penalty applies (what argmax sees).
+        Same shape as `logits`. When greedy, only the bias and penalties apply (what argmax sees).
+        ``previous_ids``: the ids so far (the repetition penalty's); ``output_ids``: the generated
+        ones (presence and frequency penalties'; default ``previous_ids``).
         """
         squeeze = logits.dim() == 1
         scores = logits.unsqueeze(0) if squeeze else logits
         if scores.dim() != 2:
             raise ValueError(f"logits must be [B, V] or [V], got shape {tuple(logits.shape)}")
-        scores = self._process(scores, previous_ids)
+        scores = self._process(scores, previous_ids, output_ids)
         return scores.squeeze(0) if squeeze else scores
 
-    def __call__(self, logits: Tensor, previous_ids: Tensor | Sequence[int] | None = None) -> Tensor:
+    def __call__(self, logits: Tensor, previous_ids: Tensor | Sequence[int] | None = None,
+                 output_ids: Tensor | Sequence[int] | None = None) -> Tensor:
         """Next token id per row: LongTensor [B] for [B, V] logits, a scalar tensor for [V]."""
-        scores = self.filtered_logits(logits, previous_ids)
+        scores = self.filtered_logits(logits, previous_ids, output_ids)
         if self.greedy:
             return scores.argmax(dim=-1)
         return self.draw(torch.softmax(scores, dim=-1))
 
     @staticmethod
-    def choose_rows(samplers: Sequence["Sampler"], logits: Tensor, history: Callable[[int], Sequence[int]]) -> Tensor:
+    def choose_rows(samplers: Sequence["Sampler"], logits: Tensor, history: Callable[[int], Sequence[int]],
+                    outputs: Callable[[int], Sequence[int]] | None = None) -> Tensor:
         """One token per row of ``logits`` [n, V], row i by ``samplers[i]``: the engine's batched
         choice. Each filter runs once for the whole batch with per-row settings (one top-k and
         one sort, not one per row); each row draws its noise from its own generator, so a seeded
         row gets the same token alone or in any batch. ``history(i)``: row i's ids so far, asked
-        only of rows with a repetition penalty. Same tokens as calling each sampler on its row."""
+        only of rows with a repetition penalty; ``outputs(i)``: its generated ids (default
+        ``history``), asked only of rows with a presence or frequency penalty. Same tokens as
+        calling each sampler on its row."""
         scores, device = logits.float(), logits.device
+        if any(s.logit_bias for s in samplers):
+            cells = [(i, t, b) for i, s in enumerate(samplers) for t, b in s.logit_bias.items()]
+            scores = scores + _bias_rows(cells, scores, device)
         if any(s.repetition_penalty != 1.0 for s in samplers):
             ids = _padded([history(i) if s.repetition_penalty != 1.0 else [] for i, s in enumerate(samplers)], device)
             penalty = upload([[s.repetition_penalty] for s in samplers], device, dtype=torch.float32)
             scores = _penalise(scores, penalty, ids)
+        counted = [s.presence_penalty != 0.0 or s.frequency_penalty != 0.0 for s in samplers]
+        if any(counted):
+            outputs = outputs or history
+            ids = _padded([outputs(i) if c else [] for i, c in enumerate(counted)], device)
+            weights = upload([[s.presence_penalty, s.frequency_penalty] for s in samplers], device, dtype=torch.float32)
+            scores = _count_penalties(scores, weights[:, :1], weights[:, 1:], ids)
         sampling = [i for i, s in enumerate(samplers) if not s.greedy]
         if not sampling:
             return scores.argmax(dim=-1)
@@ -186,10 +240,17 @@ class Sampler:
         """A U[0, 1) draw from this sampler's generator (speculative decoding's acceptance test)."""
         return float(torch.rand((), device=device, generator=self._generator(device)))
 
-    def _process(self, scores: Tensor, previous_ids: Tensor | Sequence[int] | None) -> Tensor:
+    def _process(self, scores: Tensor, previous_ids: Tensor | Sequence[int] | None,
+                 output_ids: Tensor | Sequence[int] | None = None) -> Tensor:
         scores = scores.float()  # no copy when already float32; every step below is out of place
+        if self.logit_bias:
+            scores = scores + _bias_rows([(0, t, b) for t, b in self.logit_bias.items()], scores[:1], scores.device)
         if self.repetition_penalty != 1.0 and previous_ids is not None:
             scores = self._repetition_penalty(scores, previous_ids)
+        output_ids = previous_ids if output_ids is None else output_ids
+        if (self.presence_penalty or self.frequency_penalty) and output_ids is not None:
+            scores = _count_penalties(scores, self.presence_penalty, self.frequency_penalty,
+                                      _rows_of(output_ids, scores.shape[0], scores.device))
         if self.greedy:
             return scores
         return _filter(scores, _Rows.one(self))
@@ -200,15 +261,7 @@ class Sampler:
         `previous_ids` is [B, T], or [T] shared by every row. Ids outside the vocabulary
         (negative padding, embedding rows beyond lm_head) are ignored, as in transformers.
         """
-        batch = scores.shape[0]
-        ids = torch.as_tensor(previous_ids, device=scores.device).long()
-        if ids.dim() == 1:
-            ids = ids.unsqueeze(0).expand(batch, -1)
-        if ids.dim() != 2 or ids.shape[0] != batch:
-            raise ValueError(
-                f"previous_ids must be [B, T] with B={batch} or [T], got shape {tuple(ids.shape)}"
-            )
-        return _penalise(scores, self.repetition_penalty, ids)
+        return _penalise(scores, self.repetition_penalty, _rows_of(previous_ids, scores.shape[0], scores.device))
 
 
 # -- the chain, on rows of one sampler or of many; each step is the same arithmetic as its
@@ -282,6 +335,41 @@ def _penalise(scores: Tensor, penalty: float | Tensor, ids: Tensor) -> Tensor:
     seen = torch.where(seen < 0, seen * penalty, seen / penalty)
     padded.scatter_(1, ids, seen)
     return padded[:, :vocab]
+
+
+def _rows_of(ids: Tensor | Sequence[int], batch: int, device: torch.device) -> Tensor:
+    """``previous_ids`` / ``output_ids`` as [B, T]: [T] is shared by every row."""
+    ids = torch.as_tensor(ids, device=device).long()
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0).expand(batch, -1)
+    if ids.dim() != 2 or ids.shape[0] != batch:
+        raise ValueError(f"previous_ids must be [B, T] with B={batch} or [T], got shape {tuple(ids.shape)}")
+    return ids
+
+
+def _count_penalties(scores: Tensor, presence: float | Tensor, frequency: float | Tensor, ids: Tensor) -> Tensor:
+    """OpenAI's presence and frequency penalties (vLLM's arithmetic): each token's logit minus
+    ``frequency`` x its count in ``ids`` [n, T] and ``presence`` once if it is there at all (ids
+    outside the vocabulary, padding included, are not counted)."""
+    vocab = scores.shape[-1]
+    if ids.shape[1] == 0:
+        return scores
+    ids = ids.masked_fill(ids < 0, vocab).clamp(max=vocab)
+    counts = torch.zeros(scores.shape[0], vocab + 1, dtype=scores.dtype, device=scores.device)
+    counts = counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=scores.dtype))[:, :vocab]
+    return scores - frequency * counts - presence * (counts > 0).to(scores.dtype)
+
+
+def _bias_rows(cells: list[tuple[int, int, float]], scores: Tensor, device: torch.device) -> Tensor:
+    """A [n, V] matrix of zeros with each (row, token, bias) of ``cells`` in place: ``logit_bias``
+    for the rows of ``scores``, one upload."""
+    vocab = scores.shape[-1]
+    unknown = sorted({t for _, t, _ in cells if t >= vocab})
+    if unknown:
+        raise ValueError(f"logit_bias names token ids {unknown[:5]} outside the vocabulary of {vocab} tokens")
+    bias = torch.zeros_like(scores)
+    rows = upload([[r for r, _, _ in cells], [t for _, t, _ in cells]], device)
+    return bias.index_put_((rows[0], rows[1]), upload([b for _, _, b in cells], device, dtype=scores.dtype))
 
 
 def _padded(histories: list[Sequence[int]], device: torch.device) -> Tensor:

@@ -155,3 +155,32 @@ def test_logprobs_mode_and_speculative_decoding_are_checked(load_tiny):
     spec = engine(lm, speculative=Speculative("ngram", num_draft=2))
     with pytest.raises(UserError, match="speculative decoding"):
         spec.run_ids([5, 6, 7], Request(max_new_tokens=3, logprobs=1))
+
+
+def test_engine_penalties_count_generated_tokens_and_match_a_plain_loop(load_tiny):
+    """Presence and frequency penalties and a logit bias in the engine (batched with a plain
+    row): the tokens of a plain greedy loop that applies vLLM's arithmetic to the tokens
+    generated so far (not the prompt's)."""
+    lm = load_tiny("qwen3")
+    pipe = engine(lm)
+    ids = list(range(5, 25))
+    settings = dict(presence_penalty=1.5, frequency_penalty=0.8, logit_bias={7: 3.0})
+    plain = pipe.submit(Request(max_new_tokens=8, ignore_eos=True), ids=ids)
+    got = pipe.submit(Request(max_new_tokens=8, ignore_eos=True, sampler=Sampler(**settings)), ids=ids)
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(8):
+            x = lm.model(torch.tensor([ids + out])).logits[0, -1].float()
+            x[7] += 3.0
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=x.shape[0]).float()
+            out.append(int((x - 0.8 * counts - 1.5 * (counts > 0).float()).argmax()))
+    assert got.result().token_ids == out
+    assert plain.result().token_ids == pipe.run_ids(ids, Request(max_new_tokens=8, ignore_eos=True)).generated
+
+
+def test_a_logit_bias_outside_the_vocabulary_fails_that_request_alone(load_tiny):
+    pipe = engine(load_tiny("qwen3"))
+    other = pipe.submit(Request(max_new_tokens=3, ignore_eos=True), ids=[5, 6, 7])
+    with pytest.raises(UserError, match=r"logit_bias names token ids \[99999\] outside the model's vocabulary"):
+        pipe.run_ids([5, 6, 7], Request(max_new_tokens=3, sampler=Sampler(logit_bias={99999: 1.0})))
+    assert len(other.result().token_ids) == 3

@@ -342,3 +342,55 @@ def test_a_subclass_that_changes_the_choice_is_not_batched():
 
     assert Sampler(temperature=0.7, top_k=3).batchable
     assert not Biased(temperature=0.7).batchable
+
+
+def _counted(x: torch.Tensor, ids: list[int], presence: float, frequency: float) -> torch.Tensor:
+    """vLLM's presence and frequency penalties, written out."""
+    counts = torch.zeros(x.shape[-1])
+    for t in ids:
+        counts[t] += 1
+    return x - frequency * counts - presence * (counts > 0).float()
+
+
+@pytest.mark.parametrize("presence,frequency", [(0.5, 0.0), (0.0, 1.5), (-1.0, 0.7)])
+def test_presence_and_frequency_penalties_count_the_output_tokens(presence, frequency):
+    x = _logits((1, 50), 9)
+    prompt, output = [3, 3, 4], [7, 7, 7, 9]
+    s = Sampler(presence_penalty=presence, frequency_penalty=frequency)
+    got = s.filtered_logits(x, torch.tensor([prompt + output]), torch.tensor([output]))
+    assert torch.allclose(got, _counted(x[0], output, presence, frequency)[None], atol=1e-6)
+    assert not s.argmax_only
+
+
+def test_logit_bias_moves_the_named_tokens():
+    x = _logits((2, 40), 10)
+    s = Sampler(logit_bias={"5": 100, 6: -100.0})
+    got = s.filtered_logits(x)
+    assert torch.equal(got[:, 5], x[:, 5] + 100) and torch.equal(got[:, 6], x[:, 6] - 100)
+    assert torch.equal(got[:, 7:], x[:, 7:]) and (s(x) == 5).all() and not s.argmax_only
+    with pytest.raises(ValueError, match="outside the vocabulary of 40 tokens"):
+        Sampler(logit_bias={40: 1.0})(x)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
+    (dict(logit_bias={"x": 1}), "logit_bias keys"), (dict(logit_bias={1: 101}), r"logit_bias\[1\]"),
+    (dict(logit_bias={-1: 1}), "logit_bias keys")])
+def test_bad_penalties_and_biases_raise(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        Sampler(**kwargs)
+
+
+def test_penalties_and_biases_chosen_together_equal_row_by_row():
+    settings = [dict(temperature=0.8, presence_penalty=0.6, frequency_penalty=0.4, logit_bias={3: 2.0}),
+                dict(temperature=0.0, frequency_penalty=1.2), dict(temperature=1.1, top_k=7),
+                dict(temperature=0.0, logit_bias={11: 50.0}), dict(temperature=0.9, repetition_penalty=1.3,
+                                                                     presence_penalty=-0.5)] * 2
+    x = _logits((len(settings), 300), 11)
+    histories = [_prev_ids(1, 300, i, length=9)[0].tolist() for i in range(len(settings))]
+    outputs = [h[4:] for h in histories]
+    together = Sampler.choose_rows([Sampler(**s, seed=i) for i, s in enumerate(settings)], x,
+                                   lambda i: histories[i], lambda i: outputs[i]).tolist()
+    alone = [int(Sampler(**s, seed=i)(x[i : i + 1], torch.tensor([histories[i]]), torch.tensor([outputs[i]])))
+             for i, s in enumerate(settings)]
+    assert together == alone

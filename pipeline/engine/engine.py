@@ -328,7 +328,7 @@ class Engine:
         raw = logits
         logits = apply_processors(logits, [s.ctx for s in seqs], [s.phases.processors for s in seqs])
         samplers = [s.sampler for s in seqs]
-        chosen = choose(logits, samplers, lambda i: seqs[i].ids)
+        chosen = choose(logits, samplers, lambda i: seqs[i].ids, lambda i: seqs[i].ctx.generated)
         asked = [i for i, s in enumerate(seqs) if s.ctx.request.logprobs is not None]
         extra = [] if also is None else [also.double()]
         if not asked:
@@ -340,7 +340,7 @@ class Engine:
         scores = raw.index_select(0, index)
         if any(seqs[i].ctx.request.logprobs_mode == "processed" for i in asked):
             processed = logprobs.processed_scores(logits.index_select(0, index), [samplers[i] for i in asked],
-                                                  lambda j: seqs[asked[j]].ids)
+                                                  lambda j: seqs[asked[j]].ids, lambda j: seqs[asked[j]].ctx.generated)
             modes = upload([seqs[i].ctx.request.logprobs_mode == "processed" for i in asked], logits.device,
                            dtype=torch.bool)
             scores = torch.where(modes[:, None], processed, scores.float())
@@ -454,7 +454,7 @@ class Engine:
         spec, m = seq.spec, seq.ctx.metrics
         drafts = spec.drafts
         t0 = time.perf_counter()
-        tokens, accepted = verify(seq.sampler, logits, drafts, spec.q, seq.ids)
+        tokens, accepted = verify(seq.sampler, logits, drafts, spec.q, seq.ids, seq.ctx.generated)
         sample_s = time.perf_counter() - t0
         seq.cache.append([seq.keys[seq.cache.length]] + drafts)
         seq.cache.rollback(seq.cache.length - (len(drafts) - accepted))

@@ -81,11 +81,21 @@ def _check_limits(seq: Sequence, total: int) -> None:
     if not seq.prefill_only and req.max_new_tokens < 1:
         raise UserError(f"max_new_tokens must be >= 1 (got {req.max_new_tokens})")
     _check_logprobs(seq)
+    _check_logit_bias(seq)
     context = getattr(text_config(ctx.lm.config), "max_position_embeddings", None)
     if not seq.prefill_only and context and total + req.max_new_tokens > context:
         raise UserError(f"the prompt ({total} tokens) plus max_new_tokens ({req.max_new_tokens}) exceed the "
                         f"model's context of {context} tokens")
     ctx.cache.ensure_capacity(total + (0 if seq.prefill_only else req.max_new_tokens - 1))
+
+
+def _check_logit_bias(seq: Sequence) -> None:
+    """A bias on a token the model does not have fails this request alone, before its first step."""
+    bias = getattr(seq.sampler, "logit_bias", None)
+    vocab = int(text_config(seq.ctx.lm.config).vocab_size)
+    unknown = sorted(t for t in bias or () if t >= vocab)
+    if unknown:
+        raise UserError(f"logit_bias names token ids {unknown[:5]} outside the model's vocabulary of {vocab} tokens")
 
 
 def _check_logprobs(seq: Sequence) -> None:

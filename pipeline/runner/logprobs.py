@@ -16,15 +16,15 @@ MAX_LOGPROBS = 20  # top alternatives a request may ask for (OpenAI's top_logpro
 MODES = ("raw", "processed")
 
 
-def processed_scores(logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int], Sequence[int]]
-                     ) -> torch.Tensor:
+def processed_scores(logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int], Sequence[int]],
+                     outputs: Callable[[int], Sequence[int]]) -> torch.Tensor:
     """Each row of ``logits`` (after the logits processors) through its sampler's own filters:
     what ``Sampler.filtered_logits`` leaves (a sampler without it, or none: the row as it is)."""
     rows = []
     for i, sampler in enumerate(samplers):
         row = logits[i : i + 1].float()
         filtered = getattr(sampler, "filtered_logits", None)
-        rows.append(filtered(row, [list(history(i))]) if filtered is not None else row)
+        rows.append(filtered(row, [list(history(i))], [list(outputs(i))]) if filtered is not None else row)
     return torch.cat(rows)
 
 

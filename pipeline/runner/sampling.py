@@ -24,9 +24,11 @@ def fork_sampler(sampler: Any) -> Any:
     return sampler.fork() if hasattr(sampler, "fork") else copy.copy(sampler)
 
 
-def choose(logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int], Sequence[int]]) -> torch.Tensor:
+def choose(logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int], Sequence[int]],
+           outputs: Callable[[int], Sequence[int]] | None = None) -> torch.Tensor:
     """One token id per row of ``logits`` [n, V]. ``history(i)``: row i's ids so far, asked only
-    for rows whose sampler looks back (repetition penalty).
+    for rows whose sampler looks back (repetition penalty); ``outputs(i)``: its generated ids
+    (presence and frequency penalties; default ``history``).
 
     Argmax rows are chosen together; rows whose samplers can be batched (``batchable``: the
     built-in ``Sampler``, whatever its settings) together through their class's ``choose_rows``
@@ -49,7 +51,9 @@ def choose(logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int
         if key == "argmax":
             parts.append(part.argmax(dim=-1))
         elif callable(key):
-            parts.append(key([samplers[i] for i in rows], part, lambda j, rows=rows: history(rows[j])))
+            outs = outputs or history
+            parts.append(key([samplers[i] for i in rows], part, lambda j, rows=rows: history(rows[j]),
+                             lambda j, rows=rows: outs(rows[j])))
         else:
             token = samplers[key](part, upload([list(history(key))], logits.device))
             parts.append(torch.as_tensor(token, device=logits.device).reshape(-1)[:1].long())

@@ -10,7 +10,7 @@ from pipeline.transfer import read
 
 
 def verify(sampler: Any, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
-           history: list[int]) -> tuple[list[int], int]:
+           history: list[int], outputs: list[int] | None = None) -> tuple[list[int], int]:
     """The tokens to keep, and how many of them are accepted drafts.
 
     ``logits`` [len(drafts) + 1, V]: row i is the target's prediction after the i-th draft (row 0
@@ -18,7 +18,8 @@ def verify(sampler: Any, logits: torch.Tensor, drafts: list[int], q: torch.Tenso
     the target's own: the correction at the first rejection, or a bonus token when all pass.
     ``q``: the draft's distributions ([len(drafts), V]); None means each draft was certain (a
     point mass: n-gram lookup, or a greedy draft model). Plain greedy (argmax, no filters) is
-    compared in one go.
+    compared in one go. ``history``: the ids so far; ``outputs``: the generated ones (presence and
+    frequency penalties; default ``history``).
     """
     if argmax_only(sampler):
         best = read(logits.argmax(dim=-1))
@@ -28,7 +29,8 @@ def verify(sampler: Any, logits: torch.Tensor, drafts: list[int], q: torch.Tenso
         return drafts[:m] + [best[m]], m
     out: list[int] = []
     for i in range(len(drafts) + 1):
-        scores = sampler.filtered_logits(logits[i : i + 1], [history + out])[0]
+        scores = sampler.filtered_logits(logits[i : i + 1], [history + out],
+                                         [(history if outputs is None else outputs) + out])[0]
         if sampler.greedy:
             token = int(scores.argmax())
             out.append(token)
