@@ -225,8 +225,8 @@ def test_bad_requests_get_json_errors_and_harm_nobody(vl, client):
     user = {"role": "user", "content": "hi"}
     cases = [
         (400, "not valid JSON", {"content": b'{"messages": [', "headers": {"content-type": "application/json"}}),
-        (422, "max_tokens", {"json": {"messages": [user], "max_tokens": "ten"}}),
-        (422, "messages", {"json": {"messages": "hi"}}),
+        (400, "max_tokens", {"json": {"messages": [user], "max_tokens": "ten"}}),
+        (400, "messages", {"json": {"messages": "hi"}}),
         (400, "messages is empty", {"json": {"messages": []}}),
         (400, "not valid base64", {"json": {"messages": [image_message("x", "data:image/png;base64,@@@")]}}),
         (400, "not an image", {"json": {"messages": [image_message("x", "data:image/png;base64,"

@@ -35,8 +35,10 @@ from pipeline.pipeline import Pipeline
 from pipeline.serve.bridge import Submission
 from pipeline.serve.media import MediaPolicy, audio_from_base64, image_from_url, video_from_url
 from pipeline.serve.metrics import ServerMetrics
+from pipeline.serve import logprobs as lp
 from pipeline.serve.protocol import (
-    FINISH, AudioPart, ChatCompletionRequest, CompletionRequest, ImagePart, Sampling, TextPart, VideoPart,
+    FINISH, AudioPart, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ImagePart, Sampling, TextPart,
+    TokenizeRequest, VideoPart,
 )
 from stages.sampler import Sampler
 
@@ -54,6 +56,20 @@ class ServeSettings:
     default_max_tokens: int = 1024  # when a request gives none
     max_n: int = 8
     media: MediaPolicy = field(default_factory=MediaPolicy)
+
+
+@dataclass
+class Call:
+    """One HTTP request's sequences, in response order: ``n`` choices for each prompt. ``ids``:
+    each one's raw prompt ids (completions; None for chat), ``prompts``: the text ``echo`` returns,
+    ``top``: alternatives per token when log-probabilities are asked (None: not asked)."""
+
+    requests: list[Request]
+    ids: list[list[int] | None]
+    prompts: list[str]
+    n: int = 1
+    echo: bool = False
+    top: int | None = None
 
 
 class APIError(Exception):
@@ -140,7 +156,7 @@ def create_app(pipe: Pipeline, settings: ServeSettings, draining: Callable[[], b
             return error_response(400, "the request body is not valid JSON", code="invalid_json")
         first = problems[0] if problems else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
-        return error_response(422, f"{where}: {first.get('msg', 'invalid value')}", code="invalid_value")
+        return error_response(400, f"{where}: {first.get('msg', 'invalid value')}", code="invalid_value")
 
     @app.exception_handler(HTTPException)
     async def _http(_: HTTPRequest, err: HTTPException) -> JSONResponse:
@@ -180,6 +196,18 @@ def create_app(pipe: Pipeline, settings: ServeSettings, draining: Callable[[], b
             {"id": settings.model_name, "object": "model", "created": api.started, "owned_by": "mm-pipeline"}
         ]})
 
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        return JSONResponse(await asyncio.to_thread(api.tokenize, body))
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(await asyncio.to_thread(api.detokenize, body))
+
+    @app.get("/tokenizer_info", dependencies=[Depends(authorized)])
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(api.tokenizer_info())
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:
         return await api.complete(body, http, chat=True)
@@ -199,12 +227,31 @@ class _API:
         self.pipe, self.settings, self.draining = pipe, settings, draining
         self.metrics = ServerMetrics(pipe.engine)
         self.started = int(time.time())
+        self.texts = lp.TokenTexts(pipe.lm.tokenizer)
+        self._scorer: Pipeline | None = None  # prefill only: completions with max_tokens 0 (echo)
+
+    @property
+    def scorer(self) -> Pipeline:
+        """The chain without its decode stage, on the same engine: prompts scored, nothing generated."""
+        if self._scorer is None:
+            self._scorer = self.pipe.with_stages({k: v for k, v in self.pipe.stages.items() if k != "decode"})
+        return self._scorer
 
     # --- requests in ------------------------------------------------------------------------
     def _check(self, body: Sampling, max_tokens: int | None) -> int:
         s = self.settings
         if self.draining():
             raise APIError(503, "the server is shutting down", "unavailable", "draining")
+        unsupported = body.unsupported()
+        if unsupported:
+            raise APIError(400, f"{', '.join(unsupported)}: not supported by this server (see the README's serve "
+                                f"section for the fields it implements)", code="unsupported_parameter")
+        if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value")
+        if isinstance(body, CompletionRequest) and max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens=0 returns nothing without echo: true", code="invalid_value")
+        if isinstance(body, CompletionRequest) and body.echo and body.stream:
+            raise APIError(400, "echo with stream is not supported: ask without stream", code="invalid_value")
         if body.model and body.model != s.model_name:
             raise APIError(404, f"model {body.model!r} not found: this server serves {s.model_name!r}",
                            code="model_not_found")
@@ -219,14 +266,13 @@ class _API:
         """The server's sampler settings, overridden by the request's temperature / top_p / seed
         (choice ``i`` of ``n`` seeded with seed + i, so the choices differ and each reproduces)."""
         base = getattr(self.pipe.stages.get("decode"), "sampler", None)
-        settings = {k: getattr(base, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")} \
-            if isinstance(base, Sampler) else {}
-        if body.temperature is not None:
-            settings["temperature"] = body.temperature
-        if body.top_p is not None:
-            settings["top_p"] = body.top_p
-        if body.seed is not None:
-            settings["seed"] = body.seed
+        names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "logit_bias", "seed")
+        settings = {k: getattr(base, k) for k in names} if isinstance(base, Sampler) else {}
+        for name in names:
+            value = getattr(body, name)
+            if value is not None:
+                settings[name] = max(value, 0) if name == "top_k" else value  # vLLM's -1: off
         if settings.get("seed") is not None:
             settings["seed"] += choice
         try:
@@ -285,11 +331,10 @@ class _API:
             messages.append({"role": role, "content": content})
         return messages, images, audios, videos
 
-    def _requests(self, body: Sampling, chat: bool, tokens: int) -> tuple[list[Request], list[int] | None]:
-        """One Request per choice (plus raw prompt ids for text completions). Runs off the loop:
-        media decoding is CPU work."""
+    def _requests(self, body: Sampling, chat: bool, tokens: int) -> Call:
+        """One Request per choice of each prompt (completions: with its raw prompt ids). Runs off
+        the loop: media decoding and tokenizing are CPU work."""
         common = dict(max_new_tokens=tokens, ignore_eos=body.ignore_eos, stop=body.stops())
-        ids = None
         if chat:
             assert isinstance(body, ChatCompletionRequest)
             messages, images, audios, videos = self._messages(body)
@@ -297,15 +342,77 @@ class _API:
             thinking = kwargs.get("enable_thinking")
             common.update(messages=messages, images=images, audios=audios, videos=videos,
                           thinking=None if thinking is None else bool(thinking))
+            top = (body.top_logprobs or 0) if body.logprobs else None
+            requests = [Request(**common, sampler=self._sampler(body, i), logprobs=top) for i in range(body.n)]
+            return Call(requests, [None] * body.n, [""] * body.n, body.n, top=top)
+        assert isinstance(body, CompletionRequest)
+        prompts = self._prompts(body.prompt)
+        top, echo = body.logprobs, body.echo
+        call = Call([], [], [], body.n, echo, top)
+        for ids, text in prompts:
+            for i in range(body.n):
+                call.requests.append(Request(**common, sampler=self._sampler(body, i), logprobs=top,
+                                             prompt_logprobs=top if echo else None))
+                call.ids.append(ids)
+                call.prompts.append(text)
+        return call
+
+    def _prompts(self, prompt: Any) -> list[tuple[list[int], str]]:
+        """A completions ``prompt`` (a string, token ids, or a list of either) as (ids, text) pairs."""
+        tokenizer = self.pipe.lm.tokenizer
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise UserError("prompt is empty")
+        vocab = len(tokenizer)
+        out = []
+        for k, p in enumerate(prompt):
+            where = "prompt" if len(prompt) == 1 else f"prompt[{k}]"
+            if not p:
+                raise UserError(f"{where} is empty")
+            if isinstance(p, str):
+                out.append((tokenizer(p)["input_ids"], p))
+                continue
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise UserError(f"{where}: token ids {bad[:5]} are outside the vocabulary of {vocab} tokens")
+            out.append((list(p), tokenizer.decode(p)))
+        return out
+
+    # --- tokenizer endpoints (vLLM's shapes: lm-eval's remote tokenizer uses them) ----------------
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        tokenizer = self.pipe.lm.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", code="invalid_value")
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
+                         "".join(p.text for p in m.content or [] if isinstance(p, TextPart))} for m in body.messages]
+            text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=body.add_generation_prompt)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
-            assert isinstance(body, CompletionRequest)
-            prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-            if len(prompts) != 1:
-                raise UserError("prompt: give one string (batches of prompts: send one request each)")
-            if not prompts[0]:
-                raise UserError("prompt is empty")
-            ids = self.pipe.lm.tokenizer(prompts[0])["input_ids"]
-        return [Request(**common, sampler=self._sampler(body, i)) for i in range(body.n)], ids
+            ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self._context(), "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        tokenizer = self.pipe.lm.tokenizer
+        bad = [t for t in body.tokens if not 0 <= t < len(tokenizer)]
+        if bad:
+            raise APIError(400, f"tokens: ids {bad[:5]} are outside the vocabulary of {len(tokenizer)} tokens",
+                           code="invalid_value")
+        return {"prompt": tokenizer.decode(body.tokens)}
+
+    def tokenizer_info(self) -> dict:
+        tokenizer = self.pipe.lm.tokenizer
+        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
+                "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
+                "unk_token": tokenizer.unk_token, "chat_template": getattr(tokenizer, "chat_template", None),
+                "model_max_length": self._context(), "vocab_size": len(tokenizer)}
+
+    def _context(self) -> int | None:
+        config = self.pipe.lm.config
+        return getattr(config.get_text_config(), "max_position_embeddings", None)
 
     # --- responses out ----------------------------------------------------------------------
     async def complete(self, body: Sampling, http: HTTPRequest, chat: bool) -> Response:
@@ -314,25 +421,27 @@ class _API:
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         try:
             tokens = self._check(body, max_tokens)
-            requests, ids = await asyncio.to_thread(self._requests, body, chat, tokens)
+            call = await asyncio.to_thread(self._requests, body, chat, tokens)
         except UserError as err:
             return self._failed(rid, endpoint, APIError(400, str(err), code="invalid_value"))
         except APIError as err:
             return self._failed(rid, endpoint, err)
         sub = Submission()
-        await asyncio.to_thread(self._submit, sub, rid, requests, ids, body.stream)
+        await asyncio.to_thread(self._submit, sub, rid, call, body.stream)
         meta = {"id": rid, "created": int(time.time()), "model": self.settings.model_name}
         if body.stream:
-            return await self._stream(body, http, sub, meta, chat, endpoint)
-        return await self._whole(http, sub, meta, chat, endpoint)
+            return await self._stream(body, http, sub, meta, chat, endpoint, call)
+        return await self._whole(http, sub, meta, chat, endpoint, call)
 
-    def _submit(self, sub: Submission, rid: str, requests: list[Request], ids: list[int] | None, stream: bool) -> None:
-        """Queue the choices on the engine. Run off the event loop: a submission may touch the
-        device (raw ids uploaded to it, a draft model's pool made on first use), which would
-        stall every open stream for as long as the device is busy."""
-        for i, request in enumerate(requests):
+    def _submit(self, sub: Submission, rid: str, call: Call, stream: bool) -> None:
+        """Queue the choices on the engine (a prompt scored with max_tokens 0 on the prefill-only
+        chain). Run off the event loop: a submission may touch the device (raw ids uploaded to
+        it, a draft model's pool made on first use), which would stall every open stream for as
+        long as the device is busy."""
+        for i, (request, ids) in enumerate(zip(call.requests, call.ids)):
             request.id = f"{rid}-{i}"
-            sub.track(self.pipe.submit(request, on_text=sub.on_text(i) if stream else None, ids=ids))
+            pipe = self.scorer if request.max_new_tokens == 0 else self.pipe
+            sub.track(pipe.submit(request, on_text=sub.on_text(i) if stream else None, ids=ids))
 
     def _failed(self, rid: str, endpoint: str, err: APIError) -> JSONResponse:
         self.metrics.requests.labels(endpoint, str(err.status)).inc()
@@ -360,10 +469,15 @@ class _API:
             f"ttft={m.get('ttft_s') or 0:.3f}s reused={m.get('kv_reused_tokens')}")
 
     @staticmethod
-    def _usage(results: list[Result]) -> dict:
-        prompt = results[0].prompt_tokens
+    def _usage(results: list[Result], n: int) -> dict:
+        """Each prompt counted once (its ``n`` choices share it); ``cached_tokens``: its tokens the
+        prefix cache held."""
+        firsts = results[::n]
+        prompt = sum(r.prompt_tokens for r in firsts)
         completion = sum(len(r.token_ids) for r in results)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(int(r.metrics.get("kv_reused_tokens") or 0) for r in firsts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     @staticmethod
     def _metrics(result: Result) -> dict:
@@ -371,7 +485,8 @@ class _API:
                 "kv_reused_tokens", "prefill_tokens", "generated_tokens", "total_s")
         return {k: result.metrics.get(k) for k in keys}
 
-    async def _whole(self, http: HTTPRequest, sub: Submission, meta: dict, chat: bool, endpoint: str) -> Response:
+    async def _whole(self, http: HTTPRequest, sub: Submission, meta: dict, chat: bool, endpoint: str,
+                     call: Call) -> Response:
         async def watch() -> None:  # a client that hangs up cancels its sequences
             while not await http.is_disconnected():
                 await asyncio.sleep(0.25)
@@ -389,16 +504,31 @@ class _API:
             return self._failed(meta["id"], endpoint, err)
         self._done(meta["id"], endpoint, results)
         if chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
-                        "finish_reason": FINISH[r.finish_reason]} for i, r in enumerate(results)]
-        else:
-            choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": FINISH[r.finish_reason]}
+            choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
+                        "logprobs": self._chat_logprobs(call, r.logprobs), "finish_reason": FINISH[r.finish_reason]}
                        for i, r in enumerate(results)]
-        return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion",
-                             "choices": choices, "usage": self._usage(results), "metrics": self._metrics(results[0])})
+        else:
+            choices = [self._completion_choice(call, i, r) for i, r in enumerate(results)]
+        return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                             "usage": self._usage(results, call.n), "metrics": self._metrics(results[0])})
+
+    def _chat_logprobs(self, call: Call, entries: Any) -> dict | None:
+        return None if call.top is None else {"content": lp.chat_content(entries or [], self.texts), "refusal": None}
+
+    def _completion_choice(self, call: Call, i: int, r: Result) -> dict:
+        """A completions choice: the echoed prompt first when asked (its tokens' scores too, the
+        first one None), then the answer; ``finish_reason`` length when nothing was to be generated."""
+        prompt = call.prompts[i] if call.echo else ""
+        logprobs = None
+        if call.top is not None:
+            if call.echo:
+                logprobs = lp.legacy(r.prompt_ids, r.prompt_logprobs or [None] * len(r.prompt_ids), self.texts)
+            logprobs = lp.merge(logprobs, lp.legacy(r.token_ids, r.logprobs or [], self.texts, len(prompt)))
+        finish = "length" if call.requests[i].max_new_tokens == 0 else FINISH[r.finish_reason]
+        return {"index": i, "text": prompt + r.text, "logprobs": logprobs, "finish_reason": finish}
 
     async def _stream(self, body: Sampling, http: HTTPRequest, sub: Submission, meta: dict, chat: bool,
-                      endpoint: str) -> Response:
+                      endpoint: str, call: Call) -> Response:
         try:
             first = await sub.next_events()  # commit to 200 only once something is known
         except BaseException:
@@ -412,13 +542,28 @@ class _API:
                     return self._failed(meta["id"], endpoint, err)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         obj = "chat.completion.chunk" if chat else "text_completion"
+        sent = [0] * len(sub.handles)  # per choice: log-probabilities sent so far
+        offsets = [0] * len(sub.handles)  # per choice: characters sent so far (text_offset)
+
+        def scores(choice: int, text: str | None) -> dict | None:
+            """The log-probabilities of the tokens this choice generated since its last chunk."""
+            if call.top is None:
+                return None
+            entries = sub.handles[choice].context.logprobs[sent[choice]:]
+            sent[choice] += len(entries)
+            if chat:
+                return self._chat_logprobs(call, entries)
+            out = lp.legacy([e.token_id for e in entries], entries, self.texts, offsets[choice])
+            offsets[choice] += len(text or "")
+            return out
 
         def chunk(choice: int, text: str | None = None, finish: str | None = None, role: bool = False) -> str:
+            logprobs = None if role else scores(choice, text)
             if chat:
                 delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                item = {"index": choice, "delta": delta, "logprobs": None, "finish_reason": finish}
+                item = {"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                item = {"index": choice, "text": text or "", "logprobs": None, "finish_reason": finish}
+                item = {"index": choice, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             return "data: " + json.dumps({**meta, "object": obj, "choices": [item]}) + "\n\n"
 
         async def lines() -> AsyncIterator[str]:
@@ -449,7 +594,7 @@ class _API:
                 results = [r for r in finished if r is not None]
                 self._done(meta["id"], endpoint, results)
                 if include_usage:
-                    yield "data: " + json.dumps({**meta, "object": obj, "choices": [], "usage": self._usage(results),
+                    yield "data: " + json.dumps({**meta, "object": obj, "choices": [], "usage": self._usage(results, call.n),
                                                  "metrics": self._metrics(results[0])}) + "\n\n"
                 yield "data: [DONE]\n\n"
             finally:

@@ -1,7 +1,9 @@
 """The OpenAI request shapes this server accepts, checked by pydantic, and what they become:
 our ``Request`` (messages with media placeholders, images, videos and audio in prompt order, sampler).
 
-Unknown fields are ignored (clients send many); known fields of the wrong type are refused.
+A top-level field the server does not implement is refused with a 400 that names it
+(``unsupported``), except a few that change nothing about the answer (``HARMLESS``); inside
+messages and parts, unknown fields are ignored. Known fields of the wrong type are refused.
 """
 from __future__ import annotations
 
@@ -62,19 +64,34 @@ class StreamOptions(_Open):
     include_usage: bool = False
 
 
+# Accepted and ignored: bookkeeping for the client's side, no effect on the answer.
+HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+
+
 class Sampling(_Open):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions (vLLM's extensions included: top_k, min_p,
+    repetition_penalty, ignore_eos)."""
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(default=None, ge=0, lt=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
     seed: int | None = None
     stop: Union[str, list[str], None] = None
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
+
+    def unsupported(self) -> list[str]:
+        """Top-level fields this server does not implement (``HARMLESS`` ones aside)."""
+        return sorted(set(self.model_extra or {}) - HARMLESS)
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -86,10 +103,34 @@ class ChatCompletionRequest(Sampling):
     messages: list[Message]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class CompletionRequest(Sampling):
-    prompt: Union[str, list[str]]
+    """The legacy completions: one prompt or several (text, or token ids), ``echo`` and ``logprobs``
+    (``max_tokens: 0`` with ``echo`` scores the prompt only)."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+
+class TokenizeRequest(_Open):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Open):
+    model: str | None = None
+    tokens: list[int]
 
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", None: "stop"}
