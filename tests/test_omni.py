@@ -277,6 +277,7 @@ def test_cli_hears_the_video_and_matches_generate(tiny_dir, lm, files, tmp_path)
     assert (result["prompt_ids"], result["token_ids"]) == expected
 
 
+@pytest.mark.slow  # a second process end to end (python -m pytest -m slow)
 def test_served_and_batched_answers_equal_generate(tiny_dir, lm, files, tmp_path):
     """An image and a sound in one message over the OpenAI API (``mode=serve``), and the same
     request as a line of ``mode=batch``: the thinker's own answer both ways."""
