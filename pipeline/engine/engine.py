@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence as Seq
 
 import torch
 
+from pipeline.context import TokenLogprob
 from pipeline.engine.handle import Cancelled, Handle
 from pipeline.engine.intake import chosen_rows, kept_rows, make_chunk, prepare, prompt_rows
 from pipeline.engine.scheduler import Scheduled, Scheduler
@@ -36,7 +37,6 @@ from pipeline.engine.sequence import Sequence, Status
 from pipeline.errors import OutOfBlocks, whole_number
 from pipeline.memory import release_cached_memory
 from pipeline.metrics import note_step
-from pipeline.context import TokenLogprob
 from pipeline.runner import ModelRunner, StepOutput, apply_processors, argmax_only, choose, logprobs
 from pipeline.spec import draft_budget, verify
 from pipeline.transfer import blocking_count, read, upload, wait
@@ -336,15 +336,7 @@ class Engine:
             n = len(seqs)
             return [int(t) for t in values[:n]], time.perf_counter() - t0, [None] * n, values[n:]
         k = max(seqs[i].ctx.request.logprobs for i in asked)
-        index = upload(asked, logits.device)
-        scores = raw.index_select(0, index)
-        if any(seqs[i].ctx.request.logprobs_mode == "processed" for i in asked):
-            processed = logprobs.processed_scores(logits.index_select(0, index), [samplers[i] for i in asked],
-                                                  lambda j: seqs[asked[j]].ids, lambda j: seqs[asked[j]].ctx.generated)
-            modes = upload([seqs[i].ctx.request.logprobs_mode == "processed" for i in asked], logits.device,
-                           dtype=torch.bool)
-            scores = torch.where(modes[:, None], processed, scores.float())
-        table = logprobs.table(scores, chosen.index_select(0, index), k)
+        table = Engine._logprob_table(seqs, asked, raw, logits, chosen, k)
         values = read(torch.cat([chosen.double(), table.flatten(), *extra]))
         tokens, width = [int(t) for t in values[: len(seqs)]], 1 + 2 * k
         entries: list[TokenLogprob | None] = [None] * len(seqs)
@@ -353,6 +345,21 @@ class Engine:
             lp, top = logprobs.unpack(row, k, seqs[i].ctx.request.logprobs)
             entries[i] = TokenLogprob(tokens[i], lp, top)
         return tokens, time.perf_counter() - t0, entries, values[len(seqs) + len(asked) * width :]
+
+    @staticmethod
+    def _logprob_table(seqs: list[Sequence], asked: list[int], raw: torch.Tensor, logits: torch.Tensor,
+                       chosen: torch.Tensor, k: int) -> torch.Tensor:
+        """``logprobs.table`` of the ``asked`` rows: from the model's ``raw`` logits, or for
+        ``logprobs_mode="processed"`` rows from ``logits`` after processors and the sampler's filters."""
+        index = upload(asked, logits.device)
+        scores = raw.index_select(0, index)
+        if any(seqs[i].ctx.request.logprobs_mode == "processed" for i in asked):
+            processed = logprobs.processed_scores(logits.index_select(0, index), [seqs[i].sampler for i in asked],
+                                                  lambda j: seqs[asked[j]].ids, lambda j: seqs[asked[j]].ctx.generated)
+            modes = upload([seqs[i].ctx.request.logprobs_mode == "processed" for i in asked], logits.device,
+                           dtype=torch.bool)
+            scores = torch.where(modes[:, None], processed, scores.float())
+        return logprobs.table(scores, chosen.index_select(0, index), k)
 
     def _accept(self, seqs: list[Sequence], tokens: list[int], sample_s: float,
                 scored: Seq[TokenLogprob | None] = ()) -> None:
