@@ -86,6 +86,15 @@ def generate_oracle(lm, input_ids: torch.Tensor, max_new_tokens: int, ignore_eos
     return out[0, input_ids.shape[1]:].tolist()
 
 
+def logprob_oracle(lm, ids: list[int], **inputs) -> torch.Tensor:
+    """log_softmax of a plain transformers forward over ``ids`` (float32, on the CPU): row p is
+    the distribution of the token after position p. The log-probability oracle."""
+    input_ids = torch.tensor([ids], device=lm.device)
+    with torch.inference_mode():
+        logits = lm.model(input_ids=input_ids, **on_device(lm, **inputs)).logits[0]
+    return logits.float().log_softmax(-1).cpu()
+
+
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, input: str | None = None, timeout: int = 300):
     """python -m pipeline in a subprocess (the end-to-end contract)."""
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,6 +42,18 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def serving_tiny(tmp: Path, path: Path, name: str, *overrides: str) -> Iterator[Server]:
+    """A float32 server on the tiny model at ``path`` served as ``name``, with that model loaded
+    here too (``server.lm``) for the oracle."""
+    from pipeline import load_model
+
+    with serving(tmp, f"model.path={path}", "model.dtype=float32", "kv.memory=64000000",
+                 f"serve.model_name={name}", *overrides) as server:
+        server.lm = load_model(str(path), dtype=torch.float32)
+        yield server
 
 
 @contextlib.contextmanager

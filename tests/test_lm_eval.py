@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from pipeline import load_model
-from serving import serving
+from conftest import logprob_oracle
+from serving import serving_tiny
 
 
 QUESTIONS = [("The sky on a clear day is", [" blue", " green", " loud", " square"], 0),
@@ -42,10 +41,7 @@ def write_tasks(folder) -> None:
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    path = tiny_dir("qwen3")
-    with serving(tmp_path_factory.mktemp("serve-lm-eval"), f"model.path={path}", "model.dtype=float32",
-                 "kv.memory=64000000", "serve.model_name=tiny") as server:
-        server.lm = load_model(str(path), dtype=torch.float32)
+    with serving_tiny(tmp_path_factory.mktemp("serve-lm-eval"), tiny_dir("qwen3"), "tiny") as server:
         yield server
 
 
@@ -61,8 +57,7 @@ def evaluate(server, tmp_path, model: str, tasks: list[str], **kwargs) -> dict:
 
 
 def logprob(lm, context: list[int], continuation: list[int]) -> float:
-    with torch.no_grad():
-        rows = lm.model(torch.tensor([context + continuation])).logits[0].float().log_softmax(-1)
+    rows = logprob_oracle(lm, context + continuation)
     return sum(float(rows[len(context) - 1 + i, t]) for i, t in enumerate(continuation))
 
 

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from conftest import logprob_oracle
 from pipeline import Pipeline, Request, UserError
 from pipeline.spec import Speculative
 from stages import DecodeLoop, Prefill, Sampler, Tokenize, VisionEncoder
@@ -20,9 +21,7 @@ def engine(lm, **kwargs) -> Pipeline:
 
 def oracle(lm, ids: list[int], generated: list[int]) -> torch.Tensor:
     """log_softmax of a plain forward over prompt + generated: row j predicts generated[j]."""
-    with torch.no_grad():
-        logits = lm.model(torch.tensor([ids + generated[:-1]])).logits[0].float()
-    return logits.log_softmax(-1)[len(ids) - 1 :]
+    return logprob_oracle(lm, ids + generated[:-1])[len(ids) - 1 :]
 
 
 def assert_matches(entries, generated: list[int], reference: torch.Tensor, k: int) -> None:
@@ -95,8 +94,7 @@ def test_prompt_logprobs_match_a_plain_forward_though_the_prompt_is_cached(load_
     reusing = pipe.submit(Request(max_new_tokens=3, ignore_eos=True), ids=ids + [50])
     r = scored.result()
     assert reusing.result().metrics["kv_reused_tokens"] > 0 and r.metrics["kv_reused_tokens"] == 0
-    with torch.no_grad():
-        reference = lm.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    reference = logprob_oracle(lm, ids)
     assert r.prompt_logprobs[0] is None and len(r.prompt_logprobs) == len(ids) and r.logprobs is None
     assert_matches(r.prompt_logprobs[1:], ids[1:], reference[:-1], 3)
     assert r.to_dict()["prompt_logprobs"][0] is None
@@ -109,8 +107,7 @@ def test_a_prefill_only_chain_scores_prompts(load_tiny):
     prompts = [list(range(5, 25)), list(range(30, 41)), list(range(5, 19))]
     handles = [pipe.submit(Request(prompt_logprobs=0), ids=p) for p in prompts]
     for p, h in zip(prompts, handles):
-        with torch.no_grad():
-            reference = lm.model(torch.tensor([p])).logits[0].float().log_softmax(-1)
+        reference = logprob_oracle(lm, p)
         assert_matches(h.result().prompt_logprobs[1:], p[1:], reference[:-1], 0)
 
 
@@ -124,15 +121,14 @@ def test_logprobs_with_an_image_in_the_prompt(load_tiny):
     request = Request(prompt="What colour?", images=[image], max_new_tokens=4, ignore_eos=True, logprobs=2,
                       prompt_logprobs=1)
     ctx = pipe.run_context(request)
-    with torch.no_grad():
-        inputs = {k: v for k, v in ctx.model_inputs.items() if isinstance(v, torch.Tensor)}
-        ids = torch.cat([ctx.input_ids, torch.tensor([ctx.generated[:-1]])], dim=1)
-        inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids))
-        if "mm_token_type_ids" in inputs:  # per prompt token: the generated ones are text
-            types = inputs["mm_token_type_ids"]
-            inputs["mm_token_type_ids"] = torch.cat([types, types.new_zeros(1, ids.shape[1] - types.shape[1])], 1)
-        logits = lm.model(**inputs).logits[0].float().log_softmax(-1)
     prompt = ctx.input_ids[0].tolist()
+    ids = prompt + ctx.generated[:-1]
+    inputs = {k: v for k, v in ctx.model_inputs.items() if isinstance(v, torch.Tensor) and k != "input_ids"}
+    inputs["attention_mask"] = torch.ones(1, len(ids), dtype=torch.long)
+    if "mm_token_type_ids" in inputs:  # per prompt token: the generated ones are text
+        types = inputs["mm_token_type_ids"]
+        inputs["mm_token_type_ids"] = torch.cat([types, types.new_zeros(1, len(ids) - types.shape[1])], 1)
+    logits = logprob_oracle(lm, ids, **inputs)
     assert_matches(ctx.logprobs, ctx.generated, logits[len(prompt) - 1 :], 2)
     assert_matches([ctx.prompt_logprobs[p] for p in range(1, len(prompt))], prompt[1:], logits[: len(prompt) - 1], 1)
 
@@ -168,12 +164,11 @@ def test_engine_penalties_count_generated_tokens_and_match_a_plain_loop(load_tin
     plain = pipe.submit(Request(max_new_tokens=8, ignore_eos=True), ids=ids)
     got = pipe.submit(Request(max_new_tokens=8, ignore_eos=True, sampler=Sampler(**settings)), ids=ids)
     out: list[int] = []
-    with torch.no_grad():
-        for _ in range(8):
-            x = lm.model(torch.tensor([ids + out])).logits[0, -1].float()
-            x[7] += 3.0
-            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=x.shape[0]).float()
-            out.append(int((x - 0.8 * counts - 1.5 * (counts > 0).float()).argmax()))
+    for _ in range(8):
+        x = logprob_oracle(lm, ids + out)[-1]  # log-softmax: the logits shifted, the same argmax
+        x[7] += 3.0
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=x.shape[0]).float()
+        out.append(int((x - 0.8 * counts - 1.5 * (counts > 0).float()).argmax()))
     assert got.result().token_ids == out
     assert plain.result().token_ids == pipe.run_ids(ids, Request(max_new_tokens=8, ignore_eos=True)).generated
 

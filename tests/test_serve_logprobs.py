@@ -10,30 +10,22 @@ import pytest
 import torch
 from openai import BadRequestError, OpenAI
 
-from pipeline import load_model
-from serving import serving
+from conftest import logprob_oracle
+from serving import serving_tiny
 
 
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
-    path = tiny_dir("qwen3")
-    with serving(tmp_path_factory.mktemp("serve-lp"), f"model.path={path}", "model.dtype=float32",
-                 "kv.memory=64000000", "serve.model_name=qwen3") as server:
-        server.lm = load_model(str(path), dtype=torch.float32)
+    with serving_tiny(tmp_path_factory.mktemp("serve-lp"), tiny_dir("qwen3"), "qwen3") as server:
         server.client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         yield server
-
-
-def oracle(lm, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return lm.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
 
 
 def greedy(lm, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
     """The greedy continuation and each step's log-probabilities."""
     out, rows = [], []
     for _ in range(n):
-        row = oracle(lm, ids + out)[-1]
+        row = logprob_oracle(lm, ids + out)[-1]
         rows.append(row)
         out.append(int(row.argmax()))
     return out, rows
@@ -67,7 +59,7 @@ def test_chat_logprobs_streamed_or_not_match_the_oracle(server):
 
 def test_completions_echo_scores_the_prompt_given_as_ids(server):
     ids = tokenize(server, prompt="The sea is blue and the sky is", add_special_tokens=False)
-    reference = oracle(server.lm, ids)
+    reference = logprob_oracle(server.lm, ids)
     scored = server.client.completions.create(model="qwen3", prompt=ids, echo=True, logprobs=1, max_tokens=0)
     choice = scored.choices[0]
     lp = choice.logprobs
