@@ -110,7 +110,7 @@ def decode_logits(
     ``ids`` [1, B] the tokens fed, ``positions`` [rows, 1, B] or [1, B] theirs, ``lengths`` [B]
     each row's cache length counting the fed token, ``tables`` [B, W] their block tables padded
     with the null block, ``extent`` [E, 0] (no data: its length is how many pool blocks
-    FlexAttention's key tensors cover, ``flex.extent_blocks``). Every op here runs once per
+    FlexAttention's key tensors cover, ``flex.extent_blocks``; 2, unread, without it). Every op here runs once per
     token: keep them few.
     """
     size = pool.block_size
@@ -223,7 +223,8 @@ def burst_state(
         pos.unsqueeze(1) if len(positions) > 1 else pos,
         upload([s + 1 for s in starts] + [1] * pad, device),
         upload(padded, device),
-        torch.empty(flex.extent_blocks(pool, padded, device), 0, device=device),
+        # Only FlexAttention reads the extent (and only then are never-written blocks zeroed for it).
+        torch.empty(flex.extent_blocks(pool, padded, device) if flex.usable(pool, device) else 2, 0, device=device),
     )
 
 
