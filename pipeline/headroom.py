@@ -110,7 +110,8 @@ def _largest_media(pipe: Any) -> list[tuple[Request, int]]:
     extractor = getattr(getattr(pipe.lm, "processor", None), "feature_extractor", None)
     if "audio" in kinds and getattr(extractor, "n_samples", None):
         clip = (torch.zeros(int(extractor.n_samples)), int(extractor.sampling_rate))
-        out.append((Request(prompt="Transcribe.", audios=[clip], max_new_tokens=1), int(extractor.n_samples) // 160 + 256))
+        request = Request(prompt="Transcribe.", audios=[clip], max_new_tokens=1)
+        out.append((request, int(extractor.n_samples) // 160 + 256))  # 160 samples per mel frame: a bound
     return out
 
 

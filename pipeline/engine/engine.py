@@ -400,8 +400,8 @@ class Engine:
         """How many decode steps this step may run back to back (1: an ordinary step).
 
         A burst needs a decode-only step of argmax-only sequences (no logits processors, no
-        drafts, no log-probabilities asked) and nobody waiting to be admitted; it is as long as the sequence with the fewest
-        tokens left allows. (Recurrent states are read and written per step, not inside a burst.)
+        drafts, no log-probabilities asked) and nobody waiting to be admitted; it is as long as
+        the sequence with the fewest tokens left allows. (Recurrent states are read and written per step, not inside a burst.)
         """
         if self.burst < 2 or self.scheduler.waiting or self._inbox or self.pool.states is not None:
             return 1

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException
 from pipeline.context import Request, Result
 from pipeline.engine import Cancelled, Handle
 from pipeline.errors import UserError
+from pipeline.memory import text_config
 from pipeline.pipeline import Pipeline
 from pipeline.serve.bridge import Submission
 from pipeline.serve.media import MediaPolicy, audio_from_base64, image_from_url, video_from_url
@@ -411,8 +412,8 @@ class _API:
                 "model_max_length": self._context(), "vocab_size": len(tokenizer)}
 
     def _context(self) -> int | None:
-        config = self.pipe.lm.config
-        return getattr(config.get_text_config(), "max_position_embeddings", None)
+        """The model's context length, as the engine's limit check reads it."""
+        return getattr(text_config(self.pipe.lm.config), "max_position_embeddings", None)
 
     # --- responses out ----------------------------------------------------------------------
     async def complete(self, body: Sampling, http: HTTPRequest, chat: bool) -> Response:
@@ -594,7 +595,8 @@ class _API:
                 results = [r for r in finished if r is not None]
                 self._done(meta["id"], endpoint, results)
                 if include_usage:
-                    yield "data: " + json.dumps({**meta, "object": obj, "choices": [], "usage": self._usage(results, call.n),
+                    usage = self._usage(results, call.n)
+                    yield "data: " + json.dumps({**meta, "object": obj, "choices": [], "usage": usage,
                                                  "metrics": self._metrics(results[0])}) + "\n\n"
                 yield "data: [DONE]\n\n"
             finally:
