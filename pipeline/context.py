@@ -34,10 +34,12 @@ class Request:
     # penalties, temperature and filters (pipeline.runner.logprobs).
     logprobs: int | None = None
     logprobs_mode: str = "raw"
-    # Per prompt token after the first, its log-probability given the tokens before it and this
-    # many alternatives (0-20; None: none). Every prompt position is computed for it: nothing
-    # is taken from the prefix cache.
+    # Per prompt token from position ``prompt_logprobs_from`` on (default: all but the first),
+    # its log-probability given the tokens before it and this many alternatives (0-20; None:
+    # none). The positions that score are computed, never taken from the prefix cache; the
+    # prefix before them may be (an evaluation's choices share their question's context).
     prompt_logprobs: int | None = None
+    prompt_logprobs_from: int = 1
 
 
 @dataclass

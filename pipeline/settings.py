@@ -12,7 +12,7 @@ Two layers, so that no setting is checked twice or in the middle of a run:
 
 The Python API has its own guards: a stage or ``Pipeline`` given a bad argument raises
 ``ValueError`` / ``TypeError`` (programming misuse); ``UserError`` is for what a CLI user can fix.
-Mode-specific sections (``serve``, ``batch``, ``bench``, ``ceval``) are typed here and checked by
+Mode-specific sections (``serve``, ``batch``, ``bench``, ``ceval``, ``eval``) are typed here and checked by
 their mode when it starts, which is where they enter.
 """
 from __future__ import annotations
@@ -124,6 +124,9 @@ class BatchSettings:
     shared_prefix: bool = False
     progress: bool = True
     sync_timeout_s: float = 86400.0
+    logprobs: Optional[int] = None  # 0-20 top alternatives per generated token (the range: mode=batch)
+    prompt_logprobs: Optional[int] = None
+    logprobs_mode: str = "raw"  # raw | processed
 
 
 @dataclass
@@ -144,6 +147,19 @@ class CevalSettings:
     dev: Optional[str] = None
     shots: int = 5
     instruction: str = ""
+
+
+@dataclass
+class EvalSettings:
+    tasks: Any = None  # lm-eval task or group names: a list, or one comma-separated string
+    limit: Optional[float] = None  # documents per task (a whole number) or a fraction of each (0.1)
+    num_fewshot: Optional[int] = None
+    include_path: Optional[str] = None  # a folder of the user's own task YAMLs
+    apply_chat_template: bool = False
+    fewshot_as_multiturn: bool = False
+    log_samples: bool = False
+    max_length: Optional[int] = None
+    seed: int = 0
 
 
 @dataclass
@@ -173,6 +189,7 @@ class Settings:
     batch: Optional[BatchSettings] = None
     bench: Optional[BenchSettings] = None
     ceval: Optional[CevalSettings] = None
+    eval: Optional[EvalSettings] = None
     data: Optional[str] = None  # mode=ceval: the questions
     dir: Optional[str] = None  # mode=report: the sweep folder
 

@@ -97,7 +97,7 @@ def logprob_oracle(lm, ids: list[int], **inputs) -> torch.Tensor:
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, input: str | None = None, timeout: int = 300):
     """python -m pipeline in a subprocess (the end-to-end contract)."""
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "pipeline", *args],
         cwd=cwd or ROOT,

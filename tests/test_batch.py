@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, logprob_oracle, run_cli
 from pipeline import Pipeline, Request
 from pipeline.errors import UserError
 from pipeline.modes import batch, report
@@ -84,6 +84,12 @@ def test_jsonl_media_paths_are_relative_to_the_file_and_settings_normalised(tmp_
         ('{"id": 3}', ["no prompt"]),
         ('{"id": [3], "prompt": "x"}', ["id must be"]),
         ('{"id": "a", "prompt": "again"}', ["duplicate id 'a'", "first on line 1"]),
+        ('{"id": 3, "prompt": "x", "logprobs": 21}', ["logprobs must be a whole number from 0 to 20", "21"]),
+        ('{"id": 3, "prompt": "x", "logprobs": -1}', ["logprobs must be", "-1"]),
+        ('{"id": 3, "prompt": "x", "logprobs": "x"}', ["logprobs must be", "'x'"]),
+        ('{"id": 3, "prompt": "x", "logprobs": true}', ["logprobs must be", "True"]),
+        ('{"id": 3, "prompt": "x", "prompt_logprobs": 2.5}', ["prompt_logprobs must be", "2.5"]),
+        ('{"id": 3, "prompt": "x", "logprobs_mode": "greedy"}', ["logprobs_mode must be one of raw, processed"]),
     ],
 )
 def test_malformed_jsonl_names_the_line(tmp_path, bad, words):
@@ -114,6 +120,27 @@ def test_bad_input_fails_before_the_model_loads(tmp_path, monkeypatch):
     empty.write_text("# nothing\n\n", encoding="utf-8")
     with pytest.raises(UserError, match="no prompts"):
         run_batch(monkeypatch, tmp_path / "out", f"input={empty}")
+
+
+@pytest.mark.parametrize(
+    "line, overrides, pattern",
+    [
+        ('{"id": 1, "prompt": "a", "logprobs": 21}', [], r"p\.jsonl line 2: logprobs must be a whole number"),
+        ('{"id": 1, "prompt": "a"}', ["batch.logprobs=21"], r"^batch\.logprobs must be a whole number from 0 to 20"),
+        ('{"id": 1, "prompt": "a"}', ["batch.logprobs_mode=top"], r"^batch\.logprobs_mode must be one of raw"),
+        ('{"id": 1, "prompt": "a", "logprobs": 0}', ["decode.speculative=ngram"],
+         r"p\.jsonl line 2: logprobs with speculative decoding"),
+        ('{"id": 1, "prompt": "a"}', ["batch.logprobs=1", "decode.speculative=ngram"],
+         r"^batch\.logprobs: logprobs with speculative decoding"),
+    ],
+)
+def test_bad_logprob_settings_fail_before_the_model_loads(tmp_path, monkeypatch, line, overrides, pattern):
+    monkeypatch.setattr(batch, "load_from_cfg", lambda cfg: pytest.fail("the model was loaded"))
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"id": 0, "prompt": "fine"}\n' + line + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match=pattern) as err:
+        run_batch(monkeypatch, tmp_path / "out", f"input={p}", *overrides)
+    assert "\n" not in str(err.value)
 
 
 def test_half_written_journal_line_is_cut_before_appending(tmp_path):
@@ -162,6 +189,7 @@ def test_batch_equals_one_by_one_runs(tmp_path, tiny_dir, load_tiny, monkeypatch
         Request(prompt=PROMPTS[3], max_new_tokens=N, stop=["e"], thinking=False),
     ])
     assert [r["id"] for r in records] == ["a", "b", 7, 4]
+    assert {tuple(r) for r in records} == {("id", "prompt", "text", "token_ids", "finish_reason", "metrics")}
     assert [(r["text"], r["token_ids"]) for r in records] == [(e.text, e.token_ids) for e in expected]
     assert records[2]["metrics"]["generated_tokens"] == N  # ignore_eos reached the item
     assert not list(out.glob("results.part*"))  # merged and cleaned up
@@ -174,6 +202,66 @@ def test_batch_equals_one_by_one_runs(tmp_path, tiny_dir, load_tiny, monkeypatch
         assert d["mean"] > 0 and d["p50"] <= d["p90"] <= d["p99"]
     assert summary["weights_bytes"] > 0 and summary["quant"] == "none" and summary["num_processes"] == 1
     assert summary["max_seqs"] == 8 and summary["throughput_tok_s"] > 0  # the items ran concurrently
+
+
+def prompt_ids(lm, prompt: str) -> list[int]:
+    """The ids the batch's Tokenize renders ``prompt`` to (chat template included)."""
+    return Pipeline(lm, {"tokenize": Tokenize()}).tokenize(Request(prompt=prompt)).input_ids[0].tolist()
+
+
+def assert_oracle(entries: list[dict], ids: list[int], reference, k: int, text) -> None:
+    """Entry j scores ids[j] with reference row j: its log-probability, its k best alternatives."""
+    assert [e["token_id"] for e in entries] == ids and [e["token"] for e in entries] == [text(t) for t in ids]
+    for j, e in enumerate(entries):
+        assert e["logprob"] == pytest.approx(float(reference[j, ids[j]]), abs=1e-4)
+        values, top = reference[j].topk(k)
+        assert [t for t, _ in e["top_logprobs"]] == top.tolist()
+        assert [v for _, v in e["top_logprobs"]] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+def logprob_values(records: list[dict], key: str) -> list[float | None]:
+    """Every record's ``key`` entries' log-probabilities, one flat list (None: an unscored position)."""
+    return [e and e["logprob"] for r in records for e in r.get(key) or []]
+
+
+def test_logprobs_are_written_for_the_items_that_ask_and_match_a_plain_forward(tmp_path, tiny_dir, load_tiny,
+                                                                              monkeypatch):
+    """batch.logprobs=0 is every item's default; a, b and c override it for themselves."""
+    p = tmp_path / "p.jsonl"
+    rows = [
+        {"id": "a", "prompt": PROMPTS[0], "logprobs": 2, "ignore_eos": True},
+        {"id": "b", "prompt": PROMPTS[1], "prompt_logprobs": 1, "max_new_tokens": 2, "ignore_eos": True},
+        {"id": "c", "prompt": PROMPTS[2], "logprobs": None},
+        {"id": "d", "prompt": PROMPTS[3], "ignore_eos": True},
+    ]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    model = f"model.path={tiny_dir('qwen3')}"
+    out = tmp_path / "out"
+    run_batch(monkeypatch, out, f"input={p}", model, "batch.logprobs=0")
+    a, b, c, d = records = lines(out / "results.jsonl")
+    lm = load_tiny("qwen3")
+    text = lambda t: lm.tokenizer.decode([t])  # noqa: E731
+
+    ids = prompt_ids(lm, PROMPTS[0])
+    assert len(a["logprobs"]) == len(a["token_ids"]) == N and "prompt_logprobs" not in a
+    assert_oracle(a["logprobs"], a["token_ids"], logprob_oracle(lm, ids + a["token_ids"])[len(ids) - 1:], 2, text)
+
+    ids = prompt_ids(lm, PROMPTS[1])
+    assert b["prompt_ids"] == ids and len(b["prompt_logprobs"]) == len(ids) and b["prompt_logprobs"][0] is None
+    assert_oracle(b["prompt_logprobs"][1:], ids[1:], logprob_oracle(lm, ids), 1, text)
+    assert [e["top_logprobs"] for e in b["logprobs"]] == [[], []]  # batch.logprobs=0: no alternatives
+
+    assert list(c) == ["id", "prompt", "text", "token_ids", "finish_reason", "metrics"]
+    assert len(d["logprobs"]) == N and all(e["top_logprobs"] == [] for e in d["logprobs"])
+
+    run_batch(monkeypatch, tmp_path / "shared", f"input={p}", model, "batch.logprobs=0", "batch.shared_prefix=true")
+    shared = lines(tmp_path / "shared" / "results.jsonl")
+    assert answers(shared) == answers(records)
+    for key in ("logprobs", "prompt_logprobs"):  # the shared-prefix path writes them alike
+        assert logprob_values(shared, key) == pytest.approx(logprob_values(records, key), abs=1e-4)
+
+    run_batch(monkeypatch, out, f"input={p}", model)  # a changed setting re-runs nothing, like max_new_tokens
+    assert lines(out / "results.jsonl") == records
 
 
 def test_item_error_keeps_the_others_and_is_retried_on_resume(tmp_path, tiny_dir, monkeypatch):

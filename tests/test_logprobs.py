@@ -100,6 +100,28 @@ def test_prompt_logprobs_match_a_plain_forward_though_the_prompt_is_cached(load_
     assert r.to_dict()["prompt_logprobs"][0] is None
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_scoring_from_a_position_reuses_the_shared_context(load_tiny, family):
+    """What a multiple-choice question runs: its choices score only their continuation, so the
+    question's context comes from the prefix cache after the first; chunks of 16 tokens split
+    the scored part (a part starting before the first scored position keeps only what scores)."""
+    lm = load_tiny(family)
+    pipe = Pipeline(lm, {"prefill": Prefill()}, kv_memory=16 << 20, max_batch_tokens=16)
+    context = list(range(5, 55))
+    choices = [[60, 61, 62], [70, 71], list(range(80, 100)), [90]]
+    results = [pipe.run_ids(context + c, Request(prompt_logprobs=1, prompt_logprobs_from=len(context)))
+               for c in choices]
+    for c, ctx in zip(choices, results):
+        reference = logprob_oracle(lm, context + c)
+        assert sorted(ctx.prompt_logprobs) == list(range(len(context), len(context) + len(c)))
+        assert_matches([ctx.prompt_logprobs[p] for p in sorted(ctx.prompt_logprobs)], c,
+                       reference[len(context) - 1 : -1], 1)
+    assert results[0].metrics.counters["kv_reused_tokens"] == 0
+    assert all(ctx.metrics.counters["kv_reused_tokens"] >= 32 for ctx in results[1:])
+    with pytest.raises(UserError, match="prompt_logprobs_from must be a prompt position from 1 to 52"):
+        pipe.run_ids(context + [1, 2, 3], Request(prompt_logprobs=1, prompt_logprobs_from=53))
+
+
 def test_a_prefill_only_chain_scores_prompts(load_tiny):
     """What evaluation runs: no decode stage, several prompts scored in one step."""
     lm = load_tiny("qwen3")

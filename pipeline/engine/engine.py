@@ -31,7 +31,7 @@ import torch
 
 from pipeline.context import TokenLogprob
 from pipeline.engine.handle import Cancelled, Handle
-from pipeline.engine.intake import chosen_rows, kept_rows, make_chunk, prepare, prompt_rows
+from pipeline.engine.intake import chosen_rows, kept_rows, make_chunk, prepare, prompt_rows, scoring_positions
 from pipeline.engine.scheduler import Scheduled, Scheduler
 from pipeline.engine.sequence import Sequence, Status
 from pipeline.errors import OutOfBlocks, whole_number
@@ -279,9 +279,9 @@ class Engine:
             return None
         index, targets = [], []
         for item, row in scoring:
-            n = prompt_rows(item)
-            index += range(row, row + n)
-            targets += item.seq.ids[item.begin + 1 : item.begin + 1 + n]
+            positions = scoring_positions(item)
+            index += range(row, row + len(positions))
+            targets += item.seq.ids[positions.start + 1 : positions.stop + 1]
         k = max(item.seq.ctx.request.prompt_logprobs for item, _ in scoring)
         device = logits.device
         return logprobs.table(logits.index_select(0, upload(index, device)), upload(targets, device), k).flatten()
@@ -294,7 +294,7 @@ class Engine:
         width, at = 1 + 2 * k, 0
         for item, _ in scoring:
             seq = item.seq
-            for position in range(item.begin + 1, item.begin + 1 + prompt_rows(item)):
+            for position in (p + 1 for p in scoring_positions(item)):
                 lp, top = logprobs.unpack(values[at : at + width], k, seq.ctx.request.prompt_logprobs)
                 seq.ctx.prompt_logprobs[position] = TokenLogprob(seq.ids[position], lp, top)
                 at += width

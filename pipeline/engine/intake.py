@@ -10,7 +10,7 @@ from pipeline.engine.sequence import Layout, Sequence
 from pipeline.errors import UserError
 from pipeline.memory import text_config
 from pipeline.runner import Chunk
-from pipeline.runner.logprobs import MAX_LOGPROBS, MODES
+from pipeline.runner.logprobs import check_setting
 
 MEDIA = {"images": "image", "videos": "video", "audios": "audio"}  # Request field -> the kind a stage encodes
 
@@ -101,16 +101,16 @@ def _check_logit_bias(seq: Sequence) -> None:
 def _check_logprobs(seq: Sequence) -> None:
     req = seq.ctx.request
     for name in ("logprobs", "prompt_logprobs"):
-        value = getattr(req, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not 0 <= value <= MAX_LOGPROBS):
-            raise UserError(f"{name} must be a whole number from 0 to {MAX_LOGPROBS} (got {value!r})")
+        check_setting(name, getattr(req, name))
     if req.prompt_logprobs is not None and seq.pending is not None:
         raise UserError("prompt_logprobs needs the engine to run the prefill (this prompt was prefilled by hand)")
+    start = req.prompt_logprobs_from
+    if isinstance(start, bool) or not isinstance(start, int) or not 1 <= start < max(2, seq.prompt_len):
+        raise UserError(f"prompt_logprobs_from must be a prompt position from 1 to {max(1, seq.prompt_len - 1)} "
+                        f"(got {start!r})")
     if req.logprobs is None:
         return
-    if req.logprobs_mode not in MODES:
-        raise UserError(f"logprobs_mode must be one of {', '.join(MODES)} (got {req.logprobs_mode!r})")
+    check_setting("logprobs_mode", req.logprobs_mode)
     if seq.spec is not None:
         raise UserError("logprobs with speculative decoding (decode.speculative) are not supported yet: "
                         "leave decode.speculative unset for requests that ask for them")
@@ -144,14 +144,23 @@ def chosen_rows(item: Scheduled) -> int:
     return 1 + len(item.seq.drafts) if item.end == item.seq.known else 0
 
 
-def prompt_rows(item: Scheduled) -> int:
-    """Logits rows that score prompt tokens (``Request.prompt_logprobs``): one per fed position
-    whose next token is a prompt token, the part's first rows."""
+def scoring_positions(item: Scheduled) -> range:
+    """Fed positions whose logits row scores the prompt token after it (``Request.prompt_logprobs``
+    from ``prompt_logprobs_from``): empty when the part scores none."""
     seq = item.seq
-    return max(0, min(item.end, seq.prompt_len - 1) - item.begin) if seq.scores_prompt else 0
+    if not seq.scores_prompt:
+        return range(0)
+    first = max(item.begin, seq.scored_from - 1)
+    return range(first, max(first, min(item.end, seq.prompt_len - 1)))
+
+
+def prompt_rows(item: Scheduled) -> int:
+    """Logits rows that score prompt tokens: the part's first kept rows."""
+    return len(scoring_positions(item))
 
 
 def kept_rows(item: Scheduled) -> int:
-    """The part's last logits rows its forward keeps: every fed position when some score the
-    prompt (row r is position ``begin + r``), else the choosing rows."""
-    return item.end - item.begin + len(item.seq.drafts) if prompt_rows(item) else chosen_rows(item)
+    """The part's last logits rows its forward keeps: every fed position from the first scoring
+    one when some score the prompt (row r is that position + r), else the choosing rows."""
+    scoring = scoring_positions(item)
+    return item.end - scoring.start + len(item.seq.drafts) if scoring else chosen_rows(item)

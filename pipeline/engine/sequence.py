@@ -94,14 +94,19 @@ class Sequence:
 
     @property
     def scores_prompt(self) -> bool:
-        """``Request.prompt_logprobs``: every prompt position is computed (none taken from a cache)
-        and its logits row kept, to score the prompt token after it."""
+        """``Request.prompt_logprobs``: the positions before the scored prompt tokens are computed
+        (none taken from a cache) and their logits rows kept, each to score the token after it."""
         return getattr(getattr(self.ctx, "request", None), "prompt_logprobs", None) is not None
 
+    @property
+    def scored_from(self) -> int:
+        """The first prompt position scored (``Request.prompt_logprobs_from``)."""
+        return self.ctx.request.prompt_logprobs_from
+
     def reusable(self, keys: list) -> list:
-        """The keys a cache may keep a prefix of: all, or (scoring the prompt) only the first,
-        which keeps nothing."""
-        return keys[:1] if self.scores_prompt else keys
+        """The keys a cache may keep a prefix of: all, or (scoring the prompt from position s)
+        the first s, of which a cache keeps at most s - 1: the row scoring position s is computed."""
+        return keys[: self.scored_from] if self.scores_prompt else keys
 
     @property
     def drafts(self) -> list[int]:

@@ -8,7 +8,7 @@ from omegaconf import DictConfig
 
 from pipeline.errors import UserError
 
-MODES = ("run", "chat", "batch", "ceval", "bench", "report", "serve")
+MODES = ("run", "chat", "batch", "ceval", "eval", "bench", "report", "serve")
 
 
 def get_mode(name: str) -> Callable[[DictConfig], None]:

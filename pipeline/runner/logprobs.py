@@ -12,8 +12,21 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from pipeline.errors import UserError
+
 MAX_LOGPROBS = 20  # top alternatives a request may ask for (OpenAI's top_logprobs limit)
 MODES = ("raw", "processed")
+
+
+def check_setting(name: str, value: Any) -> None:
+    """The rule for ``logprobs`` / ``prompt_logprobs`` (None: none asked) and ``logprobs_mode``
+    (``name`` may carry a prefix: ``batch.logprobs``)."""
+    if name.rpartition(".")[2] == "logprobs_mode":
+        if value not in MODES:
+            raise UserError(f"{name} must be one of {', '.join(MODES)} (got {value!r})")
+    elif value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                or not 0 <= value <= MAX_LOGPROBS):
+        raise UserError(f"{name} must be a whole number from 0 to {MAX_LOGPROBS} (got {value!r})")
 
 
 def processed_scores(logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int], Sequence[int]],

@@ -1,0 +1,180 @@
+"""lm-eval in-process (``pipeline.evaluation.EngineLM`` and ``mode=eval``): the same log-likelihoods,
+perplexities and generations as lm-eval's own ``hf`` model on the same weights, a question's
+choices sharing its context through the prefix cache, image tasks on a vision family, and the
+CLI's results files and one-line errors."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import run_cli
+from test_lm_eval import write_tasks
+from pipeline import Pipeline, Request, UserError
+from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
+
+pytest.importorskip("lm_eval")
+
+CONTEXT = ("Read the passage and finish the sentence. The harbour town wakes early: boats leave before dawn, "
+           "the market opens at six, and by noon the square is full of people buying fish and bread. ")
+IMAGE_QUESTIONS = ["What colour is it?", "Name the colour."]
+SHARED = [(CONTEXT + "In the morning the boats", [" leave the harbour", " sing", " sleep all day", " fly"], 0),
+          (CONTEXT + "At noon the square is", [" full of people", " empty", " under water", " on fire"], 0)]
+
+
+def write_shared_task(folder) -> None:
+    """A multiple-choice task whose questions share a long context (several KV blocks)."""
+    (folder / "shared.jsonl").write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n"
+                                                 for q, c, a in SHARED))
+    (folder / "mm_shared.yaml").write_text(
+        f"task: mm_shared\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / 'shared.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n")
+
+
+def write_image_task(folder) -> list:
+    """A generate_until task with an ``<image>`` placeholder and a PIL image per document (parquet)."""
+    import datasets
+    from PIL import Image
+
+    images = [Image.new("RGB", (56, 56), c) for c in ((200, 30, 30), (20, 160, 40))]
+    data = datasets.Dataset.from_dict({"image": images, "question": IMAGE_QUESTIONS, "answer": ["red", "green"]})
+    data.cast_column("image", datasets.Image()).to_parquet(str(folder / "images.parquet"))
+    (folder / "mm_image.yaml").write_text(
+        f"task: mm_image\ndataset_path: parquet\ndataset_kwargs:\n  data_files:\n    test: {folder / 'images.parquet'}\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_image: [image]\n"
+        "doc_to_text: '<image>{{question}}'\ndoc_to_target: '{{answer}}'\n"
+        "generation_kwargs:\n  until: ['\\n\\n']\n  max_gen_toks: 6\nmetric_list:\n  - metric: exact_match\n")
+    return images
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    """The local tasks' folder, and one TaskManager over it (indexing lm-eval's tasks takes seconds)."""
+    from lm_eval.tasks import TaskManager
+
+    folder = tmp_path_factory.mktemp("eval-tasks")
+    write_tasks(folder)
+    write_shared_task(folder)
+    images = write_image_task(folder)
+    return folder, TaskManager(include_path=str(folder)), images
+
+
+def evaluate(model, tasks, names: list[str], **kwargs) -> dict:
+    from lm_eval import simple_evaluate
+
+    return simple_evaluate(model=model, tasks=names, task_manager=tasks[1], log_samples=True, **kwargs)
+
+
+def responses(out: dict, task: str) -> list:
+    return [r[0] for s in out["samples"][task] for r in s["resps"]]
+
+
+def test_engine_lm_equals_lm_evals_hf_model(load_tiny, tasks):
+    """Multiple choice, rolling perplexity and generation: every figure lm-eval's HFLM reports."""
+    from lm_eval.models.huggingface import HFLM
+
+    from pipeline.evaluation import EngineLM
+
+    lm = load_tiny("qwen3")
+    pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=32 << 20)
+    names = ["mm_mc", "mm_shared", "mm_rolling", "mm_gen"]
+    ours = evaluate(EngineLM(pipe, progress=False), tasks, names)
+    theirs = evaluate(HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=4), tasks, names)
+    for task in ("mm_mc", "mm_shared"):
+        mine, ref = responses(ours, task), responses(theirs, task)
+        assert [v for v, _ in mine] == pytest.approx([v for v, _ in ref], abs=1e-4)
+        assert [g for _, g in mine] == [g for _, g in ref]
+        assert ours["results"][task]["acc,none"] == theirs["results"][task]["acc,none"]
+    assert responses(ours, "mm_rolling") == pytest.approx(responses(theirs, "mm_rolling"), abs=1e-3)
+    assert responses(ours, "mm_gen") == responses(theirs, "mm_gen")
+
+
+def test_a_questions_choices_share_its_context(load_tiny, tasks):
+    """Each question's first choice computes the context; the other three find it in the prefix
+    cache, so the engine computes far fewer tokens than the requests hold."""
+    from pipeline.evaluation import EngineLM
+
+    lm = load_tiny("qwen3")
+    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=32 << 20)
+    model = EngineLM(pipe, progress=False)
+    before = pipe.engine.counters["tokens_in"]
+    out = evaluate(model, tasks, ["mm_shared"])
+    fed = pipe.engine.counters["tokens_in"] - before
+    held = sum(len(model.tok_encode(c + x)) for s in out["samples"]["mm_shared"] for c, x in s["arguments"])
+    context = len(model.tok_encode(CONTEXT))
+    assert context > 32 and fed <= held - 2 * 3 * (context // 16 * 16)  # 3 of 4 choices reuse its full blocks
+
+
+def test_image_tasks_generate_as_the_chain_does(load_tiny, tasks):
+    """lm-eval's multimodal generate_until requests (an ``<image>`` placeholder and a PIL image)
+    on a vision family: the same answer as the chain run directly on that image and question."""
+    from pipeline.evaluation import EngineLM
+
+    lm = load_tiny("qwen2-vl")
+    pipe = Pipeline(lm, {"tokenize": Tokenize(), "vision": VisionEncoder(), "prefill": Prefill(),
+                         "decode": DecodeLoop()}, kv_memory=32 << 20)
+    out = evaluate(EngineLM(pipe, progress=False), tasks, ["mm_image"])
+    answers = [s["resps"][0][0] for s in sorted(out["samples"]["mm_image"], key=lambda s: s["doc_id"])]
+    stop = ["\n\n", lm.tokenizer.eos_token]
+    direct = [pipe.run(Request(prompt=q, images=[im], max_new_tokens=6, stop=stop)).text
+              for q, im in zip(IMAGE_QUESTIONS, tasks[2])]
+    assert answers == direct and len(answers) == 2
+
+
+def test_unsupported_generation_settings_are_named(load_tiny):
+    from pipeline.evaluation import EngineLM
+
+    model = EngineLM(Pipeline(load_tiny("qwen3"), {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=8 << 20))
+    with pytest.raises(UserError, match="num_beams are not supported"):
+        model._generation(0, "Hello", {"until": ["."], "num_beams": 4})
+    assert model._generation(0, "Hello", {"do_sample": True, "temperature": 0.5, "seed": 1}).request.sampler.temperature == 0.5
+
+
+def test_mode_eval_writes_results_and_a_table(tiny_dir, tasks, tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli(f"model.path={tiny_dir('qwen3')}", "mode=eval", "eval.tasks=[mm_mc,mm_rolling]",
+                   f"eval.include_path={tasks[0]}", "eval.limit=2", "eval.log_samples=true", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((run / "results.json").read_text())
+    assert results["results"]["mm_mc"]["sample_len"] == 2 and "word_perplexity,none" in results["results"]["mm_rolling"]
+    assert "mm_mc" in (run / "results.md").read_text() and "mm_mc" in proc.stdout
+    assert len((run / "samples_mm_mc.jsonl").read_text().splitlines()) == 2
+    assert "loglikelihood" in proc.stderr  # the progress bar
+
+
+def make_cfg(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.__main__ import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose("config", overrides=["mode=eval", "model.path=/nonexistent", *overrides])
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "mode=eval needs eval.tasks="),
+    (["eval.tasks=[mm_mc]", "eval.limit=-3"], "eval.limit must be an integer >= 1"),
+    (["eval.tasks=mm_mc", "eval.include_path=/nonexistent"], "eval.include_path '/nonexistent' is not a folder"),
+])
+def test_mode_eval_refuses_bad_settings_before_loading(args, message):
+    from pipeline.modes.eval import main
+
+    with pytest.raises(UserError, match=message):
+        main(make_cfg(*args))
+
+
+def test_an_unknown_task_is_named_with_the_closest_ones(tasks):
+    from pipeline.modes.eval import check_tasks
+
+    check_tasks(tasks[1], ["mm_mc", "mm_*", "arc_easy"])
+    with pytest.raises(UserError, match=r"unknown lm-eval task 'mm_nope' \(did you mean mm_"):
+        check_tasks(tasks[1], ["mm_mc", "mm_nope"])
+
+
+def test_mode_eval_without_lm_eval_says_how_to_install(monkeypatch):
+    from pipeline.modes.eval import main
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now fails as if not installed
+    with pytest.raises(UserError, match=r"pip install 'mm-pipeline\[eval\]'"):
+        main(make_cfg("eval.tasks=[x]"))
