@@ -25,7 +25,13 @@ QWEN2_VL_2B_VISION = dict(
     in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.02,
 )
 QWEN2_VL_2B_PIXELS = dict(min_pixels=56 * 56, max_pixels=16384 * 28 * 28)
-ARCHS = ("qwen2-vl-2b",)
+# The issues' CPU reference shape: a 187M-parameter Llama (text only).
+LLAMA_187M = dict(
+    vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
+    num_key_value_heads=4, hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-5,
+    initializer_range=0.02, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
+ARCHS = ("qwen2-vl-2b", "llama-187m")
 
 
 def build_qwen2_vl_2b(out_dir: Path, device: str, layers: int | None = None, vision_depth: int | None = None) -> Path:
@@ -71,5 +77,29 @@ def build_qwen2_vl_2b(out_dir: Path, device: str, layers: int | None = None, vis
     del model
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
+    marker.write_text(json.dumps(recipe) + "\n")
+    return out_dir
+
+
+def build_llama_187m(out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """The 187M-parameter Llama shape with random weights (``dtype``) and the embedded tiny Qwen3
+    tokenizer (its ids all lie within the 32,000-token vocabulary); later calls reuse it."""
+    recipe = {"arch": "llama-187m", "dtype": str(dtype), "weights": "random"}
+    marker = out_dir / "mm_pipeline_bench.json"
+    if marker.is_file() and json.loads(marker.read_text()) == recipe:
+        return out_dir
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    from pipeline.tiny import make_tokenizer
+
+    tok = make_tokenizer("qwen3")
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    config = LlamaConfig(**LLAMA_187M, bos_token_id=eos, eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(dtype)
+    model.generation_config = GenerationConfig(eos_token_id=[eos], pad_token_id=tok.pad_token_id)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
     marker.write_text(json.dumps(recipe) + "\n")
     return out_dir

@@ -42,6 +42,14 @@ class Request:
     prompt_logprobs_from: int = 1
 
 
+LOGPROB_FLOOR = -9999.0  # what -inf is written as: JSON has no infinities (vLLM sends the same)
+
+
+def json_logprob(x: float) -> float:
+    """A log-probability as JSON can carry it: -inf (a token a filter removed) and NaN to the floor."""
+    return x if x == x and x > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 @dataclass
 class TokenLogprob:
     """A generated token's log-probability and the most likely tokens at its position."""
@@ -51,7 +59,9 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # (token id, log-probability), most likely first
 
     def to_dict(self) -> dict:
-        return {"token_id": self.token_id, "logprob": self.logprob, "top_logprobs": [list(t) for t in self.top]}
+        """For result.json / results.jsonl: strict JSON (no -Infinity), the floor for -inf."""
+        return {"token_id": self.token_id, "logprob": json_logprob(self.logprob),
+                "top_logprobs": [[t, json_logprob(v)] for t, v in self.top]}
 
 
 @dataclass

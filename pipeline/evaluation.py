@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+import torch
+from accelerate.utils import gather
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -58,13 +60,18 @@ class EngineLM(TemplateLM):
 
     ``max_length``: the context a request may use (default: the model's); longer inputs keep their
     end, as ``HFLM`` does. ``thinking``: passed to templates that take ``enable_thinking``.
+    ``process``: accelerate's ``PartialState`` of a data-parallel launch: lm-eval gives each
+    process its share of the documents and gathers the results on the first.
     """
 
     MULTIMODAL = True  # lm-eval hands image tasks only to models that say so
 
     def __init__(self, pipe: Pipeline, *, max_length: int | None = None, thinking: bool | None = None,
-                 progress: bool = True) -> None:
+                 progress: bool = True, process: Any = None) -> None:
         super().__init__()
+        self.process = process
+        if process is not None:
+            self._rank, self._world_size = process.process_index, process.num_processes
         self.pipe = pipe
         self.scorer = pipe.with_stages({k: v for k, v in pipe.stages.items() if k != "decode"})
         self.tokenizer = pipe.lm.tokenizer
@@ -112,6 +119,25 @@ class EngineLM(TemplateLM):
         if add_generation_prompt:
             self._chats[text] = messages
         return text
+
+    # --- several processes (lm-eval's hooks, as its HFLM implements them) ------------------------
+    @property
+    def device(self) -> Any:
+        return self.pipe.lm.device
+
+    def all_gather(self, tensor: Any) -> Any:
+        return tensor if self.world_size == 1 else gather(tensor)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list | None:
+        if self.world_size == 1:
+            return [obj]
+        gathered = [None] * self.world_size if self.rank == dst else None
+        torch.distributed.gather_object(obj, gathered, dst=dst)
+        return gathered
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            self.process.wait_for_everyone()
 
     # --- scoring --------------------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str], list[int], list[int]]],

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from conftest import ROOT, logprob_oracle, run_cli
 from pipeline import Pipeline, Request
 from pipeline.errors import UserError
-from pipeline.modes import batch, report
+from pipeline.modes import batch, processes, report
 from stages import DecodeLoop, Prefill, Sampler, Tokenize
 
 CONF_DIR = ROOT / "conf"
@@ -31,7 +31,7 @@ def compose_cfg(*overrides: str):
 def run_batch(monkeypatch, out: Path, *overrides: str) -> None:
     """mode=batch in this process, writing into ``out`` (what hydra.run.dir=out does on the CLI)."""
     out.mkdir(parents=True, exist_ok=True)
-    monkeypatch.setattr(batch, "run_dir", lambda: out)
+    monkeypatch.setattr(processes, "run_dir", lambda: out)
     batch.main(compose_cfg("mode=batch", "batch.progress=false", f"max_new_tokens={N}", *overrides))
 
 
@@ -157,8 +157,8 @@ def test_a_rank_drops_its_own_hydra_folder_only_when_hydra_wrote_nothing_else(tm
         (folder / ".hydra").mkdir(parents=True)
         (folder / "__main__.log").write_text("")
     (used / "results.jsonl").write_text("{}\n")
-    batch._remove_if_only_hydra(empty)
-    batch._remove_if_only_hydra(used)
+    processes._remove_if_only_hydra(empty)
+    processes._remove_if_only_hydra(used)
     assert not empty.exists() and (used / "results.jsonl").exists()
 
 

@@ -48,12 +48,13 @@ def test_named_model_with_local_path_system_prompt_and_sampler_settings(tiny_dir
     "args, message",
     [
         (["+model=no-such-model"], "unknown model 'no-such-model'"),
-        (["model.path=/no/such/dir"], "does not exist"),
-        (["prompt="], "prompt is empty"),
-        (["max_new_tokens=0"], "max_new_tokens must be an integer >= 1"),
+        # settings checked in-process too (test_before_load, test_sampler): their CLI runs are slow cases
+        pytest.param(["model.path=/no/such/dir"], "does not exist", marks=pytest.mark.slow),
+        pytest.param(["prompt="], "prompt is empty", marks=pytest.mark.slow),
+        pytest.param(["max_new_tokens=0"], "max_new_tokens must be an integer >= 1", marks=pytest.mark.slow),
         (["engine.burst=x"], "engine.burst=x: Value 'x' of type 'str' could not be converted to Integer"),
         (["foo=1"], "Could not override 'foo'"),
-        (["sampler.temperature=-1"], "temperature"),
+        pytest.param(["sampler.temperature=-1"], "temperature", marks=pytest.mark.slow),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(tiny_dir, tmp_path, args, message):

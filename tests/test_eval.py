@@ -5,10 +5,12 @@ CLI's results files and one-line errors."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import pytest
-from conftest import run_cli
+from conftest import ROOT, run_cli
 from test_lm_eval import write_tasks
 from pipeline import Pipeline, Request, UserError
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
@@ -131,16 +133,20 @@ def test_unsupported_generation_settings_are_named(load_tiny):
     assert model._generation(0, "Hello", {"do_sample": True, "temperature": 0.5, "seed": 1}).request.sampler.temperature == 0.5
 
 
-def test_mode_eval_writes_results_and_a_table(tiny_dir, tasks, tmp_path):
-    run = tmp_path / "run"
-    proc = run_cli(f"model.path={tiny_dir('qwen3')}", "mode=eval", "eval.tasks=[mm_mc,mm_rolling]",
-                   f"eval.include_path={tasks[0]}", "eval.limit=2", "eval.log_samples=true", f"hydra.run.dir={run}")
-    assert proc.returncode == 0, proc.stderr
-    results = json.loads((run / "results.json").read_text())
+def test_mode_eval_writes_results_and_a_table(tiny_dir, tasks, tmp_path, monkeypatch, capsys):
+    from pipeline.modes import eval as eval_mode
+    from pipeline.modes import processes
+
+    monkeypatch.setattr(processes, "run_dir", lambda: tmp_path)
+    monkeypatch.setattr(eval_mode, "task_manager", lambda include_path: tasks[1])  # indexed once per module
+    eval_mode.main(make_cfg(f"model.path={tiny_dir('qwen3')}", "eval.tasks=[mm_mc,mm_rolling]",
+                            f"eval.include_path={tasks[0]}", "eval.limit=2", "eval.log_samples=true"))
+    out = capsys.readouterr()
+    results = json.loads((tmp_path / "results.json").read_text())
     assert results["results"]["mm_mc"]["sample_len"] == 2 and "word_perplexity,none" in results["results"]["mm_rolling"]
-    assert "mm_mc" in (run / "results.md").read_text() and "mm_mc" in proc.stdout
-    assert len((run / "samples_mm_mc.jsonl").read_text().splitlines()) == 2
-    assert "loglikelihood" in proc.stderr  # the progress bar
+    assert "mm_mc" in (tmp_path / "results.md").read_text() and "mm_mc" in out.out
+    assert len((tmp_path / "samples_mm_mc.jsonl").read_text().splitlines()) == 2
+    assert "loglikelihood" in out.err  # the progress bar
 
 
 def make_cfg(*overrides: str):
@@ -149,7 +155,7 @@ def make_cfg(*overrides: str):
     from pipeline.__main__ import CONF_DIR
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose("config", overrides=["mode=eval", "model.path=/nonexistent", *overrides])
+        return compose("config", overrides=["mode=eval", "model.path=/nonexistent", "kv.memory=67108864", *overrides])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -178,3 +184,37 @@ def test_mode_eval_without_lm_eval_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now fails as if not installed
     with pytest.raises(UserError, match=r"pip install 'mm-pipeline\[eval\]'"):
         main(make_cfg("eval.tasks=[x]"))
+
+
+@pytest.mark.slow  # two processes, each loading lm-eval's task index (python -m pytest -m slow)
+def test_two_process_accelerate_launch_equals_one_process(tiny_dir, tasks, tmp_path):
+    """Data parallel as for batch: lm-eval splits the documents over the processes and gathers
+    every sample on the first; the results equal one process's."""
+    from test_batch import free_port
+
+    common = ["-m", "pipeline", "mode=eval", f"model.path={tiny_dir('qwen3')}", "eval.tasks=[mm_mc,mm_gen]",
+              f"eval.include_path={tasks[0]}", "eval.log_samples=true"]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()), *common, f"hydra.run.dir={tmp_path / 'two'}"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = run_cli(*common[2:], "model.device_map=cpu", f"hydra.run.dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-3000:]
+
+    def samples(folder, task):
+        rows = [json.loads(line) for line in (tmp_path / folder / f"samples_{task}.jsonl").read_text().splitlines()]
+        return sorted((r["doc_id"], r["filtered_resps"]) for r in rows)
+
+    for task in ("mm_mc", "mm_gen"):
+        two, single = samples("two", task), samples("one", task)
+        assert len(two) == len(single) == 3
+        assert [d for d, _ in two] == [d for d, _ in single]
+        for (_, a), (_, b) in zip(two, single):
+            if task == "mm_mc":  # [[log-likelihood, is greedy] per choice]
+                assert [float(x[0]) for x in a] == pytest.approx([float(x[0]) for x in b], abs=1e-4)
+            else:
+                assert a == b
+    results = [json.loads((tmp_path / f / "results.json").read_text())["results"] for f in ("two", "one")]
+    assert results[0]["mm_mc"]["acc,none"] == results[1]["mm_mc"]["acc,none"]

@@ -4,6 +4,7 @@ position (the oracle), batched with other requests, with the prompt in the prefi
 chunks, with an image in the prompt; read with the step's tokens in one transfer."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -80,6 +81,8 @@ def test_raw_is_the_models_distribution_and_processed_what_the_sampler_drew_from
         assert [t for t, _ in e.top[:3]] == kept.indices.tolist()
         assert [v for _, v in e.top[:3]] == pytest.approx(expected, abs=1e-4)
         assert all(v == -math.inf for _, v in e.top[3:])  # removed by top_k
+    written = json.dumps(processed.logprobs[0].to_dict(), allow_nan=False)  # result.json stays strict JSON
+    assert json.loads(written)["top_logprobs"][3][1] == -9999.0
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
@@ -133,16 +136,27 @@ def test_a_prefill_only_chain_scores_prompts(load_tiny):
         assert_matches(h.result().prompt_logprobs[1:], p[1:], reference[:-1], 0)
 
 
-def test_logprobs_with_an_image_in_the_prompt(load_tiny):
+def media_request(kind: str, **kwargs) -> Request:
     from PIL import Image
 
-    lm = load_tiny("qwen2-vl")
-    pipe = Pipeline(lm, {"tokenize": Tokenize(), "vision": VisionEncoder(), "prefill": Prefill(),
-                         "decode": DecodeLoop()}, kv_memory=16 << 20)
-    image = Image.new("RGB", (56, 56), (200, 30, 30))
-    request = Request(prompt="What colour?", images=[image], max_new_tokens=4, ignore_eos=True, logprobs=2,
-                      prompt_logprobs=1)
-    ctx = pipe.run_context(request)
+    if kind == "image":
+        return Request(prompt="What colour?", images=[Image.new("RGB", (56, 56), (200, 30, 30))], **kwargs)
+    t = torch.arange(32000, dtype=torch.float64) / 16000  # 2 s of a 440 Hz tone at 16 kHz
+    return Request(prompt="What do you hear?", audios=[((0.4 * torch.sin(2 * torch.pi * 440 * t)).float(), 16000)],
+                   **kwargs)
+
+
+@pytest.mark.parametrize("family, kind", [("qwen2-vl", "image"), ("qwen2-audio", "audio")])
+def test_logprobs_with_media_in_the_prompt(load_tiny, family, kind):
+    """Generated and prompt tokens scored with an image or audio clip in the prompt; then the
+    same prompt again scoring only its last tokens, its start (the media) from the prefix cache."""
+    from stages import AudioEncoder
+
+    lm = load_tiny(family)
+    encoder = {"vision": VisionEncoder()} if kind == "image" else {"audio": AudioEncoder()}
+    pipe = Pipeline(lm, {"tokenize": Tokenize(), **encoder, "prefill": Prefill(), "decode": DecodeLoop()},
+                    kv_memory=16 << 20)
+    ctx = pipe.run_context(media_request(kind, max_new_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1))
     prompt = ctx.input_ids[0].tolist()
     ids = prompt + ctx.generated[:-1]
     inputs = {k: v for k, v in ctx.model_inputs.items() if isinstance(v, torch.Tensor) and k != "input_ids"}
@@ -153,6 +167,12 @@ def test_logprobs_with_an_image_in_the_prompt(load_tiny):
     logits = logprob_oracle(lm, ids, **inputs)
     assert_matches(ctx.logprobs, ctx.generated, logits[len(prompt) - 1 :], 2)
     assert_matches([ctx.prompt_logprobs[p] for p in range(1, len(prompt))], prompt[1:], logits[: len(prompt) - 1], 1)
+    start = len(prompt) - 3
+    again = pipe.run_context(media_request(kind, max_new_tokens=1, prompt_logprobs=1, prompt_logprobs_from=start))
+    assert again.metrics.counters["kv_reused_tokens"] >= 16 and sorted(again.prompt_logprobs) == [start, start + 1,
+                                                                                                    start + 2]
+    assert_matches([again.prompt_logprobs[p] for p in range(start, len(prompt))], prompt[start:],
+                   logits[start - 1 : len(prompt) - 1], 1)
 
 
 @pytest.mark.parametrize("bad", [21, -1, True, 2.5])

@@ -293,7 +293,7 @@ def test_served_and_batched_image_answers_equal_generate(tiny_dir, vl, shapes_or
     from openai import OpenAI
     from serving import serving
 
-    from pipeline.modes import batch
+    from pipeline.modes import batch, processes
     from test_batch import compose_cfg
 
     prompt_ids, tokens = shapes_oracle
@@ -311,7 +311,7 @@ def test_served_and_batched_image_answers_equal_generate(tiny_dir, vl, shapes_or
                                  "max_new_tokens": N, "ignore_eos": True}) + "\n")
     out = tmp_path / "batch"
     out.mkdir()
-    monkeypatch.setattr(batch, "run_dir", lambda: out)
+    monkeypatch.setattr(processes, "run_dir", lambda: out)
     batch.main(compose_cfg("mode=batch", "batch.progress=false", f"input={items}", f"model.path={tiny_dir(VL)}"))
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [(r["id"], r["token_ids"]) for r in rows] == [("a", tokens)]

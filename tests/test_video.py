@@ -25,7 +25,7 @@ from pipeline.assemble import request_from_cfg
 from pipeline.settings import check
 from pipeline.chat import ChatSession
 from pipeline.media import Video, content_hash, load_image, load_video, media_kind
-from pipeline.modes import batch, run
+from pipeline.modes import batch, processes, run
 from pipeline.modes.chat import Repl
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 
@@ -261,7 +261,7 @@ def test_batch_jsonl_videos(tiny_dir, load_tiny, clips, tmp_path, monkeypatch):
     rows = [{"id": "v", "prompt": PROMPT, "videos": [str(clips["mp4"])], "max_new_tokens": N},
             {"id": "bad", "prompt": PROMPT, "videos": [str(clips["a"])]}]
     p.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    monkeypatch.setattr(batch, "run_dir", lambda: tmp_path)
+    monkeypatch.setattr(processes, "run_dir", lambda: tmp_path)
     with pytest.raises(UserError, match="1 of 2 items failed"):  # a picture under "videos" fails alone
         batch.main(cfg("mode=batch", "batch.progress=false", f"input={p}", f"model.path={tiny_dir('qwen2-vl')}"))
     records = {r["id"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}

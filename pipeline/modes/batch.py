@@ -38,18 +38,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-from accelerate import PartialState
-from accelerate.utils import broadcast_object_list, parse_flag_from_env
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 
@@ -57,7 +52,8 @@ from pipeline.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg
 from pipeline.context import Request, Result, TokenLogprob
 from pipeline.errors import UserError, whole_number
 from pipeline.media import media_kind
-from pipeline.outputs import append_jsonl, run_dir, write_json, write_jsonl
+from pipeline.modes.processes import place_on_rank, process_state, shared_run_dir
+from pipeline.outputs import append_jsonl, write_json, write_jsonl
 from pipeline.prefix import run_shared_prefix
 from pipeline.runner.logprobs import check_setting
 
@@ -417,49 +413,6 @@ def summarize(records: list[dict], **info: Any) -> dict:
     summary["quant"] = next((m["quant"] for m in ok if "quant" in m), None)
     summary.update(info)
     return summary
-
-
-# --- processes -------------------------------------------------------------------------------
-def process_state(sync_timeout_s: float = 86400) -> Any:
-    """accelerate's view of the launch: one process under plain python, N under accelerate/torchrun.
-
-    On a machine without CUDA, accelerate only joins the ranks (gloo) when told ``cpu=True``.
-    Ranks that finish early wait at a barrier for the slowest one: the process group's timeout
-    (torch's default is 30 minutes) must outlast the longest shard, hence ``sync_timeout_s``.
-    """
-    cpu = not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU")
-    return PartialState(cpu=cpu, timeout=timedelta(seconds=sync_timeout_s))
-
-
-def shared_run_dir(state: Any) -> Path:
-    """Rank 0's run folder, for every rank (each rank's Hydra may have stamped its own time)."""
-    mine = run_dir().resolve()
-    if state.num_processes == 1:
-        return mine
-    box = [str(mine)]
-    broadcast_object_list(box, from_process=0)
-    chosen = Path(box[0])
-    if chosen != mine:
-        chosen.mkdir(parents=True, exist_ok=True)
-        _remove_if_only_hydra(mine)
-    return chosen
-
-
-def _remove_if_only_hydra(folder: Path) -> None:
-    """Drop a folder this rank's Hydra made for nothing (only .hydra/ and its log inside)."""
-    try:
-        if all(p.name == ".hydra" or p.suffix == ".log" for p in folder.iterdir()):
-            shutil.rmtree(folder)
-    except OSError:
-        pass
-
-
-def place_on_rank(cfg: DictConfig, state: Any) -> None:
-    """With several processes and no explicit placement, each loads its copy on its own device."""
-    if state.num_processes > 1 and cfg.model.get("device_map") is None:
-        device = state.device
-        with open_dict(cfg):
-            cfg.model.device_map = {"": "cpu" if device.type == "cpu" else str(device)}
 
 
 def _exit_after() -> int | None:

@@ -2,6 +2,7 @@
 
 A thin recipe over ``pipeline.evaluation``: the settings and task names are checked before the
 model loads, lm-eval runs its tasks on an ``EngineLM``, and its results land in the run folder.
+Under ``accelerate launch`` each process loads its own copy and lm-eval splits the documents.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from omegaconf import DictConfig
 
 from pipeline.assemble import load_from_cfg, pipeline_from_cfg, stages_from_cfg
 from pipeline.errors import UserError, whole_number
-from pipeline.outputs import run_dir, write_jsonl, write_text
+from pipeline.modes.processes import place_on_rank, process_state, shared_run_dir
+from pipeline.outputs import write_jsonl, write_text
 from pipeline.settings import plain
 
 INSTALL = "mode=eval needs lm-eval: pip install 'mm-pipeline[eval]' (or pip install 'lm_eval[api]>=0.4.13')"
@@ -75,18 +77,21 @@ def main(cfg: DictConfig) -> None:
     manager = task_manager(settings.include_path)
     check_tasks(manager, names)
     stages = stages_from_cfg(cfg)  # bad stage settings fail before the model loads too
+    process = process_state()  # accelerate launch: lm-eval splits the documents over the processes
+    out = shared_run_dir(process)
+    place_on_rank(cfg, process)
     lm = load_from_cfg(cfg)
     pipe = pipeline_from_cfg(cfg, lm, stages)
-    model = EngineLM(pipe, max_length=max_length, thinking=cfg.thinking)
+    model = EngineLM(pipe, max_length=max_length, thinking=cfg.thinking, progress=process.is_main_process,
+                     process=process)
     results = simple_evaluate(
         model=model, tasks=names, limit=limit, num_fewshot=fewshot, task_manager=manager,
         apply_chat_template=bool(settings.apply_chat_template), fewshot_as_multiturn=bool(settings.fewshot_as_multiturn),
         log_samples=bool(settings.log_samples), random_seed=settings.seed, numpy_random_seed=settings.seed,
         torch_random_seed=settings.seed, fewshot_random_seed=settings.seed,
     )
-    if results is None:  # lm-eval returns None on ranks other than its first
+    if results is None:  # lm-eval returns None on processes other than the first
         return
-    out = run_dir()
     for task, samples in (results.pop("samples", None) or {}).items():
         write_jsonl(out / f"samples_{task}.jsonl", json.loads(json.dumps(samples, default=handle_non_serializable)))
     results["config"] = {**results.get("config", {}), "model": lm.path, "quant": lm.quant}

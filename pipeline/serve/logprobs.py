@@ -7,13 +7,7 @@ from typing import Any, Sequence
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2 byte-level BPE alphabet
 
-from pipeline.context import TokenLogprob
-
-FLOOR = -9999.0  # what -inf is sent as (JSON has no infinities; vLLM sends the same)
-
-
-def _value(x: float) -> float:
-    return x if x == x and x > FLOOR else FLOOR  # NaN and -inf to the floor
+from pipeline.context import TokenLogprob, json_logprob
 
 
 class TokenTexts:
@@ -50,7 +44,7 @@ def chat_content(entries: Sequence[TokenLogprob], texts: TokenTexts) -> list[dic
     """Chat's ``choices[].logprobs.content``: one item per generated token."""
 
     def item(token: int, logprob: float) -> dict:
-        return {"token": texts(token), "logprob": _value(logprob), "bytes": texts.bytes(token)}
+        return {"token": texts(token), "logprob": json_logprob(logprob), "bytes": texts.bytes(token)}
 
     return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
 
@@ -62,8 +56,8 @@ def legacy(ids: Sequence[int], entries: Sequence[TokenLogprob | None], texts: To
     for token, entry in zip(ids, entries):
         text = texts(token)
         out["tokens"].append(text)
-        out["token_logprobs"].append(None if entry is None else _value(entry.logprob))
-        out["top_logprobs"].append(None if entry is None else {texts(t): _value(lp) for t, lp in entry.top})
+        out["token_logprobs"].append(None if entry is None else json_logprob(entry.logprob))
+        out["top_logprobs"].append(None if entry is None else {texts(t): json_logprob(lp) for t, lp in entry.top})
         out["text_offset"].append(offset)
         offset += len(text)
     return out
