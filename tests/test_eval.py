@@ -11,7 +11,7 @@ import sys
 
 import pytest
 from conftest import ROOT, run_cli
-from test_lm_eval import write_tasks
+from test_lm_eval import QUESTIONS, write_tasks
 from pipeline import Pipeline, Request, UserError
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 
@@ -122,6 +122,23 @@ def test_image_tasks_generate_as_the_chain_does(load_tiny, tasks):
     direct = [pipe.run(Request(prompt=q, images=[im], max_new_tokens=6, stop=stop)).text
               for q, im in zip(IMAGE_QUESTIONS, tasks[2])]
     assert answers == direct and len(answers) == 2
+
+
+def test_chat_template_generation_runs_the_same_messages_through_the_chain(load_tiny, tasks):
+    """lm-eval's apply_chat_template=True: the prompt it renders is the model's own template over
+    its messages, and the answer is the chain's for those messages."""
+    from pipeline.evaluation import EngineLM
+
+    lm = load_tiny("qwen3")
+    pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=32 << 20)
+    out = evaluate(EngineLM(pipe, progress=False, thinking=False), tasks, ["mm_gen"], apply_chat_template=True)
+    samples = sorted(out["samples"]["mm_gen"], key=lambda s: s["doc_id"])
+    stop = [".", lm.tokenizer.eos_token]
+    for sample, (question, _, _) in zip(samples, QUESTIONS):
+        assert "<|im_start|>user" in sample["arguments"][0][0]
+        direct = pipe.run(Request(messages=[{"role": "user", "content": question}], max_new_tokens=5, stop=stop,
+                                  thinking=False))
+        assert sample["resps"][0][0] == direct.text
 
 
 def test_unsupported_generation_settings_are_named(load_tiny):
