@@ -19,8 +19,8 @@ model's own template places the media; other prompts are fed as lm-eval's text, 
 """
 from __future__ import annotations
 
-import queue
 import sys
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -52,6 +52,11 @@ class Job:
     key: int
     request: Request
     ids: list[int] | None = None
+
+    @property
+    def item(self) -> tuple:
+        """As ``Pipeline.run_many`` takes it."""
+        return self.key, self.request, self.ids
 
 
 class EngineLM(TemplateLM):
@@ -205,40 +210,22 @@ class EngineLM(TemplateLM):
 
     # --- running --------------------------------------------------------------------------------
     def _run(self, pipe: Pipeline, groups: Iterable[list[Job]], what: str, quiet: bool) -> dict[int, Context]:
-        """Every job, at most ``4 x max_seqs`` queued at once; a group's first job runs before the
-        rest are queued, so they find its prompt in the prefix cache. A failed job stops the run
-        (the rest are cancelled) with its error."""
+        """Every job through ``Pipeline.run_many``: a group's first job, then (once it ended, its
+        prompt in the prefix cache) the rest. A failed job stops the run (the rest are cancelled)
+        with its error."""
         groups = list(groups)
-        bar = tqdm(total=sum(map(len, groups)), desc=what, unit="req", file=sys.stderr, dynamic_ncols=True,
-                   disable=quiet or not self.progress)
-        finished: queue.Queue = queue.Queue()
-        pending: dict[Any, list[Job]] = {}
+        rest = {group[0].key: group[1:] for group in groups}
+        outcomes = pipe.run_many((group[0].item for group in groups), result=False,
+                                 after=lambda key: [job.item for job in rest.get(key, ())])
         done: dict[int, Context] = {}
-        waiting = iter(groups)
-
-        def submit(job: Job, then: list[Job]) -> None:
-            handle = pipe.submit(job.request, ids=job.ids, result=False)
-            pending[handle] = [job, *then]
-            handle.add_done_callback(finished.put)
-
-        try:
-            while True:
-                while len(pending) < 4 * pipe.max_seqs and (group := next(waiting, None)) is not None:
-                    submit(group[0], group[1:])
-                if not pending:
-                    return done
-                pipe.engine.drive(lambda: not finished.empty())
-                handle = finished.get()
-                job, *then = pending.pop(handle)
-                done[job.key] = handle.result()
-                for other in then:
-                    submit(other, [])
+        with tqdm(total=sum(map(len, groups)), desc=what, unit="req", file=sys.stderr, dynamic_ncols=True,
+                  disable=quiet or not self.progress) as bar, closing(outcomes):
+            for key, outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                done[key] = outcome
                 bar.update(1)
-        finally:
-            for handle in pending:
-                handle.cancel()
-            pipe.engine.drive(lambda: all(h.done() for h in pending))
-            bar.close()
+        return done
 
 
 def _score(ctx: Context, length: int) -> tuple[float, bool]:

@@ -322,18 +322,28 @@ class Pipeline:
         return self.wait(self.submit(request, cache, on_text, ids=ids, result=False))
 
     def run_many(
-        self, requests: Iterable[tuple[Hashable, Request]], *, result: bool = True, window: int | None = None
+        self, requests: Iterable[tuple], *, result: bool = True, window: int | None = None,
+        after: Callable[[Hashable], Iterable[tuple]] | None = None,
     ) -> Iterator[tuple[Hashable, Any]]:
         """Run many requests concurrently; yields ``(key, Result | Context | exception)`` as each ends.
 
-        At most ``window`` requests are queued at once (default: 4 x max_seqs), so a huge input
-        stays cheap. Leaving the loop early (an exception, Ctrl-C, ``break``) cancels the rest.
+        Items are ``(key, request)``, or ``(key, request, ids)`` with raw prompt ids (as ``submit``).
+        At most ``window`` requests are taken from ``requests`` at once (default: 4 x max_seqs), so
+        a huge input stays cheap. ``after(key)``: items queued as soon as ``key`` ends, which find
+        what it left in the prefix cache (a question's other choices after its first). Leaving the
+        loop early (an exception, Ctrl-C, ``break``) cancels the rest.
         """
         window = window or 4 * self.max_seqs
         finished: queue.Queue = queue.Queue()
         pending: dict[Handle, Hashable] = {}
         source = iter(requests)
         exhausted = False
+
+        def queue_item(key: Hashable, request: Request, ids: Sequence[int] | None = None) -> None:
+            handle = self.submit(request, ids=ids, result=result)
+            pending[handle] = key
+            handle.add_done_callback(finished.put)
+
         try:
             while True:
                 while not exhausted and len(pending) < window:
@@ -341,15 +351,14 @@ class Pipeline:
                     if item is None:
                         exhausted = True
                         break
-                    key, request = item
-                    handle = self.submit(request, result=result)
-                    pending[handle] = key
-                    handle.add_done_callback(finished.put)
+                    queue_item(*item)
                 if not pending:
                     return
                 self.engine.drive(lambda: not finished.empty())
                 handle = finished.get()
                 key = pending.pop(handle)
+                for item in after(key) if after is not None else ():
+                    queue_item(*item)
                 try:
                     yield key, handle.result()
                 except Exception as err:

@@ -5,6 +5,7 @@ from typing import Any, Callable, Sequence as Seq
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2 byte-level BPE alphabet
 
 
 class TextStream:
@@ -132,3 +133,33 @@ class Output:
         if self.on_text is not None and upto > self.emitted:
             self.on_text(text[self.emitted : upto])
         self.emitted = max(self.emitted, upto)
+
+
+class TokenTexts:
+    """Each token id's text (the tokenizer's decoding of it alone) and its UTF-8 bytes, remembered.
+
+    A token that is part of a multi-byte character decodes to U+FFFD alone; its ``bytes`` are its
+    own raw bytes (byte-level BPE's alphabet, or SentencePiece's ``<0xNN>`` byte tokens), so that a
+    client joining the bytes of consecutive tokens gets the character back, as OpenAI intends."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+        self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
+
+    def __call__(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.tokenizer.decode([token])
+        return text
+
+    def bytes(self, token: int) -> list[int]:
+        text = self(token)
+        if "\ufffd" not in text:
+            return list(text.encode("utf-8"))
+        piece = self.tokenizer.convert_ids_to_tokens(token)
+        if isinstance(piece, str) and piece and all(c in self._byte_of for c in piece):
+            return [self._byte_of[c] for c in piece]
+        if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return [int(piece[3:5], 16)]
+        return list(text.encode("utf-8"))

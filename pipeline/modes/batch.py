@@ -41,7 +41,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,6 +49,7 @@ from tqdm import tqdm
 
 from pipeline.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg
 from pipeline.context import Request, Result, TokenLogprob
+from pipeline.engine.output import TokenTexts
 from pipeline.errors import UserError, whole_number
 from pipeline.media import media_kind
 from pipeline.modes.processes import place_on_rank, process_state, shared_run_dir
@@ -297,11 +297,6 @@ def logprob_entries(entries: list[TokenLogprob | None], token_text: Callable[[in
             for e in entries]
 
 
-def token_texts(pipe: Any) -> Callable[[int], str]:
-    """Each token id's text alone, decoded once per id (the same ids recur across items)."""
-    return lru_cache(maxsize=None)(lambda token: pipe.lm.tokenizer.decode([token]))
-
-
 def error_record(item: Item, message: str) -> dict:
     return {"id": item.id, "prompt": item.prompt, "error": message}
 
@@ -327,7 +322,7 @@ def run_items(
     The items run concurrently on the engine (``engine.max_seqs`` in flight), so records arrive
     in completion order; an item whose media cannot be loaded is recorded at once as an error.
     """
-    text = token_texts(pipe)
+    text = TokenTexts(pipe.lm.tokenizer)  # each id decoded once: the same ids recur across items
     if not shared_prefix:
         by_key = {item.key: item for item in items}
 

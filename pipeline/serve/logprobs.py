@@ -3,41 +3,10 @@ chat's ``logprobs.content`` list (token, logprob, bytes, top_logprobs) and the l
 completions' parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2 byte-level BPE alphabet
+from typing import Sequence
 
 from pipeline.context import TokenLogprob, json_logprob
-
-
-class TokenTexts:
-    """Each token id's text (the tokenizer's decoding of it alone) and its UTF-8 bytes, remembered.
-
-    A token that is part of a multi-byte character decodes to U+FFFD alone; its ``bytes`` are its
-    own raw bytes (byte-level BPE's alphabet, or SentencePiece's ``<0xNN>`` byte tokens), so that a
-    client joining the bytes of consecutive tokens gets the character back, as OpenAI intends."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
-        self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
-
-    def __call__(self, token: int) -> str:
-        text = self._texts.get(token)
-        if text is None:
-            text = self._texts[token] = self.tokenizer.decode([token])
-        return text
-
-    def bytes(self, token: int) -> list[int]:
-        text = self(token)
-        if "\ufffd" not in text:
-            return list(text.encode("utf-8"))
-        piece = self.tokenizer.convert_ids_to_tokens(token)
-        if isinstance(piece, str) and piece and all(c in self._byte_of for c in piece):
-            return [self._byte_of[c] for c in piece]
-        if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            return [int(piece[3:5], 16)]
-        return list(text.encode("utf-8"))
+from pipeline.engine.output import TokenTexts
 
 
 def chat_content(entries: Sequence[TokenLogprob], texts: TokenTexts) -> list[dict]:
