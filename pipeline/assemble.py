@@ -24,6 +24,8 @@ from pipeline.kv import kv_memory_setting, state_budget, state_shape
 from pipeline.memory import fmt_bytes, kv_bytes
 from pipeline.media import Inputs, load_inputs
 from pipeline.pipeline import Pipeline, check_stages
+from pipeline.response_format import cli_constraint
+from pipeline.runner.grammar import constraint_of
 from pipeline.spec import Speculative, check_same_tokenizer
 from pipeline.settings import KVSettings, plain as _plain
 from pipeline.tiny import default_model_dir, model_card
@@ -279,6 +281,9 @@ def request_from_cfg(cfg: DictConfig, **overrides: Any) -> Request:
         ignore_eos=bool(cfg.ignore_eos),
         stop=[stop] if isinstance(stop, str) else [str(s) for s in stop],
         thinking=cfg.thinking,
+        **cli_constraint(cfg.decode),
     )
     fields.update(overrides)
-    return Request(**fields)
+    request = Request(**fields)
+    constraint_of(request, think=False)  # a bad output constraint stops here, before any model loads
+    return request

@@ -40,6 +40,18 @@ class Request:
     # prefix before them may be (an evaluation's choices share their question's context).
     prompt_logprobs: int | None = None
     prompt_logprobs_from: int = 1
+    # Output constraints (pipeline.runner.grammar; at most one): a JSON Schema (a dict or its
+    # JSON text; {"type": "object"}: any JSON object), a regular expression, one of these
+    # strings, an EBNF grammar (xgrammar's dialect), or an xgrammar structural tag (tool calls).
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: dict | str | None = None
+    # OpenAI-shaped function tools the chat template renders (pipeline.tools), and extra keyword
+    # arguments for the template (enable_thinking comes from ``thinking``).
+    tools: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
 
 
 LOGPROB_FLOOR = -9999.0  # what -inf is written as: JSON has no infinities (vLLM sends the same)

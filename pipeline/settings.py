@@ -64,6 +64,10 @@ class DecodeSettings:
     draft_model: Optional[str] = None
     draft_quant: str = "auto"
     draft_compile: bool = False
+    json_schema: Any = None  # output constraints (one at most): a .json file, inline JSON or a mapping
+    regex: Optional[str] = None
+    choice: Any = None  # a list of strings
+    grammar: Optional[str] = None  # EBNF (xgrammar's dialect): text or a file
 
 
 @dataclass

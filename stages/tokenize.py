@@ -6,6 +6,7 @@ from typing import Any
 from pipeline.context import Context, Request
 from pipeline.errors import UserError
 from pipeline.families.base import media_name
+from pipeline.tools import fallback_messages, renders_tools, template_messages, tool_format
 
 
 def media_order(request: Request) -> list[str]:
@@ -107,7 +108,8 @@ class Tokenize:
         template_owner = lm.processor if lm.processor is not None else lm.tokenizer
         if getattr(template_owner, "chat_template", "present") is None:
             raise UserError(f"{lm.path} has no chat template: this program needs a chat (instruct) model")
-        extra = {} if req.thinking is None else {"enable_thinking": bool(req.thinking)}
+        extra = {**(req.chat_template_kwargs or {}), **({} if req.thinking is None else {"enable_thinking": bool(req.thinking)})}
+        messages, extra = with_tools(messages, extra, req.tools, template_owner, lm.tokenizer)
         text = template_owner.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
         if lm.processor is not None:
             inputs = lm.family.process(lm, text, req)
@@ -122,6 +124,19 @@ class Tokenize:
         if getattr(lm, "recurrent", False):
             ctx.reply_start = _reply_start(template_owner, lm.tokenizer, messages, text, ctx.input_ids.shape[1], extra)
         return ctx
+
+
+def with_tools(messages: list[dict], extra: dict, tools: list[dict] | None, owner: Any,
+               tokenizer: Any) -> tuple[list[dict], dict]:
+    """The conversation and template arguments with the request's tools: given to a template that
+    renders them, else written into the messages (``pipeline.tools.fallback_messages``)."""
+    has_calls = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+    if not tools and not has_calls:
+        return messages, extra
+    template = getattr(owner, "chat_template", None)
+    if renders_tools(template):
+        return template_messages(messages), {**extra, **({"tools": tools} if tools else {})}
+    return fallback_messages(messages, tools or [], tool_format(template, tokenizer.get_vocab())), extra
 
 
 def _reply_start(owner: Any, tokenizer: Any, messages: list[dict], text: str, length: int, extra: dict) -> int | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, wait as wait_any
 from typing import Any, Callable, Sequence as Seq
 
 import torch
@@ -34,10 +35,11 @@ from pipeline.engine.handle import Cancelled, Handle
 from pipeline.engine.intake import chosen_rows, kept_rows, make_chunk, prepare, prompt_rows, scoring_positions
 from pipeline.engine.scheduler import Scheduled, Scheduler
 from pipeline.engine.sequence import Sequence, Status
-from pipeline.errors import OutOfBlocks, whole_number
+from pipeline.errors import OutOfBlocks, UserError, whole_number
 from pipeline.memory import release_cached_memory
 from pipeline.metrics import note_step
-from pipeline.runner import ModelRunner, StepOutput, apply_processors, argmax_only, choose, logprobs
+from pipeline.memory import text_config
+from pipeline.runner import ModelRunner, StepOutput, apply_processors, argmax_only, choose, grammar, logprobs
 from pipeline.spec import draft_budget, verify
 from pipeline.transfer import blocking_count, read, upload, wait
 
@@ -59,6 +61,7 @@ class Engine:
                          "kv_blocks_peak": 0, "blocking_transfers": 0, "blocking_transfers_step_max": 0,
                          "oom_retries": 0}
         self.busy_s = 0.0
+        self._grammars: grammar.Grammars | None = None  # made on the first constrained request
 
     @property
     def pool(self) -> Any:
@@ -70,7 +73,9 @@ class Engine:
 
     # --- submitting and driving ---------------------------------------------------------------
     def submit(self, seq: Sequence) -> Handle:
-        """Queue a sequence (from any thread); returns its handle at once."""
+        """Queue a sequence (from any thread); returns its handle at once. A bad output
+        constraint raises ``UserError`` here; a good one starts compiling."""
+        seq.grammar = self._constrain(seq)
         handle = Handle(self, seq)
         seq.handle = handle
         with self._cond:
@@ -78,6 +83,21 @@ class Engine:
             self.counters["requests"] += 1
             self._cond.notify_all()
         return handle
+
+    def _constrain(self, seq: Sequence) -> grammar.Matcher | None:
+        """The sequence's matcher when its request has an output constraint (``Request.json_schema``...)."""
+        request = seq.ctx.request
+        if not any(getattr(request, name, None) is not None for name in grammar.FIELDS):
+            return None
+        if seq.prefill_only:
+            raise UserError("an output constraint needs a decode stage (stages.decode is null)")
+        with self._cond:
+            if self._grammars is None:
+                lm = seq.ctx.lm
+                self._grammars = grammar.Grammars(lm.tokenizer, int(text_config(lm.config).vocab_size), lm.eos_token_ids)
+        grammars = self._grammars
+        think = grammars.think_ids is not None and request.thinking is True  # reasoning first, then the constraint
+        return grammars.open(grammar.constraint_of(request, think))
 
     def drive(self, until: Callable[[], bool], timeout: float | None = None) -> None:
         """Run engine steps on the calling thread until ``until()`` holds (or ``timeout`` passes);
@@ -140,6 +160,8 @@ class Engine:
         try:
             self._intake()
             plan = self.scheduler.schedule(self._draft)
+            if not plan:
+                self._await_grammars()
             if plan:
                 out = self._run_or_shrink(plan)
                 if out is None:
@@ -181,6 +203,12 @@ class Engine:
         if m.t_start is None:  # driven by hand without metrics.start()
             m.start()
         m.set("queue_s", time.perf_counter() - m.t_start)
+
+    def _await_grammars(self) -> None:
+        """Nothing to run while requests wait for their grammars to compile: wait for one (briefly)."""
+        compiling = [s.grammar.compiled for s in self.scheduler.waiting if s.grammar is not None and not s.grammar.ready]
+        if compiling and not self.scheduler.running:
+            wait_any(compiling, timeout=0.05, return_when=FIRST_COMPLETED)
 
     def _end_failed(self) -> None:
         while self.scheduler.failed:
@@ -327,6 +355,7 @@ class Engine:
         t0 = time.perf_counter()
         raw = logits
         logits = apply_processors(logits, [s.ctx for s in seqs], [s.phases.processors for s in seqs])
+        logits = grammar.mask(logits, [s.grammar for s in seqs])
         samplers = [s.sampler for s in seqs]
         chosen = choose(logits, samplers, lambda i: seqs[i].ids, lambda i: seqs[i].ctx.generated)
         asked = [i for i, s in enumerate(seqs) if s.ctx.request.logprobs is not None]
@@ -384,12 +413,16 @@ class Engine:
         ctx = seq.ctx
         if not ctx.generated:
             ctx.metrics.first_token()
+        if seq.grammar is not None:
+            seq.grammar.accept(token_id)
         ctx.generated.append(token_id)
         seq.ids.append(token_id)
         seq.keys.append(token_id)
         if seq.handle is not None:
             seq.handle.push(token_id)
         reason = seq.output.accept(ctx.generated)
+        if reason is None and seq.grammar is not None and seq.grammar.terminated:
+            reason = "stop"  # the grammar is complete (its stop token taken, or EOS ignored)
         decode = seq.phases.decode
         if reason is None and decode is not None and decode.on_token(ctx, token_id):
             reason = "stop"
@@ -409,7 +442,7 @@ class Engine:
         for item in plan:
             seq = item.seq
             decoding = item.end - item.begin == 1 and item.begin >= seq.prompt_len and seq.known - item.begin == 1
-            if (not decoding or seq.prefill_only or seq.spec is not None or seq.phases.processors
+            if (not decoding or seq.prefill_only or seq.spec is not None or seq.phases.processors or seq.grammar
                     or not argmax_only(seq.sampler) or seq.ctx.request.logprobs is not None):
                 return 1
             steps = min(steps, seq.ctx.request.max_new_tokens - len(seq.ctx.generated))
@@ -459,9 +492,13 @@ class Engine:
         """Keep the accepted drafts and one token of the target's own; roll the cache back past
         the rejected drafts (the forward wrote all of them)."""
         spec, m = seq.spec, seq.ctx.metrics
-        drafts = spec.drafts
+        drafts, checked, q = spec.drafts, spec.drafts, spec.q
         t0 = time.perf_counter()
-        tokens, accepted = verify(seq.sampler, logits, drafts, spec.q, seq.ids, seq.ctx.generated)
+        if seq.grammar is not None:  # drafts the grammar refuses are never kept: check only the rest
+            n = seq.grammar.allowed_drafts(drafts)
+            checked, q = drafts[:n], None if q is None else q[:n]
+            logits = grammar.mask_rows(logits[: n + 1], [(i, seq.grammar, drafts[:i]) for i in range(n + 1)])
+        tokens, accepted = verify(seq.sampler, logits, checked, q, seq.ids, seq.ctx.generated)
         sample_s = time.perf_counter() - t0
         seq.cache.append([seq.keys[seq.cache.length]] + drafts)
         seq.cache.rollback(seq.cache.length - (len(drafts) - accepted))

@@ -41,6 +41,8 @@ def prepare(seq: Sequence) -> None:
     pos = family.prompt_positions(ctx, 0)
     seq.ids = ctx.input_ids[0].tolist() + list(ctx.generated)
     seq.keys = list(ctx.token_keys) + list(ctx.generated)
+    if seq.grammar is not None:
+        seq.grammar.start(seq.ids[:total])
     if not seq.prefill_only:
         req = ctx.request
         eos = frozenset() if req.ignore_eos else frozenset(ctx.lm.eos_token_ids)

@@ -103,6 +103,8 @@ class Scheduler:
     def _ready(self, seq: Sequence, prepare: Callable[[Sequence], None]) -> bool:
         """Prepare a new sequence, or let a readmitted one take what the prefix cache has now."""
         if not seq.prepared:
+            if seq.grammar is not None and not seq.grammar.ready:
+                return False  # its grammar is compiling (off the step): the others go ahead
             try:
                 prepare(seq)
             except BaseException as err:

@@ -73,6 +73,7 @@ class Sequence:
     output: Any = None  # pipeline.engine.output.Output, for sequences that generate
     pending: Any = None
     cancelled: bool = False
+    grammar: Any = None  # pipeline.runner.grammar.Matcher: the output constraint, if any
     started: bool = False  # admitted at least once (queue_s recorded)
 
     @property

@@ -55,6 +55,8 @@ from pipeline.media import media_kind
 from pipeline.modes.processes import place_on_rank, process_state, shared_run_dir
 from pipeline.outputs import append_jsonl, write_json, write_jsonl
 from pipeline.prefix import run_shared_prefix
+from pipeline.response_format import from_response_format
+from pipeline.runner.grammar import FIELDS
 from pipeline.runner.logprobs import check_setting
 
 # Test hook: hard-exit (os._exit, no cleanup) after this many items were journaled by this
@@ -67,7 +69,7 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # Log-probability settings: batch.<name> for the run, or a JSONL line's own (which wins).
 LOGPROB_SETTINGS = ("logprobs", "prompt_logprobs", "logprobs_mode")
 # Per-item settings a JSONL line may carry (each checked by _setting).
-ITEM_SETTINGS = ("max_new_tokens", "system_prompt", "ignore_eos", "stop", "thinking") + LOGPROB_SETTINGS
+ITEM_SETTINGS = ("max_new_tokens", "system_prompt", "ignore_eos", "stop", "thinking", "response_format") + LOGPROB_SETTINGS
 ITEM_KEYS = ("id", "prompt", "images", "videos", "audios") + ITEM_SETTINGS
 
 
@@ -169,6 +171,8 @@ def _setting(where: str, key: str, value: Any) -> Any:
     elif key == "ignore_eos":
         if not isinstance(value, bool):
             raise UserError(f"{where}: ignore_eos must be true or false (got {value!r})")
+    elif key == "response_format":
+        return from_response_format(value, f"{where}: response_format")
     elif key == "thinking":
         if value is not None and not isinstance(value, bool):
             raise UserError(f"{where}: thinking must be true, false or null (got {value!r})")
@@ -311,6 +315,9 @@ def item_request(cfg: DictConfig, item: Item) -> Request:
     with open_dict(cfg):
         cfg.input = item.images + item.videos + item.audios or None
     settings = {**run_logprob_settings(cfg), **item.settings}
+    if "response_format" in settings:  # the line's own constraint replaces the run's decode.json_schema...
+        constraint = settings.pop("response_format")
+        settings = {**settings, **dict.fromkeys(FIELDS), **constraint}
     return request_from_cfg(cfg, prompt=item.prompt, id=item.key, **settings)
 
 

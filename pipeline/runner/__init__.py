@@ -5,9 +5,10 @@
 - ``forward``: the model call and the greedy decode burst;
 - ``compiled``: the ``torch.compile``'d decode step;
 - ``model_runner``: ``ModelRunner``, the one object the engine runs the model through;
-- ``logits`` / ``sampling``: the per-sequence logits hook and choosing tokens.
+- ``logits`` / ``sampling``: the per-sequence logits hook and choosing tokens;
+- ``grammar`` / ``logprobs``: output constraints (xgrammar's bitmasks) and log-probabilities.
 
-Imports ``pipeline.kv`` only (see ``[tool.importlinter]``).
+Imports ``pipeline.kv`` (and the leaf modules ``errors``, ``transfer``) only (see ``[tool.importlinter]``).
 """
 from pipeline.runner.attention import ATTENTION, attach, detach, paged_attention
 from pipeline.runner.batch import Chunk, PagedBatch, build_batch

@@ -33,14 +33,18 @@ from pipeline.engine import Cancelled, Handle
 from pipeline.errors import UserError
 from pipeline.memory import text_config
 from pipeline.pipeline import Pipeline
+from pipeline.response_format import from_response_format, from_structured_outputs
+from pipeline.runner.grammar import THINK, has_think_tags, inside_think
+from pipeline.serve.answer import Deltas, Reading, message
 from pipeline.serve.bridge import Submission
 from pipeline.serve.media import MediaPolicy, audio_from_base64, image_from_url, video_from_url
 from pipeline.serve.metrics import ServerMetrics
 from pipeline.serve import logprobs as lp
 from pipeline.serve.protocol import (
-    FINISH, AudioPart, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ImagePart, Sampling, TextPart,
-    TokenizeRequest, VideoPart,
+    FINISH, RESERVED_TEMPLATE_KWARGS, AudioPart, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ImagePart,
+    Sampling, TextPart, TokenizeRequest, VideoPart,
 )
+from pipeline.tools import call_grammar, check_tools, tool_format
 from stages.sampler import Sampler
 
 PAGE = Path(__file__).parent / "static" / "chat.html"
@@ -71,6 +75,7 @@ class Call:
     n: int = 1
     echo: bool = False
     top: int | None = None
+    reading: Reading = field(default_factory=Reading)  # how to read the answers (tools, reasoning)
 
 
 class APIError(Exception):
@@ -229,6 +234,8 @@ class _API:
         self.metrics = ServerMetrics(pipe.engine)
         self.started = int(time.time())
         self.texts = lp.TokenTexts(pipe.lm.tokenizer)
+        tokenizer = pipe.lm.tokenizer
+        self.think_ids = [tokenizer.convert_tokens_to_ids(t) for t in THINK] if has_think_tags(tokenizer) else None
         self._scorer: Pipeline | None = None  # prefill only: completions with max_tokens 0 (echo)
 
     @property
@@ -294,10 +301,13 @@ class _API:
         for m, msg in enumerate(body.messages):
             role = "system" if msg.role == "developer" else msg.role
             content = msg.content or ""
+            calls = {"tool_calls": [c.model_dump(exclude_none=True) for c in msg.tool_calls]} if msg.tool_calls else {}
+            if msg.role == "tool":
+                calls = {"tool_call_id": msg.tool_call_id or ""}
             if isinstance(content, str):
                 if role == "user" and family.media:
                     content = family.content(content, 0, 0)  # as mode=run renders a text prompt
-                messages.append({"role": role, "content": content})
+                messages.append({"role": role, "content": content, **calls})
                 continue
             parts: list[dict] = []
             for p, part in enumerate(content):
@@ -329,7 +339,7 @@ class _API:
                 content = "".join(part["text"] for part in parts)
             else:
                 content = parts
-            messages.append({"role": role, "content": content})
+            messages.append({"role": role, "content": content, **calls})
         return messages, images, audios, videos
 
     def _requests(self, body: Sampling, chat: bool, tokens: int) -> Call:
@@ -339,14 +349,19 @@ class _API:
         if chat:
             assert isinstance(body, ChatCompletionRequest)
             messages, images, audios, videos = self._messages(body)
-            kwargs = body.chat_template_kwargs or {}
-            thinking = kwargs.get("enable_thinking")
-            common.update(messages=messages, images=images, audios=audios, videos=videos,
-                          thinking=None if thinking is None else bool(thinking))
+            kwargs = dict(body.chat_template_kwargs or {})
+            reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+            if reserved:
+                raise UserError(f"chat_template_kwargs: {reserved[0]!r} is set by the server (tools go in tools)")
+            thinking = kwargs.pop("enable_thinking", None)
+            reading, constraint = self._tools(body)
+            common.update(messages=messages, images=images, audios=audios, videos=videos, chat_template_kwargs=kwargs or None,
+                          thinking=None if thinking is None else bool(thinking), tools=body.tools, **constraint)
             top = (body.top_logprobs or 0) if body.logprobs else None
             requests = [Request(**common, sampler=self._sampler(body, i), logprobs=top) for i in range(body.n)]
-            return Call(requests, [None] * body.n, [""] * body.n, body.n, top=top)
+            return Call(requests, [None] * body.n, [""] * body.n, body.n, top=top, reading=reading)
         assert isinstance(body, CompletionRequest)
+        common.update(self._constraint(body))
         prompts = self._prompts(body.prompt)
         top, echo = body.logprobs, body.echo
         call = Call([], [], [], body.n, echo, top)
@@ -357,6 +372,45 @@ class _API:
                 call.ids.append(ids)
                 call.prompts.append(text)
         return call
+
+    @staticmethod
+    def _constraint(body: Sampling) -> dict:
+        """``response_format`` or ``structured_outputs`` as Request fields (one of them)."""
+        if body.response_format is not None and body.structured_outputs is not None:
+            raise UserError("give response_format or structured_outputs, not both")
+        if body.response_format is not None:
+            return from_response_format(body.response_format)
+        if body.structured_outputs is not None:
+            return from_structured_outputs(body.structured_outputs)
+        return {}
+
+    def _tools(self, body: ChatCompletionRequest) -> tuple[Reading, dict]:
+        """How to read the answers, and the request's constraint: its response format, or with
+        ``tool_choice`` required or a named function, the call's grammar."""
+        constraint = self._constraint(body)
+        reading = Reading(thinks=self.think_ids is not None)
+        if body.tools is None:
+            if body.tool_choice is not None:
+                raise UserError("tool_choice needs tools")
+            return reading, constraint
+        tools, choice = check_tools(body.tools, body.tool_choice)
+        lm = self.pipe.lm
+        owner = lm.processor if lm.processor is not None else lm.tokenizer
+        reading.fmt = None if choice == "none" else tool_format(getattr(owner, "chat_template", None), lm.tokenizer.get_vocab())
+        reading.params = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
+        tag = None if reading.fmt is None else call_grammar(reading.fmt, tools, choice, body.parallel_tool_calls)
+        if tag is not None:
+            if constraint:
+                raise UserError("tool_choice required or a named function already constrains the answer: "
+                                "leave out response_format / structured_outputs")
+            constraint = {"structural_tag": tag}
+        return reading, constraint
+
+    def _opened(self, ids: Any) -> bool:
+        """The prompt ends inside an open think block (the template began the reasoning)."""
+        if self.think_ids is None or ids is None:
+            return False
+        return inside_think(ids.reshape(-1).tolist() if hasattr(ids, "reshape") else list(ids), *self.think_ids)
 
     def _prompts(self, prompt: Any) -> list[tuple[list[int], str]]:
         """A completions ``prompt`` (a string, token ids, or a list of either) as (ids, text) pairs."""
@@ -428,7 +482,11 @@ class _API:
         except APIError as err:
             return self._failed(rid, endpoint, err)
         sub = Submission()
-        await asyncio.to_thread(self._submit, sub, rid, call, body.stream)
+        try:
+            await asyncio.to_thread(self._submit, sub, rid, call, body.stream)
+        except UserError as err:  # refused at submission (a bad output constraint): nothing else runs
+            sub.cancel()
+            return self._failed(rid, endpoint, APIError(400, str(err), code="invalid_value"))
         meta = {"id": rid, "created": int(time.time()), "model": self.settings.model_name}
         if body.stream:
             return await self._stream(body, http, sub, meta, chat, endpoint, call)
@@ -505,9 +563,11 @@ class _API:
             return self._failed(meta["id"], endpoint, err)
         self._done(meta["id"], endpoint, results)
         if chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": r.text},
-                        "logprobs": self._chat_logprobs(call, r.logprobs), "finish_reason": FINISH[r.finish_reason]}
-                       for i, r in enumerate(results)]
+            choices = []
+            for i, r in enumerate(results):
+                msg, finish = message(call.reading, r.text, self._opened(r.prompt_ids), FINISH[r.finish_reason])
+                choices.append({"index": i, "message": msg, "logprobs": self._chat_logprobs(call, r.logprobs),
+                                "finish_reason": finish})
         else:
             choices = [self._completion_choice(call, i, r) for i, r in enumerate(results)]
         return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
@@ -544,6 +604,7 @@ class _API:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         obj = "chat.completion.chunk" if chat else "text_completion"
         sent = [0] * len(sub.handles)  # per choice: log-probabilities sent so far
+        deltas: list[Deltas | None] = [None] * len(sub.handles)  # per choice (chat): what its text added
         offsets = [0] * len(sub.handles)  # per choice: characters sent so far (text_offset)
 
         def scores(choice: int, text: str | None) -> dict | None:
@@ -558,10 +619,23 @@ class _API:
             offsets[choice] += len(text or "")
             return out
 
-        def chunk(choice: int, text: str | None = None, finish: str | None = None, role: bool = False) -> str:
+        def chunk(choice: int, text: str | None = None, finish: str | None = None, role: bool = False,
+                  held: str | None = None) -> str:
+            """A chunk of ``text`` (or ``held``: text a chat answer held back, sent as it is)."""
+            if held is not None:
+                return "data: " + json.dumps({**meta, "object": obj, "choices": [
+                    {"index": choice, "delta": {"content": held}, "logprobs": None, "finish_reason": None}]}) + "\n\n"
             logprobs = None if role else scores(choice, text)
             if chat:
-                delta: dict = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                delta: dict = {"role": "assistant", "content": ""} if role else {}
+                if text is not None:
+                    if deltas[choice] is None:
+                        deltas[choice] = Deltas(call.reading, self._opened(sub.handles[choice].context.input_ids))
+                    delta = deltas[choice].add(text)
+                    if not delta and logprobs is None:
+                        return ""  # held back (it may be a tool call starting)
+                if finish == "stop" and deltas[choice] is not None and deltas[choice].called:
+                    finish = "tool_calls"
                 item = {"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
                 item = {"index": choice, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
@@ -577,7 +651,9 @@ class _API:
                 while True:
                     for choice, text in pending:
                         if text is not None:
-                            yield chunk(choice, text)
+                            piece = chunk(choice, text)
+                            if piece:
+                                yield piece
                             continue
                         result, err = self._outcome_of(sub, choice)
                         if err is not None:
@@ -588,6 +664,9 @@ class _API:
                             yield "data: [DONE]\n\n"
                             return
                         finished[choice] = result
+                        rest = deltas[choice].flush() if deltas[choice] is not None else None
+                        if rest:
+                            yield chunk(choice, held=rest)
                         yield chunk(choice, finish=FINISH[result.finish_reason])
                     if not sub.open:
                         break

@@ -55,9 +55,22 @@ class AudioPart(_Open):
 Part = Annotated[Union[TextPart, ImagePart, VideoPart, AudioPart], Field(discriminator="type")]
 
 
+class FunctionCall(_Open):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Open):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Open):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[Part], None] = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class StreamOptions(_Open):
@@ -88,6 +101,8 @@ class Sampling(_Open):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
+    response_format: dict[str, Any] | None = None  # OpenAI's text | json_object | json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's json | regex | choice | grammar
 
     def unsupported(self) -> list[str]:
         """Top-level fields this server does not implement (``HARMLESS`` ones aside)."""
@@ -103,6 +118,9 @@ class ChatCompletionRequest(Sampling):
     messages: list[Message]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
@@ -134,3 +152,6 @@ class DetokenizeRequest(_Open):
 
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", None: "stop"}
+# Arguments the server itself gives apply_chat_template: not for chat_template_kwargs.
+RESERVED_TEMPLATE_KWARGS = frozenset({"tokenize", "add_generation_prompt", "continue_final_message", "return_dict",
+                                      "return_tensors", "tools", "conversation", "messages"})
