@@ -119,7 +119,7 @@ def test_sampling_fields_reach_the_sampler(server):
 
 @pytest.mark.parametrize("body,named", [
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type must be"),
     ({"tools": [], "frequency_penalty": 0}, "tools"),
     ({"logit_bias": {"99999999": 5}}, "logit_bias"),
     ({"top_logprobs": 2}, "top_logprobs needs logprobs"),

@@ -34,7 +34,7 @@ class Shape(BaseModel):
     label: str = Field(max_length=6)
 
 
-@pytest.fixture(scope="module", params=["qwen3", "llama"])
+@pytest.fixture(scope="module", params=["qwen3", pytest.param("llama", marks=pytest.mark.slow)])
 def server(request, tmp_path_factory, tiny_dir):
     family = request.param
     with serving_tiny(tmp_path_factory.mktemp("serve"), tiny_dir(family), family) as running:
