@@ -36,9 +36,8 @@ from pipeline.engine.intake import chosen_rows, kept_rows, make_chunk, prepare, 
 from pipeline.engine.scheduler import Scheduled, Scheduler
 from pipeline.engine.sequence import Sequence, Status
 from pipeline.errors import OutOfBlocks, UserError, whole_number
-from pipeline.memory import release_cached_memory
+from pipeline.memory import release_cached_memory, text_config
 from pipeline.metrics import note_step
-from pipeline.memory import text_config
 from pipeline.runner import ModelRunner, StepOutput, apply_processors, argmax_only, choose, grammar, logprobs
 from pipeline.spec import draft_budget, verify
 from pipeline.transfer import blocking_count, read, upload, wait

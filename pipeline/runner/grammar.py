@@ -24,7 +24,7 @@ import json
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -53,11 +53,13 @@ _xgr: Any = None
 @dataclass(frozen=True)
 class Constraint:
     """What a request's output must match: ``kind`` (one of ``FIELDS``) and ``spec`` as text (the
-    compile key), and whether a reasoning block may come first (``think``)."""
+    compile key), whether a reasoning block may come first (``think``), and the xgrammar
+    ``Grammar`` built from them when the request was checked (compiled from there)."""
 
     kind: str
     spec: str
     think: bool = False
+    grammar: Any = field(default=None, compare=False, repr=False)
 
 
 def xgrammar() -> Any:
@@ -80,9 +82,8 @@ def constraint_of(request: Any, think: bool) -> Constraint | None:
     if len(given) > 1:
         raise UserError(f"a request takes one output constraint, got {' and '.join(given)}")
     kind = given[0]
-    constraint = Constraint(kind, _spec(kind, getattr(request, kind)), think)
-    answer_grammar(constraint)  # errors now, in the caller's thread
-    return constraint
+    spec = _spec(kind, getattr(request, kind))
+    return Constraint(kind, spec, think, answer_grammar(kind, spec, think))  # errors now, in the caller's thread
 
 
 def _spec(kind: str, value: Any) -> str:
@@ -143,23 +144,23 @@ def plain_bounded_strings(schema: Any) -> Any:
     return out
 
 
-def answer_grammar(c: Constraint) -> Any:
-    """The xgrammar ``Grammar`` of the answer (with an optional reasoning block first when ``c.think``)."""
+def answer_grammar(kind: str, spec: str, think: bool) -> Any:
+    """The xgrammar ``Grammar`` of the answer (with an optional reasoning block first when ``think``)."""
     xgr = xgrammar()
     try:
-        if c.kind == "json_schema":
-            grammar = xgr.Grammar.from_json_schema(plain_bounded_strings(json.loads(c.spec)), any_whitespace=False)
-        elif c.kind == "regex":
-            grammar = xgr.Grammar.from_regex(c.spec)
-        elif c.kind == "choice":
-            grammar = xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(s) for s in json.loads(c.spec)))
-        elif c.kind == "grammar":
-            grammar = xgr.Grammar.from_ebnf(c.spec)
+        if kind == "json_schema":
+            grammar = xgr.Grammar.from_json_schema(plain_bounded_strings(json.loads(spec)), any_whitespace=False)
+        elif kind == "regex":
+            grammar = xgr.Grammar.from_regex(spec)
+        elif kind == "choice":
+            grammar = xgr.Grammar.from_ebnf("root ::= " + " | ".join(_ebnf_string(s) for s in json.loads(spec)))
+        elif kind == "grammar":
+            grammar = xgr.Grammar.from_ebnf(spec)
         else:
-            grammar = xgr.Grammar.from_structural_tag(c.spec)
+            grammar = xgr.Grammar.from_structural_tag(spec)
     except Exception as err:  # xgrammar raises RuntimeError / ValueError / its own errors with a message
-        raise UserError(f"{c.kind}: {_message(err)}") from None
-    if not c.think:
+        raise UserError(f"{kind}: {_message(err)}") from None
+    if not think:
         return grammar
     return xgr.Grammar.concat(_reasoning_block(xgr), grammar)
 
@@ -185,9 +186,10 @@ def _message(err: BaseException) -> str:
     return re.sub(r"^\[[\d:]+\] \S+?:\d+: ", "", text) or type(err).__name__
 
 
-def has_think_tags(tokenizer: Any) -> bool:
+def think_ids(tokenizer: Any) -> list[int] | None:
+    """The ids of ``<think>`` and ``</think>`` (None: the model has no think tags)."""
     vocab = tokenizer.get_vocab()
-    return all(tag in vocab for tag in THINK)
+    return [vocab[tag] for tag in THINK] if all(tag in vocab for tag in THINK) else None
 
 
 class Grammars:
@@ -200,7 +202,7 @@ class Grammars:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._inflight: dict[Constraint, Future] = {}
         self._lock = threading.Lock()
-        self.think_ids = [tokenizer.convert_tokens_to_ids(t) for t in THINK] if has_think_tags(tokenizer) else None
+        self.think_ids = think_ids(tokenizer)
 
     def compile(self, c: Constraint) -> Future:
         """The compiled grammar of ``c``, as a future."""
@@ -222,9 +224,7 @@ class Grammars:
                                                       stop_token_ids=self.stop_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=CACHE_BYTES)
         try:
-            return self._compiler.compile_grammar(answer_grammar(c))
-        except UserError:
-            raise
+            return self._compiler.compile_grammar(c.grammar)
         except Exception as err:
             raise UserError(f"{c.kind}: {_message(err)}") from None
 

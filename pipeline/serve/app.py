@@ -34,7 +34,7 @@ from pipeline.errors import UserError
 from pipeline.memory import text_config
 from pipeline.pipeline import Pipeline
 from pipeline.response_format import from_response_format, from_structured_outputs
-from pipeline.runner.grammar import THINK, has_think_tags, inside_think
+from pipeline.runner.grammar import inside_think, think_ids
 from pipeline.serve.answer import Deltas, Reading, message
 from pipeline.serve.bridge import Submission
 from pipeline.serve.media import MediaPolicy, audio_from_base64, image_from_url, video_from_url
@@ -234,8 +234,7 @@ class _API:
         self.metrics = ServerMetrics(pipe.engine)
         self.started = int(time.time())
         self.texts = lp.TokenTexts(pipe.lm.tokenizer)
-        tokenizer = pipe.lm.tokenizer
-        self.think_ids = [tokenizer.convert_tokens_to_ids(t) for t in THINK] if has_think_tags(tokenizer) else None
+        self.think_ids = think_ids(pipe.lm.tokenizer)
         self._scorer: Pipeline | None = None  # prefill only: completions with max_tokens 0 (echo)
 
     @property
