@@ -81,10 +81,13 @@ def build_qwen2_vl_2b(out_dir: Path, device: str, layers: int | None = None, vis
     return out_dir
 
 
-def build_llama_187m(out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """The 187M-parameter Llama shape with random weights (``dtype``) and the embedded tiny Qwen3
-    tokenizer (its ids all lie within the 32,000-token vocabulary); later calls reuse it."""
-    recipe = {"arch": "llama-187m", "dtype": str(dtype), "weights": "random"}
+def build_llama_187m(out_dir: Path, dtype: torch.dtype = torch.float32, tokenizer: str = "tiny") -> Path:
+    """The 187M-parameter Llama shape with random weights (``dtype``); later calls reuse it.
+
+    ``tokenizer``: ``"tiny"`` is the embedded tiny Qwen3 one (its ids all lie within the 32,000-token
+    vocabulary); ``"bpe"`` a byte-level BPE trained to the full 32,000 tokens (``bpe_tokenizer``),
+    for figures that scale with the vocabulary (a grammar's compile time and masks)."""
+    recipe = {"arch": "llama-187m", "dtype": str(dtype), "weights": "random", "tokenizer": tokenizer}
     marker = out_dir / "mm_pipeline_bench.json"
     if marker.is_file() and json.loads(marker.read_text()) == recipe:
         return out_dir
@@ -92,7 +95,7 @@ def build_llama_187m(out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
 
     from pipeline.tiny import make_tokenizer
 
-    tok = make_tokenizer("qwen3")
+    tok = make_tokenizer("qwen3") if tokenizer == "tiny" else bpe_tokenizer(LLAMA_187M["vocab_size"])
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     config = LlamaConfig(**LLAMA_187M, bos_token_id=eos, eos_token_id=eos, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
@@ -103,3 +106,28 @@ def build_llama_187m(out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
     tok.save_pretrained(out_dir)
     marker.write_text(json.dumps(recipe) + "\n")
     return out_dir
+
+
+def bpe_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer of ``vocab_size`` tokens trained on the Python standard library's
+    own source (seconds; no download), with Qwen's chat tokens and the tiny Qwen3 chat template: a
+    real-sized vocabulary of real merges, for costs that grow with the vocabulary."""
+    import sysconfig
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from pipeline.tiny import make_tokenizer
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.rglob("*.py") if not {"site-packages", "test"} & set(p.parts))
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator((p.read_text(errors="replace") for p in files), trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = make_tokenizer("qwen3").chat_template
+    return tok

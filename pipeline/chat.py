@@ -78,6 +78,7 @@ class ChatSession:
     max_image_pixels: int | None = None  # decompression-bomb guard for attached images (None: media's default)
     video_fps: float | None = None  # frames sampled per second of an attached clip (None: media's default)
     video_max_frames: int | None = None  # at most this many frames per clip (None: media's default)
+    constraint: dict = field(default_factory=dict)  # each answer's: Request fields (json_schema=..., regex=...)
     cache: KVCache = field(init=False)
     turns: list[Turn] = field(init=False, default_factory=list)
     pending: list[Attachment] = field(init=False, default_factory=list)
@@ -145,6 +146,7 @@ class ChatSession:
             ignore_eos=bool(self.ignore_eos),
             stop=[str(s) for s in self.stop],
             thinking=self.thinking,
+            **self.constraint,
         )
 
     def send(

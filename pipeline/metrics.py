@@ -253,6 +253,8 @@ class Metrics:
             read = c.get("decode_weights_bytes", weights)  # what a decode step reads (no encoders)
             out["decode_weights_bytes"] = int(read)
             out["bandwidth_gb_s"] = self._bandwidth(read)
+        if "grammar_s" in c:  # constrained decoding: this request's share of masking and accepting
+            out["grammar_s"] = c["grammar_s"]
         if "queue_s" in c:  # engine: submission -> first scheduled (ttft_s counts from submission)
             out["queue_s"] = c["queue_s"]
         # engine: times the request's blocks were taken back and recomputed (always reported, 0 when none)

@@ -21,8 +21,9 @@ from pipeline.runner.grammar import THINK, check_schema, plain_bounded_strings, 
 
 HERMES, XML, LLAMA = "qwen_3", "qwen_3_5", "llama"
 ARGUMENT_KEYS = {HERMES: "arguments", LLAMA: "parameters"}
-_XML_CALL = re.compile(r"<tool_call>\s*<function=([^>\s]+)>(.*?)</function>\s*</tool_call>", re.S)
-_XML_PARAM = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\s]+)>")
+# A value's one whitespace character on each side is layout (the template writes "\n"; the grammar allows one).
+_XML_PARAM = re.compile(r"<parameter=([^>\s]+)>\s?(.*?)\s?</parameter>", re.S)
 
 
 def tool_format(template: str | None, vocab: dict) -> str:
@@ -125,13 +126,26 @@ def fallback_messages(messages: list[dict], tools: list[dict], fmt: str) -> list
             rendered.append({"role": "assistant", "content": "\n".join(filter(None, [_text(m.get("content")), calls]))})
         elif m["role"] == "tool":
             reply = f"<tool_response>\n{_text(m.get('content'))}\n</tool_response>"
-            if rendered and rendered[-1]["role"] == "user" and rendered[-1].get("tool_results"):
+            if _after_results(rendered):
                 rendered[-1]["content"] += "\n" + reply
             else:
                 rendered.append({"role": "user", "content": reply, "tool_results": True})
+        elif m["role"] == "user" and _after_results(rendered):  # one user turn (Gemma's roles alternate)
+            rendered[-1] = {"role": "user", "content": _joined(rendered[-1]["content"], m.get("content"))}
         else:
             rendered.append(m)
     return [{k: v for k, v in m.items() if k != "tool_results"} for m in rendered]
+
+
+def _after_results(rendered: list[dict]) -> bool:
+    return bool(rendered) and rendered[-1]["role"] == "user" and bool(rendered[-1].get("tool_results"))
+
+
+def _joined(first: str, then: Any) -> Any:
+    """A user message's content after the tool results: as text, or as parts when it has media."""
+    if not isinstance(then, list):
+        return f"{first}\n\n{_text(then)}"
+    return [{"type": "text", "text": first + "\n\n"}, *then]
 
 
 def _describe(tools: list[dict], fmt: str) -> str:
@@ -198,38 +212,45 @@ class Parsed:
     calls: list[Call]
 
 
-def split_reasoning(text: str, opened: bool) -> tuple[str | None, str]:
-    """(reasoning, rest) when the answer is a think block first (``opened``: the prompt began it)."""
+def split_reasoning(text: str, opened: bool, streaming: bool = False) -> tuple[str | None, str]:
+    """(reasoning, rest) when the answer is a think block first (``opened``: the prompt began it).
+    ``streaming``: ``text`` is a stream so far; what may be a tag arriving is held back."""
     body = text.lstrip()
     if not opened and not body.startswith(THINK[0]):
+        if streaming and body and THINK[0].startswith(body):
+            return "", ""  # "<thi": the reasoning may be starting
         return None, text
     if body.startswith(THINK[0]):
         body = body[len(THINK[0]):]
     reasoning, sep, rest = body.partition(THINK[1])
-    return reasoning.strip("\n"), rest.lstrip("\n") if sep else ""
+    if not sep:
+        return (_hold_back(reasoning, THINK[1]) if streaming else reasoning).strip("\n"), ""
+    return reasoning.strip("\n"), rest.lstrip("\n")
 
 
-def parse(text: str, fmt: str | None, opened: bool = False, params: dict | None = None) -> Parsed:
-    """Reasoning, content and tool calls (``fmt`` None: no tools asked) in ``text``, which may be
-    partial (a stream so far): a call still being written comes back with ``complete`` False, and
-    text that may be the start of a call is held back from ``content``."""
-    reasoning, rest = split_reasoning(text, opened)
+def parse(text: str, fmt: str | None, opened: bool = False, params: dict | None = None,
+          streaming: bool = False) -> Parsed:
+    """Reasoning, content and tool calls (``fmt`` None: no tools asked) in ``text``. ``streaming``:
+    ``text`` is a stream so far; a call still being written comes back with ``complete`` False,
+    and what may still change (text that may begin a call or a tag, trailing whitespace, which the
+    whole answer drops before a call) is held back, so each streamed value only grows."""
+    reasoning, rest = split_reasoning(text, opened, streaming)
     if reasoning is not None and THINK[1] not in text:
         return Parsed(reasoning, "", [])
     if fmt is None:
-        return Parsed(reasoning, rest, [])
-    if fmt == LLAMA:
-        content, calls = _llama_calls(rest)
+        content, calls = rest, []
+    elif fmt == LLAMA:
+        content, calls = _llama_calls(rest, streaming)
     elif fmt == XML:
-        content, calls = _xml_calls(rest, params or {})
+        content, calls = _xml_calls(rest, params or {}, streaming)
     else:
-        content, calls = _hermes_calls(rest)
-    return Parsed(reasoning, content, calls)
+        content, calls = _hermes_calls(rest, streaming)
+    return Parsed(reasoning, content.rstrip() if streaming else content, calls)
 
 
-def _hermes_calls(text: str) -> tuple[str, list[Call]]:
+def _hermes_calls(text: str, streaming: bool) -> tuple[str, list[Call]]:
     head, tag, tail = text.partition("<tool_call>")
-    content = _hold_back(head, "<tool_call>") if not tag else head
+    content = _hold_back(head, "<tool_call>") if streaming and not tag else head
     calls = []
     while tag:
         body, tag_end, after = tail.partition("</tool_call>")
@@ -237,15 +258,15 @@ def _hermes_calls(text: str) -> tuple[str, list[Call]]:
         if call is not None:
             calls.append(call)
         _, tag, tail = after.partition("<tool_call>")
-    return content.strip() if calls else content, calls
+    return content.rstrip() if calls else content, calls
 
 
-def _llama_calls(text: str) -> tuple[str, list[Call]]:
+def _llama_calls(text: str, streaming: bool) -> tuple[str, list[Call]]:
     """Llama 3.1: the answer is the call(s), ``{"name": N, "parameters": {...}}``, ``;``-separated."""
     body = text.lstrip().removeprefix("<|python_tag|>").lstrip()
     start = '{"name"'
     if not body.startswith(start):
-        return ("" if body and start.startswith(body) else text), []
+        return ("" if streaming and body and start.startswith(body) else text), []
     calls, pos = [], 0
     while pos < len(body):
         chunk = body[pos:]
@@ -260,16 +281,38 @@ def _llama_calls(text: str) -> tuple[str, list[Call]]:
     return "", calls
 
 
-def _xml_calls(text: str, params: dict) -> tuple[str, list[Call]]:
+def _xml_calls(text: str, params: dict, streaming: bool) -> tuple[str, list[Call]]:
+    """Qwen3.5: ``<tool_call><function=NAME><parameter=P>value</parameter>...</function></tool_call>``.
+    The arguments become a JSON object that grows one finished parameter at a time (values typed
+    by the function's schema: a ``string`` parameter is its text, anything else JSON)."""
     head, tag, _ = text.partition("<tool_call>")
     if not tag:
-        return _hold_back(head, "<tool_call>"), []
+        return (_hold_back(head, "<tool_call>") if streaming else head), []
     calls = []
-    for name, body in _XML_CALL.findall(text):
+    for block in text.split("<tool_call>")[1:]:
+        opened = _XML_FUNCTION.match(block)
+        if opened is None:
+            break  # the function's name is still being written
+        name = opened.group(1)
+        body, end, _ = block[opened.end():].partition("</function>")
         types = (params.get(name) or {}).get("properties", {})
-        args = {k: v if (types.get(k) or {}).get("type") == "string" else _loads(v) for k, v in _XML_PARAM.findall(body)}
-        calls.append(Call(name, json.dumps(args, ensure_ascii=False), True))
-    return head.strip(), calls
+        fields = [f"{json.dumps(k, ensure_ascii=False)}: {_xml_value(v, types.get(k))}"
+                  for k, v in _XML_PARAM.findall(body)]
+        calls.append(Call(name, "{" + ", ".join(fields) + ("}" if end else ""), bool(end)))
+    return head.rstrip(), calls
+
+
+def _xml_value(text: str, schema: Any) -> str:
+    return json.dumps(text if _is_string(schema) else _loads(text), ensure_ascii=False)
+
+
+def _is_string(schema: Any) -> bool:
+    """A parameter whose value is text as written: typed ``string``, or an enum / const of strings."""
+    if not isinstance(schema, dict):
+        return False
+    values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    kind = schema.get("type")
+    return kind == "string" or (kind is None and bool(values) and all(isinstance(v, str) for v in values))
 
 
 _CALL_HEAD = {key: re.compile(r'\s*\{\s*"name"\s*:\s*"([^"]+)"\s*,\s*"' + key + r'"\s*:\s*') for key in ("arguments", "parameters")}

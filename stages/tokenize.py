@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import jinja2
+
 from pipeline.context import Context, Request
 from pipeline.errors import UserError
 from pipeline.families.base import media_name
@@ -110,7 +112,7 @@ class Tokenize:
             raise UserError(f"{lm.path} has no chat template: this program needs a chat (instruct) model")
         extra = {**(req.chat_template_kwargs or {}), **({} if req.thinking is None else {"enable_thinking": bool(req.thinking)})}
         messages, extra = with_tools(messages, extra, req.tools, template_owner, lm.tokenizer)
-        text = template_owner.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+        text = render(template_owner, messages, extra)
         if lm.processor is not None:
             inputs = lm.family.process(lm, text, req)
         else:
@@ -124,6 +126,15 @@ class Tokenize:
         if getattr(lm, "recurrent", False):
             ctx.reply_start = _reply_start(template_owner, lm.tokenizer, messages, text, ctx.input_ids.shape[1], extra)
         return ctx
+
+
+def render(owner: Any, messages: list[dict], extra: dict) -> str:
+    """The prompt text; a conversation the template refuses (Gemma's alternating roles, a
+    misplaced system message) is the user's error, in the template's own words."""
+    try:
+        return owner.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+    except jinja2.TemplateError as err:
+        raise UserError(f"the model's chat template refused these messages: {err}") from None
 
 
 def with_tools(messages: list[dict], extra: dict, tools: list[dict] | None, owner: Any,

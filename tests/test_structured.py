@@ -40,6 +40,7 @@ def test_fifty_schemas_batched_every_output_validates(load_tiny, family):
 
 def test_regex_choice_grammar_and_any_object(load_tiny):
     pipe = pipe_for(load_tiny("qwen3"))
+    before = pipe.engine.stats().get("grammar_compiles", 0)  # the engine may have served other tests
     regex, choice = r"\d{3}-[a-z]{2}", ["red", "green", "blue \"sky\""]
     ebnf = 'root ::= "yes" | "no" | ("maybe " [0-9])'
     got = run_all(pipe, [Request(prompt="Code?", regex=regex, max_new_tokens=20),
@@ -51,6 +52,11 @@ def test_regex_choice_grammar_and_any_object(load_tiny):
     assert re.fullmatch(r"yes|no|maybe [0-9]", got[2].text)
     assert json.loads(got[3].text) == {}
     assert all(r.finish_reason == "eos" for r in got)
+    assert all(r.metrics["grammar_s"] > 0 for r in got)  # each request's share of the grammar's step time
+    stats = pipe.engine.stats()
+    assert stats["grammar_compiles"] - before == 4 and stats["grammar_masks"] >= max(len(r.token_ids) for r in got)
+    pipe.run(Request(prompt="Again", regex=regex, max_new_tokens=20))
+    assert pipe.engine.stats()["grammar_compiles"] - before == 5  # a compile call, answered by xgrammar's cache
 
 
 def test_unconstrained_rows_keep_their_solo_tokens_and_seeded_sampling_is_batch_invariant(load_tiny):
@@ -146,10 +152,30 @@ def test_a_thinking_request_reasons_freely_then_answers_in_the_schema(load_tiny)
     jsonschema.validate(json.loads(direct.text), schema)
 
 
-def test_length_bounded_strings_never_hold_control_characters():
-    """xgrammar's own rule for them admits a raw tab: rewritten as a pattern."""
-    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1, "maxLength": 3}}}
-    assert grammar.plain_bounded_strings(schema)["properties"]["s"] == {"type": "string", "pattern": "^[^\\x00-\\x1f]{1,3}$"}
+def test_length_bounded_strings_hold_only_characters_json_and_utf8_allow():
+    """xgrammar's own rule for them admits a raw tab, and its classes the ill-formed 3-byte forms of
+    UTF-16 surrogates: neither may follow in a bounded string (a plain one takes what it would)."""
+    from pipeline.tiny import make_tokenizer
+
+    tok = make_tokenizer("qwen3")
+    grammars = grammar.Grammars(tok, len(tok), [tok.eos_token_id])
+    vocab = tok.get_vocab()
+    tab, ed, b4, ninety = vocab["ĉ"], vocab["í"], vocab["´"], vocab["Ĥ"]  # bytes 09, ED, B4, 82
+
+    def after_quote(string: dict) -> object:
+        schema = {"type": "object", "properties": {"s": string}, "required": ["s"]}
+        m = grammars.open(grammar.constraint_of(Request(json_schema=schema), False))
+        m.start([])
+        for token in tok.encode('{"s": "', add_special_tokens=False):
+            m.accept(token)
+        return m.matcher
+
+    bounded = after_quote({"type": "string", "minLength": 1, "maxLength": 4})
+    assert not bounded.accept_token(tab)
+    assert bounded.accept_token(ed) and not bounded.accept_token(b4)  # ED B4 ..: a surrogate
+    assert bounded.accept_token(ninety)  # ED 82 ..: U+D0xx, a real character, goes on
+    plain = after_quote({"type": "string"})
+    assert plain.accept_token(ed) and plain.accept_token(b4)  # unbounded strings: xgrammar's rule, unchanged
 
 
 def test_batch_lines_and_cli_settings_become_constraints(tmp_path):
@@ -176,3 +202,27 @@ def test_batch_lines_and_cli_settings_become_constraints(tmp_path):
         batch.read_items(items)
     with pytest.raises(UserError, match="regex: Regex parsing error"):
         request_from_cfg(compose_cfg("decode.regex='a(b'", "prompt=x"))
+
+
+def test_every_chat_turn_is_held_to_the_schema_and_undo_composes(load_tiny, tiny_dir, tmp_path):
+    """ChatSession(constraint=...) (and mode=chat decode.json_schema=...): each answer validates;
+    after /undo (the cache rolled back) the next turn equals a fresh session's."""
+    from conftest import run_cli
+
+    from pipeline.chat import ChatSession
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                "tag": {"enum": ["a", "b"]}}, "required": ["n", "tag"]}
+    pipe = pipe_for(load_tiny("qwen3"))
+    chat = ChatSession(pipe, max_new_tokens=64, constraint={"json_schema": schema})
+    for text in ("First?", "Second?", "Third?"):
+        jsonschema.validate(json.loads(chat.send(text).text), schema)
+    chat.undo()
+    again = chat.send("Other?")
+    fresh = ChatSession(pipe_for(load_tiny("qwen3")), max_new_tokens=64, constraint={"json_schema": schema})
+    expected = [fresh.send(text) for text in ("First?", "Second?", "Other?")][-1]
+    assert again.token_ids == expected.token_ids and again.metrics["kv_reused_tokens"] > 0
+    proc = run_cli("mode=chat", f"model.path={tiny_dir('qwen3')}", "max_new_tokens=64", f"hydra.run.dir={tmp_path}",
+                   "decode.choice=[yes,no]", input="Well?\nAnd now?\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() and set(proc.stdout.split()) <= {"yes", "no"}

@@ -148,8 +148,16 @@ class Engine:
             "prefix_cache_hit_rate": pool.hits / pool.lookups if pool.lookups else None,
             **states,
             **self.counters,
+            **self._grammar_stats(),
             "busy_s": self.busy_s,
         }
+
+    def _grammar_stats(self) -> dict:
+        g = self._grammars
+        if g is None:
+            return {}
+        return {"grammar_compiles": g.compiles, "grammar_compile_s": g.compile_s, "grammar_masks": g.masks,
+                "grammar_step_s": g.step_s}
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> None:
@@ -524,6 +532,8 @@ class Engine:
                 ctx.metrics.set("generated_tokens", len(ctx.generated))
             ctx.cache.trim()
             ctx.metrics.set("kv_cache_bytes", ctx.cache.nbytes)
+            if seq.grammar is not None:
+                ctx.metrics.set("grammar_s", seq.grammar.seconds)
             for name, stage in seq.phases.after.items():
                 with ctx.metrics.span(name):
                     stage(ctx)

@@ -18,6 +18,7 @@ from pipeline.chat import ChatSession
 from pipeline.errors import UserError
 from pipeline.metrics import format_table
 from pipeline.outputs import run_dir
+from pipeline.response_format import CLI_FIELDS
 
 COMMANDS = "/help /reset /undo /image PATH /video PATH /audio PATH /stats /exit"
 HELP = """\
@@ -190,6 +191,7 @@ def main(cfg: DictConfig) -> None:
         max_image_pixels=pixel_guard,
         video_fps=video_fps,
         video_max_frames=video_max_frames,
+        constraint={name: getattr(settings, name) for name in CLI_FIELDS if getattr(settings, name) is not None},
     )
     for path in input_paths(cfg):  # input=PATH: media for the first message
         session.attach(path)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -131,7 +132,9 @@ def plain_bounded_strings(schema: Any) -> Any:
     """The schema with each string's ``minLength``/``maxLength`` (and no ``pattern``, ``format``,
     ``enum`` or ``const``) written as a ``pattern`` of that many characters that need no escape.
     Why: xgrammar 0.2.8 writes a length-bounded string as ``[^"\\\r\n]{m,n}``, which admits raw
-    control characters (a tab, \x18): invalid JSON. Its pattern strings exclude them."""
+    control characters (a tab, \x18): invalid JSON. Its pattern strings exclude them; the pattern
+    also excludes the UTF-16 surrogates, whose 3-byte forms xgrammar's classes admit (ill-formed
+    UTF-8: each byte decodes to U+FFFD, three characters where the grammar counted one)."""
     if isinstance(schema, list):
         return [plain_bounded_strings(s) for s in schema]
     if not isinstance(schema, dict):
@@ -140,7 +143,7 @@ def plain_bounded_strings(schema: Any) -> Any:
     bounded = "minLength" in out or "maxLength" in out
     if bounded and out.get("type") == "string" and not {"pattern", "format", "enum", "const"} & out.keys():
         low, high = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        out["pattern"] = "^[^\\x00-\\x1f]{%d,%s}$" % (low, "" if high is None else int(high))
+        out["pattern"] = "^[^\\x00-\\x1f\\ud800-\\udfff]{%d,%s}$" % (low, "" if high is None else int(high))
     return out
 
 
@@ -203,6 +206,8 @@ class Grammars:
         self._inflight: dict[Constraint, Future] = {}
         self._lock = threading.Lock()
         self.think_ids = think_ids(tokenizer)
+        # Figures (Engine.stats): time spent compiling, and masking + accepting on the step.
+        self.compiles, self.compile_s, self.masks, self.step_s = 0, 0.0, 0, 0.0
 
     def compile(self, c: Constraint) -> Future:
         """The compiled grammar of ``c``, as a future."""
@@ -223,22 +228,32 @@ class Grammars:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=CACHE_BYTES)
+        t0 = time.perf_counter()
         try:
             return self._compiler.compile_grammar(c.grammar)
         except Exception as err:
             raise UserError(f"{c.kind}: {_message(err)}") from None
+        finally:
+            self.compiles, self.compile_s = self.compiles + 1, self.compile_s + time.perf_counter() - t0
 
     def open(self, c: Constraint) -> "Matcher":
-        return Matcher(self.compile(c), c, self.think_ids)
+        return Matcher(self.compile(c), c, self.think_ids, self)
 
 
 class Matcher:
     """One sequence's place in its grammar. Created at submission (compiling); ``start`` once the
     prompt is known (a prompt that ends inside an open ``<think>`` continues that block)."""
 
-    def __init__(self, compiled: Future, constraint: Constraint, think_ids: list[int] | None) -> None:
-        self.compiled, self.constraint, self.think_ids = compiled, constraint, think_ids
+    def __init__(self, compiled: Future, constraint: Constraint, think_ids: list[int] | None,
+                 owner: Grammars | None = None) -> None:
+        self.compiled, self.constraint, self.think_ids, self.owner = compiled, constraint, think_ids, owner
         self.matcher: Any = None
+        self.seconds = 0.0  # this sequence's share of masking and accepting (its "grammar_s" metric)
+
+    def charge(self, seconds: float) -> None:
+        self.seconds += seconds
+        if self.owner is not None:
+            self.owner.step_s += seconds
 
     @property
     def ready(self) -> bool:
@@ -253,7 +268,10 @@ class Matcher:
             self.matcher.accept_string(THINK[0])
 
     def accept(self, token_id: int) -> None:
-        if not self.matcher.accept_token(int(token_id)):
+        t0 = time.perf_counter()
+        taken = self.matcher.accept_token(int(token_id))
+        self.charge(time.perf_counter() - t0)
+        if not taken:
             raise RuntimeError(f"the {self.constraint.kind} constraint rejected token {token_id}")
 
     @property
@@ -297,7 +315,7 @@ def mask(logits: torch.Tensor, matchers: Sequence[Matcher | None]) -> torch.Tens
 def mask_rows(logits: torch.Tensor, rows: Sequence[tuple[int, Matcher, Sequence[int]]]) -> torch.Tensor:
     """``rows``: (row of ``logits``, its matcher, the tokens between the matcher's state and that
     row: drafts, taken for the row and given back after). Returns a float32 copy."""
-    xgr = xgrammar()
+    t0, xgr = time.perf_counter(), xgrammar()
     out = logits.float().clone()
     bitmask = xgr.allocate_token_bitmask(out.shape[0], out.shape[-1])
     for row, m, ahead in rows:
@@ -307,4 +325,9 @@ def mask_rows(logits: torch.Tensor, rows: Sequence[tuple[int, Matcher, Sequence[
         if ahead:
             m.matcher.rollback(len(ahead))
     xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), indices=[row for row, _, _ in rows])
+    share = (time.perf_counter() - t0) / len(rows)  # on a GPU: host time (the apply is queued, not waited for)
+    for _, m, _ in rows:
+        m.charge(share)
+    if rows[0][1].owner is not None:
+        rows[0][1].owner.masks += 1
     return out

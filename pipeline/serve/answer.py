@@ -7,8 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.runner.grammar import THINK
-from pipeline.tools import Call, parse, split_reasoning
+from pipeline.tools import Call, parse
 
 
 @dataclass
@@ -21,8 +20,10 @@ class Reading:
     params: dict = field(default_factory=dict)
     thinks: bool = False
 
-    def parse(self, text: str, opened: bool) -> Any:
-        return parse(text, self.fmt, opened and self.thinks, self.params) if self.thinks or self.fmt else None
+    def parse(self, text: str, opened: bool, streaming: bool = False) -> Any:
+        if not (self.thinks or self.fmt):
+            return None
+        return parse(text, self.fmt, opened and self.thinks, self.params, streaming)
 
 
 def message(reading: Reading, text: str, opened: bool, finish: str) -> tuple[dict, str]:
@@ -57,9 +58,10 @@ class Deltas:
 
     def add(self, piece: str) -> dict:
         self.text += piece
-        parsed = self.reading.parse(self.text, self.opened)
-        if parsed is None:
-            return {"content": piece}
+        parsed = self.reading.parse(self.text, self.opened, streaming=True)
+        return {"content": piece} if parsed is None else self._delta(parsed)
+
+    def _delta(self, parsed: Any) -> dict:
         delta: dict = {}
         for key, value in (("reasoning_content", parsed.reasoning or ""), ("content", parsed.content)):
             if len(value) > self.sent[key]:
@@ -82,16 +84,11 @@ class Deltas:
                 self.calls[i] = (call_id, len(c.arguments))
         return out
 
-    def flush(self) -> str | None:
-        """At the end: text held back because it might have begun a call, when none came."""
-        if self.calls or self.reading.fmt is None:
-            return None
+    def flush(self) -> dict:
+        """At the end: what the whole answer has that the stream held back (text that might have
+        begun a call or a tag, trailing whitespace), as one last delta (empty: nothing)."""
         parsed = self.reading.parse(self.text, self.opened)
-        if parsed.reasoning is not None and THINK[1] not in self.text:
-            return None
-        rest = split_reasoning(self.text, self.opened and self.reading.thinks)[1]
-        held, self.sent["content"] = rest[self.sent["content"]:], len(rest)
-        return held or None
+        return {} if parsed is None else self._delta(parsed)
 
     @property
     def called(self) -> bool:

@@ -619,11 +619,11 @@ class _API:
             return out
 
         def chunk(choice: int, text: str | None = None, finish: str | None = None, role: bool = False,
-                  held: str | None = None) -> str:
-            """A chunk of ``text`` (or ``held``: text a chat answer held back, sent as it is)."""
+                  held: dict | None = None) -> str:
+            """A chunk of ``text`` (or ``held``: the delta of what a chat answer held back, sent as it is)."""
             if held is not None:
                 return "data: " + json.dumps({**meta, "object": obj, "choices": [
-                    {"index": choice, "delta": {"content": held}, "logprobs": None, "finish_reason": None}]}) + "\n\n"
+                    {"index": choice, "delta": held, "logprobs": None, "finish_reason": None}]}) + "\n\n"
             logprobs = None if role else scores(choice, text)
             if chat:
                 delta: dict = {"role": "assistant", "content": ""} if role else {}
