@@ -15,7 +15,8 @@ SIZES = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key
     # transformers names Jamba's Mamba layers linear_attention, as it does Qwen3.5's Gated
     # DeltaNet: only a family that knows the layer (qwen3.5) runs it, the generic text one never
     (lambda: JambaConfig(**SIZES), "JambaForCausalLM", "linear_attention"),
-    (lambda: Llama4TextConfig(**SIZES), "Llama4ForCausalLM", "chunked_attention"),
+    pytest.param(lambda: Llama4TextConfig(**SIZES), "Llama4ForCausalLM", "chunked_attention",
+                 marks=pytest.mark.slow),  # the same refusal through the CLI (suite time)
 ])
 def test_unknown_architecture_with_other_layers_is_refused_in_one_line(tmp_path, make, arch, kind):
     config = make()

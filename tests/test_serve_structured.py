@@ -35,8 +35,10 @@ class Shape(BaseModel):
 
 
 # Each family's tool syntax: Qwen3's Hermes JSON (its template renders tools), Qwen3.5's XML (likewise),
-# Gemma 3's and Llama 3.0's (templates without tools: the Hermes / Llama wording in the system message).
-@pytest.fixture(scope="module", params=["qwen3", "qwen3.5", "gemma3", pytest.param("llama", marks=pytest.mark.slow)])
+# Gemma 3's and Llama 3.0's (templates without tools: the Hermes / Llama wording in the system message;
+# slow cases for suite time: test_tools renders Gemma 3's fallback through its template).
+@pytest.fixture(scope="module", params=["qwen3", "qwen3.5", pytest.param("gemma3", marks=pytest.mark.slow),
+                                        pytest.param("llama", marks=pytest.mark.slow)])
 def server(request, tmp_path_factory, tiny_dir):
     family = request.param
     with serving_tiny(tmp_path_factory.mktemp("serve"), tiny_dir(family), family) as running:
