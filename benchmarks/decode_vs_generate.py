@@ -42,21 +42,24 @@ from pipeline.loading import LoadedModel  # noqa: E402
 from pipeline.metrics import decode_weight_bytes, synchronize  # noqa: E402
 from stages import DecodeLoop, Prefill, Tokenize  # noqa: E402
 
-from archs import ARCHS, build_qwen2_vl_2b  # noqa: E402
+from archs import ARCHS, build_llama_187m, build_qwen2_vl_2b  # noqa: E402
 
 
 def load(args: argparse.Namespace) -> LoadedModel:
     if args.arch:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         cache = Path(args.cache_dir or Path(tempfile.gettempdir()) / "mm-pipeline-bench") / args.arch
-        path = str(build_qwen2_vl_2b(cache, device))
+        dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16
+        path = str(build_qwen2_vl_2b(cache, device) if args.arch == "qwen2-vl-2b" else build_llama_187m(cache, dtype))
     elif args.model:
         path = args.model
     else:
         from pipeline.tiny import default_model_dir
 
         path = str(default_model_dir())
-    return load_model(path, dtype=args.dtype, quant=args.quant)
+    quant = args.quant if args.skip_modules is None else {
+        "name": args.quant, "skip_modules": [n for n in args.skip_modules.split(",") if n]}
+    return load_model(path, dtype=args.dtype, quant=quant)
 
 
 # --- one request ----------------------------------------------------------------------------
@@ -145,12 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="a save_pretrained directory (default: the embedded tiny model)")
     ap.add_argument("--arch", choices=ARCHS, help="build this architecture with random weights instead")
     ap.add_argument("--cache-dir", help="where --arch models are written (default: $TMPDIR/mm-pipeline-bench)")
-    ap.add_argument("--quant", default="none", help="nf4 | fp4 | int8 | none")
+    ap.add_argument("--quant", default="none", help="nf4 | fp4 | int8 | int8wo | int4wo | none")
     ap.add_argument("--dtype", default="auto", help="auto (float32 CPU, bfloat16 GPU) | bfloat16 | float32")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--image", type=int, default=0, help="add one random SIZE x SIZE image (e.g. 448)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--skip-modules", help="quant.skip_modules, comma-separated ('' quantises lm_head too)")
     ap.add_argument("--fast", action="store_true", help="also time decode.compile=true")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--json", help="also write the figures to this file")

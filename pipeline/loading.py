@@ -20,7 +20,7 @@ from pipeline import quant as q
 from pipeline.errors import UserError
 from pipeline.families import Family, family_for_config
 from pipeline.kv import state_shape
-from pipeline.memory import fmt_bytes, text_config
+from pipeline.memory import fmt_bytes, stored_bytes, text_config
 from pipeline.tiny import MARKER_FILE, model_card
 
 
@@ -210,6 +210,8 @@ def _storage(tensor: torch.Tensor) -> tuple[str, int]:
         return str(getattr(tensor, "quant_type", None) or "4bit"), nbytes
     if cls == "Int8Params":
         return "int8", nbytes + _tensor_bytes(getattr(tensor, "SCB", None))
+    if cls in q.TORCHAO_TENSORS:  # a tensor subclass: its packed data and scales are inner tensors
+        return q.TORCHAO_TENSORS[cls], stored_bytes(tensor)
     return str(tensor.dtype).replace("torch.", ""), nbytes
 
 
@@ -484,6 +486,7 @@ def _quantization(quant: Any, config: Any, path: str, torch_dtype: Any, device_m
         cpu_offload=explicit_offload and _has_accelerator(device_map),
         encoders=family.encoder_modules,
         unquantised=family.unquantised_modules,
+        gpu=q.on_gpu(device_map),
     ), note
 
 

@@ -149,6 +149,17 @@ def free_bytes(device: torch.device, lm: Any) -> tuple[int, str]:
     return free, "available RAM"
 
 
+def stored_bytes(tensor: Any) -> int:
+    """Bytes a tensor really holds: a quantised tensor subclass (torchao's) reports its logical
+    dtype's size, so its inner tensors (packed data, scales, zero points) are counted instead."""
+    if not isinstance(tensor, torch.Tensor):
+        return 0
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) and hasattr(tensor, "__tensor_flatten__"):
+        inner, _ = tensor.__tensor_flatten__()
+        return sum(stored_bytes(getattr(tensor, name)) for name in inner)
+    return tensor.numel() * tensor.element_size()
+
+
 def fmt_bytes(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:

@@ -17,6 +17,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from pipeline.memory import stored_bytes
+
 
 def _is_cuda(device: torch.device | str | None) -> bool:
     return device is not None and torch.device(device).type == "cuda"
@@ -44,7 +46,7 @@ def decode_weight_bytes(model: torch.nn.Module, encoders: Sequence[str] = ()) ->
         if id(tensor) in skip or encoders.intersection(name.split(".")):
             continue
         skip.add(id(tensor))  # tied / shared tensors count once
-        total += tensor.numel() * tensor.element_size()
+        total += stored_bytes(tensor)
     return total
 
 

@@ -1,7 +1,10 @@
 """bitsandbytes quantisation from the ``quant`` config group: which scheme, and what it skips.
 
 Schemes: ``none``, ``nf4`` and ``fp4`` (4-bit weights, ``bnb.nn.Linear4bit``), ``int8``
-(LLM.int8, ``bnb.nn.Linear8bitLt``) and ``auto`` (resolved per run, see ``resolve_scheme``).
+(LLM.int8, ``bnb.nn.Linear8bitLt``), ``int8wo`` and ``int4wo`` (torchao's weight-only int8 and
+int4 tensors, through transformers' ``TorchAoConfig``: plain ``nn.Linear`` modules whose weight
+dequantises inside the matmul, which ``torch.compile`` fuses) and ``auto`` (resolved per run, see
+``resolve_scheme``).
 The scheme a run reports (``result.json`` ``metrics.quant``) is read back from the loaded
 modules (``scheme_in_force``), never copied from the request, so a sweep compares what
 really ran.
@@ -17,8 +20,12 @@ from transformers import BitsAndBytesConfig
 
 from pipeline.errors import UserError
 
-SCHEMES = ("none", "auto", "nf4", "fp4", "int8")
+SCHEMES = ("none", "auto", "nf4", "fp4", "int8", "int8wo", "int4wo")
 FOUR_BIT = ("nf4", "fp4")
+TORCHAO = ("int8wo", "int4wo")
+# torchao's weight tensor classes -> the scheme they are (scheme_in_force, the weights line)
+TORCHAO_TENSORS = {"Int8Tensor": "int8wo", "Int4Tensor": "int4wo", "Int4TilePackedTo4dTensor": "int4wo",
+                   "Int4PreshuffledTensor": "int4wo", "Int4PlainInt32Tensor": "int4wo"}
 
 
 class _DropMessages(logging.Filter):
@@ -66,10 +73,10 @@ def scheme_name(quant_cfg: Any) -> str:
     qtype = str(qtype)
     if qtype not in FOUR_BIT:
         raise UserError(f"unknown quant.quant_type {qtype!r}: the 4-bit storage types are nf4 and fp4")
-    if name == "int8":
+    if name in ("int8", *TORCHAO):
         raise UserError(
-            f"quant=int8 with quant.quant_type={qtype}: int8 and {qtype} are two different schemes and a model "
-            f"uses one; choose quant=int8 or quant={qtype}"
+            f"quant={name} with quant.quant_type={qtype}: {name} and {qtype} are two different schemes and a model "
+            f"uses one; choose quant={name} or quant={qtype}"
         )
     if name in ("none", "auto"):
         raise UserError(f"quant.quant_type={qtype} needs a 4-bit scheme: use quant={qtype} (quant is {name})")
@@ -140,8 +147,10 @@ def quantization_config(
     cpu_offload: bool = False,
     encoders: Sequence[str] = (),
     unquantised: Sequence[str] = (),
+    gpu: bool = False,
 ) -> Any:
-    """A ``transformers.BitsAndBytesConfig`` for a resolved scheme (nf4, fp4 or int8).
+    """A ``transformers.BitsAndBytesConfig`` for a resolved scheme (nf4, fp4 or int8), or a
+    ``TorchAoConfig`` (int8wo, int4wo; ``gpu``: the model computes on a CUDA GPU).
 
     ``tied_lm_head``: the output layer shares the embedding matrix, which must stay a plain
     tensor, so ``lm_head`` is kept unquantised whatever the skip list says.
@@ -156,10 +165,12 @@ def quantization_config(
     name = scheme_name(quant_cfg)
     if name in ("none", "auto"):
         raise UserError(f"quant={name} has no bitsandbytes config (resolve the scheme first)")
-    quiet_bitsandbytes()
     names = _get(quant_cfg, "skip_modules", None)
     skips = skip_patterns(["lm_head", *encoders] if names is None else names, keep_lm_head=tied_lm_head,
                           always=unquantised)
+    if name in TORCHAO:
+        return torchao_config(name, skips, gpu, cpu_offload)
+    quiet_bitsandbytes()
     if name == "int8":
         threshold = _get(quant_cfg, "threshold", 6.0)
         try:
@@ -185,6 +196,25 @@ def quantization_config(
     )
 
 
+def torchao_config(name: str, skips: list[str], gpu: bool, cpu_offload: bool) -> Any:
+    """transformers' ``TorchAoConfig`` for int8wo (int8 weights, one scale per output row) or
+    int4wo (int4 weights, one scale and zero point per 128 inputs; CUDA kernels only)."""
+    try:
+        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig
+    except ImportError:
+        raise UserError(f"quant={name} needs torchao: pip install torchao") from None
+    from transformers import TorchAoConfig
+
+    if name == "int4wo" and not gpu:
+        raise UserError("quant=int4wo needs a CUDA GPU: torchao's int4 kernels are CUDA-only (its generic CPU int4 "
+                        "path measured about 5x slower than bfloat16 here); on CPU use quant=int8wo")
+    if cpu_offload:
+        raise UserError(f"quant={name} cannot offload layers to cpu or disk next to a GPU: give the model the whole "
+                        "GPU (model.device_map=auto with enough memory) or use quant=nf4")
+    scheme = Int8WeightOnlyConfig() if name == "int8wo" else Int4WeightOnlyConfig(group_size=128)
+    return TorchAoConfig(quant_type=scheme, modules_to_not_convert=skips)
+
+
 def scheme_in_force(model: Any) -> str:
     """What the loaded model really runs: nf4 / fp4 / int8 from its bnb layers, else none.
 
@@ -198,4 +228,6 @@ def scheme_in_force(model: Any) -> str:
             found.append(str(qtype))
         elif cls == "Linear8bitLt":
             found.append("int8")
+        elif type(getattr(module, "weight", None)).__name__ in TORCHAO_TENSORS:
+            found.append(TORCHAO_TENSORS[type(module.weight).__name__])
     return "+".join(sorted(set(found))) if found else "none"

@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from conftest import generate_oracle, run_cli
 from pipeline import Pipeline, Request, UserError, load_model
 from pipeline.memory import kv_bytes
+from pipeline.metrics import decode_weight_bytes
 from pipeline.quant import quantization_config, resolve_scheme, scheme_name
 from stages import DecodeLoop, Prefill, Sampler, Tokenize
 
@@ -39,7 +40,7 @@ def linears(model, cls) -> list[tuple[str, torch.nn.Module]]:
 
 
 # --- greedy output equals generate on the same quantised model --------------------------------
-@pytest.mark.parametrize("scheme", ["nf4", "int8"])
+@pytest.mark.parametrize("scheme", ["nf4", "int8", "int8wo"])
 def test_quantised_pipeline_matches_generate(load_tiny, scheme):
     lm = load_tiny("qwen3", quant=scheme)
     assert lm.quant == scheme
@@ -103,6 +104,22 @@ def test_nf4_vision_model_keeps_its_tower_unquantised_and_matches_generate(load_
     inputs.pop("attention_mask")
     assert result.prompt_ids == ids[0].tolist()
     assert result.token_ids == generate_oracle(lm, ids, N, ignore_eos=True, **inputs)
+
+
+def test_int8wo_weights_are_torchao_int8_with_row_scales_and_skips_stay_plain(load_tiny):
+    lm = load_tiny("qwen3", quant="int8wo")
+    layer = lm.model.model.layers[0].mlp.up_proj
+    assert type(layer.weight).__name__ == "Int8Tensor"
+    assert layer.weight.qdata.dtype == torch.int8 and layer.weight.scale.numel() == layer.out_features
+    assert type(lm.model.lm_head.weight) is torch.nn.Parameter  # the default skip list keeps lm_head
+    linear_bytes = sum(m.in_features * m.out_features + 5 * m.out_features for m in lm.model.modules()
+                       if type(getattr(m, "weight", None)).__name__ == "Int8Tensor")
+    assert lm.placement["cpu"]["int8wo"] == linear_bytes  # int8 weights, a float32 scale and an int8 zero per row
+    # what a decode step reads (the bandwidth figure) counts the int8 bytes, not the logical float32 ones
+    plain = load_tiny("qwen3")
+    int8 = [m for m in lm.model.modules() if type(getattr(m, "weight", None)).__name__ == "Int8Tensor"]
+    saved = sum(4 * m.in_features * m.out_features for m in int8) - linear_bytes
+    assert decode_weight_bytes(lm.model) == decode_weight_bytes(plain.model) - saved
 
 
 def test_int8_placement_counts_weights_and_row_scales(load_tiny):
@@ -216,11 +233,11 @@ def compose_quant(*overrides: str):
         return compose("config", overrides=list(overrides)).quant
 
 
-@pytest.mark.parametrize("scheme", ["none", "auto", "nf4", "fp4", "int8"])
+@pytest.mark.parametrize("scheme", ["none", "auto", "nf4", "fp4", "int8", "int8wo", "int4wo"])
 def test_every_quant_yaml_composes_and_is_valid(scheme):
     quant = compose_quant(f"quant={scheme}")
     assert scheme_name(quant) == scheme
-    if scheme in ("nf4", "fp4", "int8", "auto"):
+    if scheme not in ("none",):
         assert quant.skip_modules is None  # lm_head + the family's encoders, decided at load
 
 
@@ -249,6 +266,9 @@ def test_auto_leaves_tiny_models_unquantised_on_cpu(load_tiny):
         (["quant=none", "quant.quant_type=nf4"], "needs a 4-bit scheme"),
         (["quant=nf4", "quant.compute_dtype=int3"], "unknown quant.compute_dtype 'int3'"),
         (["quant=nf4", "quant.skip_modules=[lm head]"], "not a module name"),
+        (["quant=int8wo", "quant.quant_type=nf4"], "int8wo and nf4 are two different schemes"),
+        pytest.param(["quant=int4wo"], "quant=int4wo needs a CUDA GPU", marks=pytest.mark.skipif(
+            torch.cuda.is_available(), reason="int4wo is refused where there is no GPU")),
     ],
 )
 def test_bad_quant_settings_are_one_line_errors(overrides, message):
