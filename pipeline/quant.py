@@ -1,4 +1,4 @@
-"""bitsandbytes quantisation from the ``quant`` config group: which scheme, and what it skips.
+"""Weight quantisation (bitsandbytes, torchao) from the ``quant`` config group: which scheme, and what it skips.
 
 Schemes: ``none``, ``nf4`` and ``fp4`` (4-bit weights, ``bnb.nn.Linear4bit``), ``int8``
 (LLM.int8, ``bnb.nn.Linear8bitLt``), ``int8wo`` and ``int4wo`` (torchao's weight-only int8 and

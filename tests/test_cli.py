@@ -73,6 +73,7 @@ def test_cfg_job_prints_the_composed_config():
     assert "path: Qwen/Qwen3-0.6B" in proc.stdout and "_target_: stages.Prefill" in proc.stdout
 
 
+@pytest.mark.slow  # test_cli_hygiene's sweep checks one result per job too (suite time)
 def test_multirun_writes_one_result_per_job(tiny_dir, tmp_path):
     proc = run_cli("-m", f"model.path={tiny_dir('qwen3')}", "prompt=Hi", "max_new_tokens=2,3",
                    "ignore_eos=true", f"hydra.sweep.dir={tmp_path}")

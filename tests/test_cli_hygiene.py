@@ -100,9 +100,10 @@ def test_preemptions_are_reported_when_none():
 
 
 def test_a_sweep_prints_only_answers_and_logs_each_run(tmp_path):
-    proc = run_cli("-m", "max_new_tokens=1,2", f"hydra.sweep.dir={tmp_path}")
+    proc = run_cli("-m", "max_new_tokens=1,2", "ignore_eos=true", f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr
     results = [json.loads((tmp_path / str(i) / "result.json").read_text()) for i in range(2)]
+    assert [len(r["token_ids"]) for r in results] == [1, 2]  # one result per job, each with its own setting
     assert proc.stdout == "".join(r["text"] + "\n" for r in results)  # no "[HYDRA] Launching ..." among them
     assert "Launching 2 jobs locally" in proc.stderr and "#1 : max_new_tokens=2" in proc.stderr
     for i, result in enumerate(results):

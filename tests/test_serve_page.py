@@ -140,6 +140,7 @@ def test_chat_page_streams_an_answer_about_an_image(server, browser, tmp_path):
     assert not browser.find_elements(By.CSS_SELECTOR, "#messages > *")
 
 
+@pytest.mark.slow  # the key itself is checked over HTTP in test_serve (suite time)
 def test_chat_page_asks_for_the_api_key(tmp_path, browser):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
