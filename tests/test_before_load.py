@@ -80,6 +80,7 @@ def test_max_memory_naming_a_gpu_index_beyond_the_ones_here(monkeypatch):
         parse_max_memory({0: "10GiB", 1: "10GiB", "cpu": "30GiB"})
 
 
+@pytest.mark.slow  # the same refusal in-process above; this is its CLI line (suite time)
 def test_readme_max_memory_example_on_the_cli_without_cuda(tmp_path):
     proc = run_cli(README_MAX_MEMORY, f"hydra.run.dir={tmp_path}", env={"CUDA_VISIBLE_DEVICES": ""})
     assert one_line_error(proc) == f"error: {NO_CUDA}"
@@ -239,6 +240,7 @@ def test_settings_for_model_name_the_chosen_model():
         check_settings_for_model(cfg, read_config(path), path)
 
 
+@pytest.mark.slow  # the same refusal in-process above; this is its CLI line (suite time)
 def test_kv_memory_below_one_block_on_the_cli(tmp_path):
     proc = run_cli("kv.memory=1", f"hydra.run.dir={tmp_path}")
     error = one_line_error(proc)

@@ -357,6 +357,7 @@ def test_without_a_prompt_the_default_asks_its_own_question(shapes_lm, load_tiny
 # ------------------------------------------------------------------------------- command line
 
 
+@pytest.mark.slow  # test_first_run_asks_about_the_example_image runs the same answer (suite time)
 def test_cli_names_the_shapes_of_the_example(tmp_path):
     _, drawn = shapes.example()
     proc = run_cli(f"input={ROOT / 'examples' / 'shapes.png'}", f"prompt={shapes.SHAPES_QUESTION}",
