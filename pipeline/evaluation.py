@@ -117,7 +117,7 @@ class EngineLM(TemplateLM):
         entries); generation then sends the messages themselves through the chain."""
         lm = self.pipe.lm
         messages = [_message(m, lm.family) for m in chat_history]
-        owner = lm.processor if lm.processor is not None else self.tokenizer
+        owner = lm.template_owner
         extra = {} if self.thinking is None else {"enable_thinking": self.thinking}
         text = owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          continue_final_message=not add_generation_prompt, **extra)

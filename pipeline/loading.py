@@ -49,6 +49,11 @@ class LoadedModel:
     def device(self) -> torch.device:
         return self.model.device
 
+    @property
+    def template_owner(self) -> Any:
+        """What renders the chat template: the processor (multimodal models), else the tokenizer."""
+        return self.processor if self.processor is not None else self.tokenizer
+
     @functools.cached_property
     def recurrent(self) -> bool:
         """Has linear-attention layers (per-sequence recurrent states, ``pipeline.kv.states``):

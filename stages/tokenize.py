@@ -107,7 +107,7 @@ class Tokenize:
                             "video's audio track (set media.use_audio_in_video=false)")
         req = ctx.request = lm.family.prepare(lm, req, long_audio=self.long_audio, **hear)
         messages = build_messages(req, lm.family, self.default_prompt(req, lm))
-        template_owner = lm.processor if lm.processor is not None else lm.tokenizer
+        template_owner = lm.template_owner
         if getattr(template_owner, "chat_template", "present") is None:
             raise UserError(f"{lm.path} has no chat template: this program needs a chat (instruct) model")
         extra = {**(req.chat_template_kwargs or {}), **({} if req.thinking is None else {"enable_thinking": bool(req.thinking)})}

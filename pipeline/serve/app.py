@@ -394,8 +394,8 @@ class _API:
             return reading, constraint
         tools, choice = check_tools(body.tools, body.tool_choice)
         lm = self.pipe.lm
-        owner = lm.processor if lm.processor is not None else lm.tokenizer
-        reading.fmt = None if choice == "none" else tool_format(getattr(owner, "chat_template", None), lm.tokenizer.get_vocab())
+        template = getattr(lm.template_owner, "chat_template", None)
+        reading.fmt = None if choice == "none" else tool_format(template, lm.tokenizer.get_vocab())
         reading.params = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
         tag = None if reading.fmt is None else call_grammar(reading.fmt, tools, choice, body.parallel_tool_calls)
         if tag is not None:
