@@ -86,7 +86,7 @@ class Engine:
     def _constrain(self, seq: Sequence) -> grammar.Matcher | None:
         """The sequence's matcher when its request has an output constraint (``Request.json_schema``...)."""
         request = seq.ctx.request
-        if not any(getattr(request, name, None) is not None for name in grammar.FIELDS):
+        if not grammar.requested(request):
             return None
         if seq.prefill_only:
             raise UserError("an output constraint needs a decode stage (stages.decode is null)")

@@ -74,10 +74,15 @@ def xgrammar() -> Any:
     return _xgr
 
 
+def requested(request: Any) -> list[str]:
+    """The constraint fields the request sets (more than one is an error, in ``constraint_of``)."""
+    return [name for name in FIELDS if getattr(request, name, None) is not None]
+
+
 def constraint_of(request: Any, think: bool) -> Constraint | None:
     """The request's constraint, checked (None: unconstrained). ``think``: the model can reason
     first (its tokenizer has the think tags and the request leaves thinking on)."""
-    given = [name for name in FIELDS if getattr(request, name, None) is not None]
+    given = requested(request)
     if not given:
         return None
     if len(given) > 1:
