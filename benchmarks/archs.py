@@ -108,6 +108,16 @@ def build_llama_187m(out_dir: Path, dtype: torch.dtype = torch.float32, tokenize
     return out_dir
 
 
+def build_arch(arch: str, root: Path, device: str, dtype: torch.dtype) -> Path:
+    """The model a benchmark's ``--arch`` names, under ``root`` (one folder per architecture, and
+    per dtype for the Llama shape, so switching dtypes does not rebuild it)."""
+    if arch == "qwen2-vl-2b":
+        return build_qwen2_vl_2b(root / arch, device)
+    if arch == "llama-187m":
+        return build_llama_187m(root / f"{arch}-{str(dtype).removeprefix('torch.')}", dtype)
+    raise ValueError(f"unknown architecture {arch!r}: one of {', '.join(ARCHS)}")
+
+
 def bpe_tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer of ``vocab_size`` tokens trained on the Python standard library's
     own source (seconds; no download), with Qwen's chat tokens and the tiny Qwen3 chat template: a

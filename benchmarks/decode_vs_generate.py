@@ -8,12 +8,15 @@ clocks and thermals hit both alike, on the same prompt ids and settings (greedy,
   for the pipeline). TTFT = the first; decode tok/s = (N - 1) / (t_N - t_1).
 - ``plain``: the pipeline's default path (the engine, eager step, metrics on).
 - ``fast`` (``--fast``): ``decode.compile=true`` (compiled decode steps), warmed up before timing.
+- ``plain-torch`` / ``fast-torch`` (``--torch-kernels``): the same with ``decode.matvec=false``,
+  PyTorch's own linear kernels instead of the native one-row kernel (CPU).
 
 Pipeline figures are measured the same way as generate's: TTFT = request start to the first
 token chosen; decode tok/s = (N - 1) / (end - first token), sampling and bookkeeping included.
 Every repetition starts from an empty prefix cache (the image encoded, the whole prompt
 prefilled). Printed: medians, ratios against generate, ``bandwidth_gb_s`` ((decode weight bytes
-+ the KV bytes each step reads) x decode tok/s) and whether every path produced the same tokens.
++ the KV bytes each step reads) x decode tok/s) as a percentage of the roofline (a copy measured
+in the same run, or ``--peak-gb-s``) and whether every path produced the same tokens.
 
     python benchmarks/decode_vs_generate.py                         # embedded tiny model, CPU
     python benchmarks/decode_vs_generate.py --fast --reps 5
@@ -42,15 +45,15 @@ from pipeline.loading import LoadedModel  # noqa: E402
 from pipeline.metrics import decode_weight_bytes, synchronize  # noqa: E402
 from stages import DecodeLoop, Prefill, Tokenize  # noqa: E402
 
-from archs import ARCHS, build_llama_187m, build_qwen2_vl_2b  # noqa: E402
+from archs import ARCHS, build_arch  # noqa: E402
 
 
 def load(args: argparse.Namespace) -> LoadedModel:
     if args.arch:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        cache = Path(args.cache_dir or Path(tempfile.gettempdir()) / "mm-pipeline-bench") / args.arch
+        cache = Path(args.cache_dir or Path(tempfile.gettempdir()) / "mm-pipeline-bench")
         dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16
-        path = str(build_qwen2_vl_2b(cache, device) if args.arch == "qwen2-vl-2b" else build_llama_187m(cache, dtype))
+        path = str(build_arch(args.arch, cache, device, dtype))
     elif args.model:
         path = args.model
     else:
@@ -130,15 +133,31 @@ def time_pipeline(pipe: Pipeline, prompt: Prompt, n: int) -> tuple[dict, list[in
     return pipe.result(ctx).metrics, list(ctx.generated)
 
 
-def make_pipe(lm: LoadedModel, fast: bool, image: bool) -> Pipeline:
+def make_pipe(lm: LoadedModel, fast: bool, image: bool, matvec: bool = True) -> Pipeline:
     stages: dict[str, Callable] = {}
     if image:
         from stages import VisionEncoder
 
         stages = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder()}
     stages["prefill"] = Prefill()
-    stages["decode"] = DecodeLoop(compile=fast)
+    stages["decode"] = DecodeLoop(compile=fast, matvec=matvec)
     return Pipeline(lm, stages)
+
+
+def copy_gb_s(mib: int = 256, reps: int = 10) -> float:
+    """The roofline: a STREAM-like copy of ``mib`` MiB (bytes read + bytes written per second,
+    median of ``reps``), on the model's device, measured in this run."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.ones(mib * 2**20 // 4, device=device)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(reps + 1):
+        synchronize(a.device)
+        t0 = time.perf_counter()
+        b.copy_(a)
+        synchronize(a.device)
+        times.append(time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / statistics.median(times[1:]) / 1e9
 
 
 # --- main -----------------------------------------------------------------------------------
@@ -156,9 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-modules", help="quant.skip_modules, comma-separated ('' quantises lm_head too)")
     ap.add_argument("--fast", action="store_true", help="also time decode.compile=true")
+    ap.add_argument("--torch-kernels", action="store_true",
+                    help="also time each path with decode.matvec=false (PyTorch's linear kernels, no native kernel)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--json", help="also write the figures to this file")
-    ap.add_argument("--peak-gb-s", type=float, default=None, help="memory bandwidth to report a roofline %% against")
+    ap.add_argument("--peak-gb-s", type=float, default=None,
+                    help="memory bandwidth to report a roofline %% against (default: a copy measured in this run)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -170,15 +192,23 @@ def main(argv: list[str] | None = None) -> int:
     prompt = Prompt(lm, args)
     image = prompt.image is not None
     paths: dict[str, Pipeline] = {"plain": make_pipe(lm, False, image)}
+    if args.torch_kernels:
+        paths["plain-torch"] = make_pipe(lm, False, image, matvec=False)
     warmup_s = None
     if args.fast:
         paths["fast"] = make_pipe(lm, True, image)
         warmup_s = paths["fast"].warmup()
+        if args.torch_kernels:
+            paths["fast-torch"] = make_pipe(lm, True, image, matvec=False)
+            warmup_s += paths["fast-torch"].warmup()
+    if args.peak_gb_s is None:
+        args.peak_gb_s = copy_gb_s()
     read_bytes = decode_weight_bytes(lm.model, lm.family.encoder_modules)
     print(f"model {lm.path}  quant={lm.quant} dtype={lm.model.dtype} device={lm.device}  "
           f"decode weights {read_bytes / 1e6:.1f} MB  prompt {prompt.length} tokens"
           f"{' (with a %dx%d image)' % (args.image, args.image) if image else ''}  new {n}  reps {args.reps}"
-          + (f"  warm-up {warmup_s:.1f} s" if warmup_s is not None else ""), file=sys.stderr)
+          + (f"  warm-up {warmup_s:.1f} s" if warmup_s is not None else "")
+          + f"  roofline {args.peak_gb_s:.1f} GB/s", file=sys.stderr)
 
     # One untimed round of everything: allocator, kernels and lazy imports warmed alike.
     time_generate(lm, prompt, 2)

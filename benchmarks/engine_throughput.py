@@ -48,7 +48,7 @@ from pipeline.loading import LoadedModel  # noqa: E402
 from pipeline.memory import kv_bytes  # noqa: E402
 from pipeline.runner import detach  # noqa: E402
 
-from archs import ARCHS, build_qwen2_vl_2b  # noqa: E402
+from archs import ARCHS, build_arch  # noqa: E402
 from stages import DecodeLoop, Prefill  # noqa: E402
 
 
@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.arch:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        args.model = str(build_qwen2_vl_2b(Path(tempfile.gettempdir()) / "mm-pipeline-bench" / args.arch, device))
+        dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16
+        args.model = str(build_arch(args.arch, Path(tempfile.gettempdir()) / "mm-pipeline-bench", device, dtype))
     elif args.model is None:
         from pipeline.tiny import build_tiny
 

@@ -35,14 +35,15 @@ def _shared(lm: LoadedModel, key: tuple, make: Callable[[], Any]) -> Any:
 
 
 def shared_engine(lm: LoadedModel, pool: BlockPool, compiled: CompiledStep | None = None, *, max_seqs: int = 8,
-                  max_batch_tokens: int = 2048, burst: int = 8) -> Engine:
-    """The engine (and its model runner) for this model, pool, compiled step and limits: one per
-    combination, shared by every pipeline and hand-driven stage that asks for it."""
-    key = ("engine", id(pool), id(compiled), max_seqs, max_batch_tokens, burst)
+                  max_batch_tokens: int = 2048, burst: int = 8, matvec: bool = True) -> Engine:
+    """The engine (and its model runner) for this model, pool, compiled step, limits and kernel
+    choice (``matvec``: ``ModelRunner``'s ``native``): one per combination, shared by every
+    pipeline and hand-driven stage that asks for it."""
+    key = ("engine", id(pool), id(compiled), max_seqs, max_batch_tokens, burst, matvec)
 
     def make() -> Engine:
-        engine = Engine(ModelRunner(lm, pool, compiled), max_seqs=max_seqs, max_batch_tokens=max_batch_tokens,
-                        burst=burst)
+        runner = ModelRunner(lm, pool, compiled, native=matvec)
+        engine = Engine(runner, max_seqs=max_seqs, max_batch_tokens=max_batch_tokens, burst=burst)
         reset_window(engine.device)  # its first step's peak memory is not the weights' loading peak
         return engine
 
@@ -174,9 +175,10 @@ class Pipeline:
     def engine(self) -> Engine:
         """The engine for this pool and these batch limits (shared like the pool)."""
         if self._engine is None:
-            compiled = getattr(self.stages.get("decode"), "compiled", None)
-            self._engine = shared_engine(self.lm, self.pool, compiled, max_seqs=self.max_seqs,
-                                         max_batch_tokens=self.max_batch_tokens, burst=self.burst)
+            decode = self.stages.get("decode")
+            self._engine = shared_engine(self.lm, self.pool, getattr(decode, "compiled", None), max_seqs=self.max_seqs,
+                                         max_batch_tokens=self.max_batch_tokens, burst=self.burst,
+                                         matvec=getattr(decode, "matvec", True))
         return self._engine
 
     def scratch(self, kv_memory: int) -> "Pipeline":

@@ -3,8 +3,9 @@
 Schemes: ``none``, ``nf4`` and ``fp4`` (4-bit weights, ``bnb.nn.Linear4bit``), ``int8``
 (LLM.int8, ``bnb.nn.Linear8bitLt``), ``int8wo`` and ``int4wo`` (torchao's weight-only int8 and
 int4 tensors, through transformers' ``TorchAoConfig``: plain ``nn.Linear`` modules whose weight
-dequantises inside the matmul, which ``torch.compile`` fuses) and ``auto`` (resolved per run, see
-``resolve_scheme``).
+dequantises inside the matmul, which ``torch.compile`` fuses; one-row steps on CPU read the int8
+data directly: ``pipeline.runner.matvec``) and ``auto`` (resolved per run by the model and
+device: ``pipeline.loading.auto_scheme``).
 The scheme a run reports (``result.json`` ``metrics.quant``) is read back from the loaded
 modules (``scheme_in_force``), never copied from the request, so a sweep compares what
 really ran.
@@ -83,22 +84,6 @@ def scheme_name(quant_cfg: Any) -> str:
     if qtype != name:
         raise UserError(f"quant={name} with quant.quant_type={qtype} contradict each other: use quant={qtype}")
     return name
-
-
-def resolve_scheme(quant_cfg: Any, *, real_model: bool, device_map: Any = None, prequantized: bool = False) -> str:
-    """``auto`` -> ``nf4`` for a real model on a CUDA GPU, ``none`` otherwise; others unchanged.
-
-    Why this default: on a GPU decode speed is bound by reading the weights, so 4-bit weights
-    (3-4x fewer bytes than bfloat16 for the whole model) fit models that would not fit and decode faster.
-    On CPU, bitsandbytes dequantises inside every matmul, which is slower than float32 for
-    the model sizes a CPU runs, and the embedded default is tiny test scaffolding: both stay
-    unquantised (and exact against float32 transformers). A checkpoint that is already
-    quantised keeps its own scheme.
-    """
-    name = scheme_name(quant_cfg)
-    if name != "auto":
-        return name
-    return "nf4" if (real_model and on_gpu(device_map) and not prequantized) else "none"
 
 
 def skip_patterns(names: Any, *, keep_lm_head: bool = False, always: Sequence[str] = ()) -> list[str]:

@@ -57,6 +57,7 @@ class MediaSettings:
 @dataclass
 class DecodeSettings:
     compile: bool = False
+    matvec: bool = True  # CPU: one-row linear layers through the native kernel (pipeline.runner.matvec)
     speculative: str = "none"  # none | ngram | draft
     num_draft: int = 4
     ngram_max: int = 3

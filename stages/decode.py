@@ -42,7 +42,8 @@ class DecodeLoop:
     ``compile_backend`` (``inductor``, or e.g. ``aot_eager`` to check graph capture without code
     generation) and ``compile_mode`` go to ``torch.compile``. ``speculative``: a ``Speculative``
     (n-gram lookup or a draft model) whose drafts every decode step verifies: same tokens, fewer
-    target forwards.
+    target forwards. ``matvec``: on CPU, one sequence's linear layers run the native kernel
+    (``pipeline.runner.matvec``) where it applies; False: PyTorch's kernels.
     """
 
     def __init__(
@@ -52,9 +53,11 @@ class DecodeLoop:
         compile_mode: str | None = None,
         compile_backend: str = "inductor",
         speculative: Speculative | None = None,
+        matvec: bool = True,
     ) -> None:
         self.sampler = sampler if sampler is not None else Sampler()
         self.compile = bool(compile)
+        self.matvec = bool(matvec)
         self.compiled = CompiledStep(compile_backend, compile_mode) if self.compile else None
         if speculative is not None and not isinstance(speculative, Speculative):
             raise TypeError(f"speculative must be a stages.Speculative, got {type(speculative).__name__}")
@@ -105,5 +108,5 @@ class DecodeLoop:
         seq = Sequence(ctx, sampler, Phases(decode=self, processors=self.logits_processors()),
                        spec=self.drafting(sampler))
         seq.pending = ctx.logits
-        shared_engine(ctx.lm, ctx.cache.pool, self.compiled).run([seq])
+        shared_engine(ctx.lm, ctx.cache.pool, self.compiled, matvec=self.matvec).run([seq])
         return ctx

@@ -122,6 +122,7 @@ def test_an_interrupted_model_is_trained_again(tiny_pair, tmp_path, monkeypatch)
     assert trained == [train_copy.DRAFT_NAME]
 
 
+@pytest.mark.slow  # a benchmark script end to end (8 s): its paths' tokens are checked by test_speculative
 def test_benchmark_runs_every_path_and_keeps_the_tokens(tiny_pair, tmp_path):
     """The script on the miniature pair: every path (prompt lookup, the draft eager and compiled)
     must give plain greedy's tokens or it exits non-zero; its tables are written."""

@@ -127,8 +127,9 @@ def test_a_long_chunk_over_a_long_context_builds_no_score_matrix(lm):
     """A 4,096-token prefill chunk over 12k cached tokens: fused causal attention (no [q, keys]
     mask or scores), exact. One float score matrix of one head would be 256 MiB here; the
     request's ``peak_memory_bytes`` (the process's peak over its steps, the pool apart) grows by
-    its activations over what was resident before it (measured: 55 MiB; 308 MiB with the mask
-    the chunk used to build)."""
+    its activations over what was resident before it (measured: 55 MiB alone, up to 153 MiB late
+    in a full suite run, whose earlier tests leave threads and allocator state behind: the
+    high-water mark is the whole process's; 308 MiB with the mask the chunk used to build)."""
     ids = torch.randint(100, 250, (16384,), generator=torch.Generator().manual_seed(0)).tolist()
     pipe = Pipeline(lm, {"prefill": Prefill(4096), "decode": DecodeLoop()}, kv_memory=64 << 20, max_batch_tokens=4096)
     pipe.run_ids(ids[:12288], Request(max_new_tokens=1, ignore_eos=True))  # the context, now in the prefix cache
@@ -137,7 +138,7 @@ def test_a_long_chunk_over_a_long_context_builds_no_score_matrix(lm):
     m = pipe.result(ctx).metrics
     added = m["peak_memory_bytes"] - before
     assert m["prefill_tokens"] == 4096
-    assert added < 96 << 20, f"the chunk added {added >> 20} MiB"
+    assert added < 224 << 20, f"the chunk added {added >> 20} MiB"  # one head's scores alone: 256
     assert ctx.generated == generate_oracle(lm, torch.tensor([ids]), 3, ignore_eos=True)
 
 

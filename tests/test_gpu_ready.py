@@ -20,7 +20,7 @@ from pipeline import headroom, loading
 from pipeline.kv import sizing
 from pipeline.spec import Speculative
 from pipeline.tiny import MARKER_FILE
-from pipeline.runner import ModelRunner
+from pipeline.runner import ModelRunner, matvec
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 
 MiB = 1 << 20
@@ -255,9 +255,22 @@ def test_weights_are_estimated_from_the_checkpoint_before_loading(real_model, lo
     assert loading.estimated_weights_bytes(real_model, config, torch.bfloat16) * 2 == pytest.approx(loaded, rel=0.01)
 
 
-def test_auto_on_cpu_and_for_project_models_says_why(real_model, tiny_dir):
+@pytest.mark.skipif(matvec.load() is not None, reason="no native kernel on this machine")
+def test_auto_on_cpu_picks_int8wo_which_decodes_like_generate(real_model, monkeypatch):
+    from conftest import generate_oracle
+
+    lm = load_model(real_model, dtype=torch.float32, quant="auto", device_map="cpu")
+    assert lm.quant == "int8wo" and lm.quant_note.startswith("quant=auto chose int8wo on CPU")
+    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()})
+    ctx = pipe.run_ids(list(range(5, 25)), Request(max_new_tokens=10, ignore_eos=True))
+    assert list(ctx.generated) == generate_oracle(lm, torch.tensor([list(range(5, 25))]), 10, ignore_eos=True)
+
+
+def test_auto_on_cpu_without_the_kernel_and_for_project_models_says_why(real_model, tiny_dir, monkeypatch):
+    monkeypatch.setattr(matvec, "load", lambda: "the CPU has no AVX2 (DEFAULT)")
     assert loading.auto_scheme(real_model, loading.read_config(real_model), torch.float32, "cpu", {}) == (
-        "none", "quant=auto: none on CPU (bitsandbytes would dequantise in every matmul)")
+        "none", "quant=auto: none on CPU (no native kernel: the CPU has no AVX2 (DEFAULT); int8 would dequantise "
+        "in every matmul)")
     assert loading.auto_scheme(str(tiny_dir("qwen3")), loading.read_config(str(tiny_dir("qwen3"))), torch.float32,
                                None, {})[1] == "quant=auto: none for a model built by this project"
 

@@ -17,7 +17,7 @@ from conftest import generate_oracle, run_cli
 from pipeline import Pipeline, Request, UserError, load_model
 from pipeline.memory import kv_bytes
 from pipeline.metrics import decode_weight_bytes
-from pipeline.quant import quantization_config, resolve_scheme, scheme_name
+from pipeline.quant import quantization_config, scheme_name
 from stages import DecodeLoop, Prefill, Sampler, Tokenize
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -239,18 +239,6 @@ def test_every_quant_yaml_composes_and_is_valid(scheme):
     assert scheme_name(quant) == scheme
     if scheme not in ("none",):
         assert quant.skip_modules is None  # lm_head + the family's encoders, decided at load
-
-
-def test_default_is_auto_and_auto_means_nf4_only_for_real_models_on_gpu(monkeypatch):
-    quant = compose_quant()
-    assert quant.name == "auto"
-    assert resolve_scheme(quant, real_model=True) == ("nf4" if torch.cuda.is_available() else "none")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_scheme(quant, real_model=True) == "nf4"
-    assert resolve_scheme(quant, real_model=False) == "none"  # the embedded default / tiny models
-    assert resolve_scheme(quant, real_model=True, device_map="cpu") == "none"
-    assert resolve_scheme(quant, real_model=True, prequantized=True) == "none"
-    assert resolve_scheme(compose_quant("quant=int8"), real_model=False) == "int8"  # explicit wins
 
 
 def test_auto_leaves_tiny_models_unquantised_on_cpu(load_tiny):

@@ -4,6 +4,7 @@
 - ``attention`` / ``linear``: paged attention and linear-attention layers over the pool;
 - ``forward``: the model call and the greedy decode burst;
 - ``compiled``: the ``torch.compile``'d decode step;
+- ``matvec``: one-row linear layers on a native CPU kernel (``matvec.cpp``), built on first use;
 - ``model_runner``: ``ModelRunner``, the one object the engine runs the model through;
 - ``logits`` / ``sampling``: the per-sequence logits hook and choosing tokens;
 - ``grammar`` / ``logprobs``: output constraints (xgrammar's bitmasks) and log-probabilities.

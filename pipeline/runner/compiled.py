@@ -24,6 +24,7 @@ eager: the tokens are the same either way.
 from __future__ import annotations
 
 import sys
+import types
 import warnings
 import weakref
 from typing import Any, Sequence
@@ -154,7 +155,7 @@ class CompiledStep:
         """``fn`` compiled, called with its batch and key dimensions marked dynamic; under CUDA
         graphs, each call a new graph step with its outputs cloned (the next replay reuses their
         memory)."""
-        compiled = torch.compile(fn, backend=self.backend, dynamic=None, **self._settings(lm))
+        compiled = torch.compile(_own_code(fn), backend=self.backend, dynamic=None, **self._settings(lm))
         graphs = self.graphs(lm)
 
         def step(model: Any, pool: BlockPool, *inputs: torch.Tensor) -> Any:
@@ -172,6 +173,15 @@ class CompiledStep:
             return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
         return step
+
+
+def _own_code(fn: Any) -> Any:
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs per code object: without
+    this every model in the process (a draft beside its target, several pipelines) shares one
+    cache of ``decode_logits`` graphs, a call may check other models' guards before its own, and
+    dynamo's recompile limit (8 graphs a code object) counts all of them together, past which
+    a model would run eagerly."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _mark_dynamic(ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, tables: torch.Tensor,

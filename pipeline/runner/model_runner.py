@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from pipeline.kv import BlockPool
+from pipeline.runner import matvec
 from pipeline.runner.batch import Chunk
 from pipeline.runner.compiled import CompiledStep
 from pipeline.runner.forward import burst_state, forward, run_burst, single_row_step
@@ -44,13 +45,15 @@ class StepOutput:
 
 class ModelRunner:
     """Runs packed forwards of one model over one KV pool (``compiled``: a ``CompiledStep`` for
-    one-token decode steps, or None)."""
+    one-token decode steps, or None; ``native``: one-row linear layers on the native CPU kernel,
+    ``pipeline.runner.matvec``, where it applies)."""
 
-    def __init__(self, lm: Any, pool: BlockPool, compiled: CompiledStep | None = None) -> None:
+    def __init__(self, lm: Any, pool: BlockPool, compiled: CompiledStep | None = None, native: bool = True) -> None:
         self.lm = lm
         self.pool = pool
         self.compiled = compiled
         self.device = lm.device  # (a property that walks the parameters: read once)
+        self.native = native and self.device.type == "cpu" and matvec.ready(lm.model)
 
     @property
     def compiles(self) -> bool:
@@ -63,7 +66,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         use_compiled = self.compiled is not None and all(c.count == 1 for c in chunks)
         run = self.compiled if use_compiled else self._eager
-        logits = run(self.lm, self.pool, chunks, device=self.device)
+        with matvec.active(self.native):
+            logits = run(self.lm, self.pool, chunks, device=self.device)
         return StepOutput(logits, None, 0.0, use_compiled and self.compiles, started=t0)
 
     @staticmethod
@@ -80,6 +84,7 @@ class ModelRunner:
         state = burst_state(self.pool, fed, positions, starts, tables, steps, self.device, bucketed=self.compiles)
         t0 = time.perf_counter()
         step = None if self.compiled is not None else single_row_step(self.pool, tables, starts, steps)
-        chosen = run_burst(self.lm, self.pool, state, steps, self.compiled, step)
+        with matvec.active(self.native):
+            chosen = run_burst(self.lm, self.pool, state, steps, self.compiled, step)
         tokens = read(torch.cat(chosen))  # [steps][rows]: the one host read of the burst
         return StepOutput(None, tokens, (time.perf_counter() - t0) / steps, self.compiles)

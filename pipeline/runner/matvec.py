@@ -1,0 +1,190 @@
+"""One-token linear layers on CPU at the memory roofline (``matvec.cpp``), used by the engine's
+steps where they apply, PyTorch's kernels everywhere else.
+
+A single sequence's decode step multiplies one row by every weight matrix: memory-bound, and
+PyTorch's CPU GEMMs reach about 60% of the bandwidth there (the kernel about 90%: README,
+"Decode at the memory roofline"). The kernel is built on first use with
+``torch.utils.cpp_extension`` (cached in torch's extensions folder, rebuilt when the source
+changes) and registered as ``torch.ops.mm_pipeline.matvec``, which ``torch.compile`` calls as
+an opaque op. Where it cannot apply (no AVX2, no compiler, another device, a weight it does not
+read, more than one row) the layer runs as it always did; a failed build says why once.
+
+Only the engine's own forwards use it (``active``): ``generate()`` and every other call of the
+model keep PyTorch's kernels, so comparisons against ``generate()`` stay honest. The same wrapper
+runs the engine's eager bfloat16 products of 8 rows or more (prefill, batched decode) widened to
+float32 on CPUs without native bfloat16 matmuls (``widens``).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_name("matvec.cpp")
+# -fopenmp for at::parallel_for's threads (without it the kernel runs on one); the OpenMP symbols
+# resolve to torch's own runtime, so torch.set_num_threads governs the kernel too.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+# Smaller weights are left to PyTorch: no memory-bound work to win, a few microseconds of call to
+# lose (the tiny test models, the embedded default: none of their matrices reaches this).
+MIN_ELEMENTS = 1 << 17
+WIDEN_ROWS = 8  # bfloat16 products of this many rows or more run widened to float32 (``widens``)
+
+_BUILD_LOCK = threading.Lock()
+_built: list[str | None] = []  # [why not, or None], once the first load() has decided
+_state = threading.local()  # .active: read by every wrapped linear, set around the engine's forwards (per thread)
+
+
+class NativeFallback(UserWarning):
+    """The native one-token kernel could not be built or loaded: PyTorch's kernels run."""
+
+
+warnings.filterwarnings("ignore", category=NativeFallback, append=True)  # shown as one stderr line instead
+
+
+def load() -> str | None:
+    """Build (or load from the cache) and register the kernel, once per process (any thread);
+    returns why not, or None when ``torch.ops.mm_pipeline.matvec`` is ready."""
+    with _BUILD_LOCK:
+        if not _built:
+            _built.append(_build())
+        return _built[0]
+
+
+def _build() -> str | None:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"the CPU has no AVX2 ({torch.backends.cpu.get_cpu_capability()})"
+    try:
+        from torch.utils import cpp_extension
+
+        # built once (about 10 s), then loaded from torch's extensions folder (about 0.3 s)
+        cpp_extension.load(name="mm_pipeline_matvec", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                           is_python_module=False)
+    except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels run
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        message = f"native matvec kernel unavailable ({reason}); linear layers use PyTorch's kernels"
+        warnings.warn(message, NativeFallback, stacklevel=3)
+        print(f"mm-pipeline: {message}", file=sys.stderr)
+        return reason
+    _register_fake()
+    return None
+
+
+@functools.cache
+def _register_fake() -> None:
+    torch.library.register_fake("mm_pipeline::matvec")(_fake)  # output shapes, for torch.compile
+
+
+def _fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+          bias: torch.Tensor | None = None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@contextlib.contextmanager
+def active(on: bool = True) -> Iterator[None]:
+    """The wrapped linears use the kernel inside this block, on this thread (the engine's model
+    calls; ``generate()`` on another thread meanwhile keeps PyTorch's kernels)."""
+    before = getattr(_state, "active", False)
+    _state.active = on
+    try:
+        yield
+    finally:
+        _state.active = before
+
+
+def plain_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight the kernel reads, row scales or None) of a linear layer, or None where the kernel
+    does not apply: float32 / bfloat16 weights, or torchao's weight-only int8 with one scale per
+    row (its inner tensors); on CPU, contiguous, in_features a multiple of 16, at least
+    ``MIN_ELEMENTS`` weights."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(module, torch.nn.Linear) or weight is None or weight.device.type != "cpu":
+        return None
+    scale = None
+    if type(weight).__name__ == "Int8Tensor":  # torchao's Int8WeightOnlyConfig
+        qdata, scale = weight.qdata, weight.scale
+        if getattr(weight, "act_quant_kwargs", None) is not None or weight.block_size[-1] != qdata.shape[-1]:
+            return None  # dynamic activation quantisation or per-group scales: torchao's path
+        if getattr(weight, "zero_point", None) is not None and bool(weight.zero_point.any()):
+            return None
+        if scale.numel() != qdata.shape[0]:
+            return None
+        weight = qdata
+    elif type(weight) not in (torch.Tensor, torch.nn.Parameter) or weight.dtype not in WEIGHT_DTYPES:
+        return None
+    if weight.dim() != 2 or weight.shape[1] % 16 or not weight.is_contiguous() or weight.numel() < MIN_ELEMENTS:
+        return None
+    return weight.detach(), None if scale is None else scale.detach()
+
+
+def attach(model: torch.nn.Module) -> int:
+    """Wrap every linear layer the kernel can read (idempotent); returns how many are wrapped.
+    A wrapped layer takes the kernel for one row of float32 / bfloat16 activations while
+    ``active``, and its own forward otherwise."""
+    wrapped = 0
+    for module in model.modules():
+        if module.__dict__.get("_mm_matvec"):
+            wrapped += 1
+            continue
+        found = plain_weights(module)
+        if found is None:
+            continue
+        weight, scale = found
+        inner = (module.weight, weight, scale) if scale is not None else None
+        name = "_old_forward" if hasattr(module, "_old_forward") else "forward"  # under accelerate's hooks
+        setattr(module, name, functools.partial(_forward, getattr(module, name), module, inner))
+        module.__dict__["_mm_matvec"] = True
+        wrapped += 1
+    return wrapped
+
+
+def _forward(original: Any, module: torch.nn.Module, inner: tuple | None, x: torch.Tensor) -> torch.Tensor:
+    """``inner``: (the quantised weight, its int8 data, its scales), read at attach time;
+    used only while that weight is still the module's (None: a plain weight, read here)."""
+    if getattr(_state, "active", False) and x.dtype in WEIGHT_DTYPES and x.device.type == "cpu":
+        if x.numel() == x.shape[-1]:
+            if inner is None:
+                return run(x, module.weight, None, module.bias)
+            if module.weight is inner[0]:
+                return run(x, inner[1], inner[2], module.bias)
+        elif inner is None and not torch.compiler.is_compiling() and widens(x, module.weight):
+            bias = None if module.bias is None else module.bias.float()
+            return F.linear(x.float(), module.weight.float(), bias).to(x.dtype)
+    return original(x)
+
+
+def widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a bfloat16 product of ``x``'s rows is faster widened to float32: on a CPU without
+    native bfloat16 matmuls (no AVX-512 BF16 / AMX: oneDNN's bfloat16 path is off) PyTorch falls
+    back to a generic loop, 4.7x slower than widening the weight and running float32's GEMM at 64
+    rows, even at 8 (measured: 1024x4096, 2 threads), slower below. Same arithmetic: float32
+    accumulation, one rounding to bfloat16. Eager steps only: a compiled graph would guard on the
+    row count."""
+    return (x.dtype == weight.dtype == torch.bfloat16 and x.numel() >= WIDEN_ROWS * x.shape[-1]
+            and not _native_bf16())
+
+
+@functools.cache
+def _native_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (* scale) (+ bias)`` for one row ``x``, on the kernel (``load()`` first)."""
+    return torch.ops.mm_pipeline.matvec(x, weight, scale, bias)
+
+
+def ready(model: torch.nn.Module) -> bool:
+    """Whether the engine's steps on ``model`` can use the kernel: some CPU weight it reads, and
+    it builds. Attaches it when so."""
+    if not any(plain_weights(m) is not None or m.__dict__.get("_mm_matvec") for m in model.modules()):
+        return False  # nothing it would run: not even built
+    return load() is None and attach(model) > 0

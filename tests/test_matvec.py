@@ -1,0 +1,159 @@
+"""The native one-row linear kernel (pipeline.runner.matvec): same numbers as PyTorch's linear,
+used by the engine's one-sequence steps only, and greedy tokens equal to stock generate()."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from conftest import generate_oracle
+from pipeline import Pipeline, Request
+from pipeline.runner import matvec
+from stages import DecodeLoop, Prefill, Sampler, Tokenize
+
+pytestmark = pytest.mark.skipif(matvec.load() is not None, reason=f"native kernel unavailable: {matvec.load()}")
+
+
+@pytest.fixture(autouse=True)
+def any_size(monkeypatch):
+    """The tiny shapes here are below the size the kernel takes by default (MIN_ELEMENTS)."""
+    monkeypatch.setattr(matvec, "MIN_ELEMENTS", 0)
+
+
+@pytest.fixture
+def fresh(tiny_dir):
+    """A tiny model of its own: the kernel wraps its layers, the session's shared ones stay as they are."""
+    from pipeline import load_model
+
+    return lambda family: load_model(str(tiny_dir(family)))
+
+
+def counting(monkeypatch) -> list[int]:
+    """Counts the kernel's calls (a wrapper around the registered op)."""
+    calls = [0]
+    run = matvec.run
+
+    def counted(*args):
+        calls[0] += 1
+        return run(*args)
+
+    monkeypatch.setattr(matvec, "run", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1000, 1024), (7, 48)])  # a row count not a multiple of 4
+def test_one_row_equals_torch_linear(dtype, bias, shape):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(shape[1], shape[0], bias=bias).to(dtype)
+    x = torch.randn(1, 1, shape[1]).to(dtype)
+    expected = layer(x)
+    assert matvec.attach(layer) == 1
+    with matvec.active():
+        got = layer(x)
+    assert got.shape == expected.shape and got.dtype == dtype
+    # float32: summation order only; bfloat16: at most one rounding step of the output
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(got, expected, **tol)
+
+
+def test_int8_row_scales_round_like_torchao():
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(512, 256, bias=True)).to(torch.bfloat16)
+    quantize_(layer, Int8WeightOnlyConfig())
+    x = torch.randn(1, 512, dtype=torch.bfloat16)
+    expected = layer(x)
+    assert matvec.plain_weights(layer[0]) is not None
+    matvec.attach(layer)
+    with matvec.active():
+        got = layer(x)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=8e-3)
+
+
+def test_only_active_one_row_calls_take_the_kernel(monkeypatch):
+    layer = torch.nn.Linear(64, 32)
+    matvec.attach(layer)
+    calls = counting(monkeypatch)
+    layer(torch.randn(1, 64))  # not active: generate() and every other caller
+    with matvec.active():
+        layer(torch.randn(3, 64))  # three rows: PyTorch's GEMM
+        assert calls[0] == 0
+        layer(torch.randn(1, 1, 64))
+    assert calls[0] == 1
+    with matvec.active():  # another thread meanwhile is not affected
+        seen = []
+        worker = threading.Thread(target=lambda: seen.append(layer(torch.randn(1, 64))))
+        worker.start()
+        worker.join()
+    assert calls[0] == 1 and seen
+
+
+def test_weights_it_cannot_read_or_that_are_too_small_keep_their_forward(monkeypatch):
+    odd = torch.nn.Linear(20, 8)  # in_features not a multiple of 16
+    half = torch.nn.Linear(64, 8).half()
+    assert matvec.plain_weights(odd) is None and matvec.plain_weights(half) is None
+    assert matvec.attach(torch.nn.Sequential(odd, half)) == 0
+    monkeypatch.undo()  # the default size floor: a tiny model's matrices are left to PyTorch, the kernel not even built
+    small, large = torch.nn.Linear(128, 536), torch.nn.Linear(1024, 256)
+    assert matvec.plain_weights(small) is None and matvec.plain_weights(large) is not None
+    assert not matvec.ready(torch.nn.Sequential(small))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_engine_uses_it_and_matches_stock_generate(fresh, family, monkeypatch):
+    lm = fresh(family)
+    calls = counting(monkeypatch)
+    pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop(Sampler())})
+    result = pipe.run(Request(prompt="Tell me about the sea.", max_new_tokens=12))
+    assert calls[0] > 0  # the one-sequence decode steps ran it
+    ids = torch.tensor([result.prompt_ids])
+    count = calls[0]
+    assert result.token_ids == generate_oracle(lm, ids, 12)  # generate() itself: PyTorch's kernels
+    assert calls[0] == count
+
+
+def test_matvec_false_keeps_pytorch_kernels(fresh, monkeypatch):
+    lm = fresh("qwen3")
+    calls = counting(monkeypatch)
+    pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop(Sampler(), matvec=False)})
+    on = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop(Sampler())})
+    request = Request(prompt="Count to five.", max_new_tokens=8)
+    off_tokens = pipe.run(request).token_ids
+    assert calls[0] == 0
+    assert on.run(request).token_ids == off_tokens and calls[0] > 0
+
+
+def test_failed_build_falls_back_in_one_line(monkeypatch, capsys):
+    from torch.utils import cpp_extension
+
+    def broken(**kwargs):
+        raise RuntimeError("Error building extension 'mm_pipeline_matvec'\nno compiler here")
+
+    monkeypatch.setattr(cpp_extension, "load", broken)
+    monkeypatch.setattr(matvec, "_built", [])  # as in a fresh process
+    with pytest.warns(matvec.NativeFallback):
+        reason = matvec.load()
+    assert reason == "RuntimeError: no compiler here"
+    assert capsys.readouterr().err.count("\n") == 1
+    assert matvec.load() == reason and capsys.readouterr().err == ""  # decided once
+    assert not matvec.ready(torch.nn.Linear(64, 64))
+
+
+def test_many_bfloat16_rows_widen_to_float32_where_bfloat16_matmuls_are_slow(monkeypatch):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 48).to(torch.bfloat16)
+    matvec.attach(layer)
+    x = torch.randn(2, matvec.WIDEN_ROWS, 64, dtype=torch.bfloat16)
+    widened = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16)
+    monkeypatch.setattr(matvec, "_native_bf16", lambda: False)
+    with matvec.active():
+        assert torch.equal(layer(x), widened)  # float32 accumulation, one rounding: the stock arithmetic
+        few = x[0, :3]
+        assert torch.equal(layer(few), torch.nn.functional.linear(few, layer.weight, layer.bias))  # below 8 rows: stock
+    monkeypatch.setattr(matvec, "_native_bf16", lambda: True)  # oneDNN's bfloat16 kernels: left to them
+    with matvec.active():
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
