@@ -198,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{paged / contiguous:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "kv_peak_blocks": peak_blocks,
-                                               "kv_paged_bytes": paged, "kv_contiguous_bytes": contiguous}, indent=2))
+                                               "kv_paged_bytes": paged, "kv_contiguous_bytes": contiguous,
+                                               "prompts": prompts, "tokens": tokens[first]}, indent=2))
     return 0
 
 
