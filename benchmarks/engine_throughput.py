@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="a save_pretrained directory (default: the project's tiny Qwen3 text model)")
     ap.add_argument("--arch", choices=ARCHS, help="build this architecture with random weights instead")
     ap.add_argument("--dtype", default="auto", help="auto (float32 CPU, bfloat16 GPU) | bfloat16 | float32")
+    ap.add_argument("--quant", default="none", help="weight scheme: none | int8wo | nf4 | ... (quant=...)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--min-prompt", type=int, default=20)
     ap.add_argument("--max-prompt", type=int, default=90)
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.tiny import build_tiny
 
         args.model = str(build_tiny("qwen3", Path(tempfile.gettempdir()) / "mm-pipeline-bench" / "tiny-qwen3"))
-    lm = load_model(args.model, dtype=args.dtype)
+    lm = load_model(args.model, dtype=args.dtype, quant=args.quant)
     prompts = workload(lm, args)
     gen = args.new_tokens
     longest = max(len(p) for p in prompts) + gen
