@@ -133,6 +133,13 @@ def time_pipeline(pipe: Pipeline, prompt: Prompt, n: int) -> tuple[dict, list[in
     return pipe.result(ctx).metrics, list(ctx.generated)
 
 
+def decode_figures(metrics: dict, n: int) -> tuple[float, float]:
+    """(decode tok/s, bytes one decode step reads) of a pipeline request of ``n`` new tokens: the
+    speed measured as generate()'s is, (n - 1) / (end - first token); the bytes are the decode
+    weights plus the keys and values each step attends over."""
+    return (n - 1) / (metrics["total_s"] - metrics["ttft_s"]), metrics["bandwidth_gb_s"] * 1e9 / metrics["decode_tok_s"]
+
+
 def make_pipe(lm: LoadedModel, fast: bool, image: bool, matvec: bool = True) -> Pipeline:
     stages: dict[str, Callable] = {}
     if image:
@@ -229,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 m, toks = time_pipeline(paths[name], prompt, n)
                 samples[name]["ttft_s"].append(m["ttft_s"])
-                samples[name]["decode_tok_s"].append((n - 1) / (m["total_s"] - m["ttft_s"]))
-                # Bytes one decode step reads (decode weights + the keys and values it attends over).
-                samples[name]["bytes_per_token"].append(m["bandwidth_gb_s"] * 1e9 / m["decode_tok_s"])
+                tok_s, per_token = decode_figures(m, n)
+                samples[name]["decode_tok_s"].append(tok_s)
+                samples[name]["bytes_per_token"].append(per_token)
             tokens.setdefault(name, toks)
             if toks != tokens[name]:
                 print(f"warning: {name} gave different tokens across repetitions", file=sys.stderr)

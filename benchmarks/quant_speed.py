@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         for scheme in schemes if rep % 2 == 0 else reversed(schemes):
             lm, prompt, pipe, expected = runs[scheme]
             m, tokens = dvg.time_pipeline(pipe, prompt, n)
-            speed[scheme].append((n - 1) / (m["total_s"] - m["ttft_s"]))
-            read[scheme].append(m["bandwidth_gb_s"] * 1e9 / m["decode_tok_s"])
+            tok_s, per_token = dvg.decode_figures(m, n)
+            speed[scheme].append(tok_s)
+            read[scheme].append(per_token)
             same.setdefault(scheme, tokens == expected)
     base = statistics.median(speed[schemes[0]])
     print(f"llama-187m {args.dtype} on {device}, {'plain' if args.eager else 'compiled'} decode, {n} new tokens, "

@@ -106,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                 tok_s = (n - 1) / (tn - t1)
             else:
                 m, toks = dvg.time_pipeline(paths[name], prompt, n)
-                tok_s = (n - 1) / (m["total_s"] - m["ttft_s"])
-                per_token.append(m["bandwidth_gb_s"] * 1e9 / m["decode_tok_s"])
+                tok_s, step_bytes = dvg.decode_figures(m, n)
+                per_token.append(step_bytes)
             speed[name].append(tok_s)
             tokens.setdefault(name, toks)
 

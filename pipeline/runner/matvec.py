@@ -164,7 +164,7 @@ def widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a bfloat16 product of ``x``'s rows is faster widened to float32: on a CPU without
     native bfloat16 matmuls (no AVX-512 BF16 / AMX: oneDNN's bfloat16 path is off) PyTorch falls
     back to a generic loop, 4.7x slower than widening the weight and running float32's GEMM at 64
-    rows, even at 8 (measured: 1024x4096, 2 threads), slower below. Same arithmetic: float32
+    rows and already slower at 8 (measured: 1024x4096, 2 threads); below 8 widening loses. Same arithmetic: float32
     accumulation, one rounding to bfloat16. Eager steps only: a compiled graph would guard on the
     row count."""
     return (x.dtype == weight.dtype == torch.bfloat16 and x.numel() >= WIDEN_ROWS * x.shape[-1]
@@ -183,8 +183,6 @@ def run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None
 
 
 def ready(model: torch.nn.Module) -> bool:
-    """Whether the engine's steps on ``model`` can use the kernel: some CPU weight it reads, and
-    it builds. Attaches it when so."""
-    if not any(plain_weights(m) is not None or m.__dict__.get("_mm_matvec") for m in model.modules()):
-        return False  # nothing it would run: not even built
-    return load() is None and attach(model) > 0
+    """Whether the engine's steps on ``model`` can use the kernel: some CPU weight it reads (those
+    are wrapped), and it builds (not even tried for a model with none)."""
+    return attach(model) > 0 and load() is None
