@@ -59,13 +59,14 @@ def test_one_row_equals_torch_linear(dtype, bias, shape):
     torch.testing.assert_close(got, expected, **tol)
 
 
-def test_int8_row_scales_round_like_torchao():
+@pytest.mark.parametrize("shape", [(256, 512), (1002, 1024)])  # rows in blocks of four, and two left over
+def test_int8_row_scales_round_like_torchao(shape):
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     torch.manual_seed(0)
-    layer = torch.nn.Sequential(torch.nn.Linear(512, 256, bias=True)).to(torch.bfloat16)
+    layer = torch.nn.Sequential(torch.nn.Linear(shape[1], shape[0], bias=True)).to(torch.bfloat16)
     quantize_(layer, Int8WeightOnlyConfig())
-    x = torch.randn(1, 512, dtype=torch.bfloat16)
+    x = torch.randn(1, shape[1], dtype=torch.bfloat16)
     expected = layer(x)
     assert matvec.plain_weights(layer[0]) is not None
     matvec.attach(layer)
@@ -90,6 +91,23 @@ def test_only_active_one_row_calls_take_the_kernel(monkeypatch):
         worker.start()
         worker.join()
     assert calls[0] == 1 and seen
+
+
+def test_a_replaced_weight_is_the_one_read(monkeypatch):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(512, 64)
+    matvec.attach(layer)
+    calls = counting(monkeypatch)
+    x = torch.randn(1, 512)
+    layer.weight = torch.nn.Parameter(torch.randn(64, 512))
+    with matvec.active():
+        got = layer(x)
+    assert calls[0] == 1
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    layer.weight = torch.nn.Parameter(torch.randn(512, 64).t())  # not contiguous: the kernel cannot read it
+    with matvec.active():
+        got = layer(x)
+    assert calls[0] == 1 and torch.equal(got, torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
 def test_weights_it_cannot_read_or_that_are_too_small_keep_their_forward(monkeypatch):
