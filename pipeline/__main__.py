@@ -17,6 +17,8 @@ from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from pipeline import tensor_parallel
+from pipeline.assemble import follow_from_cfg
 from pipeline.errors import UserError
 from pipeline.modes import get_mode
 from pipeline.outputs import remove_failed_run_dir, stderr_to_log
@@ -190,7 +192,11 @@ def hydra_main(cfg: DictConfig) -> None:
         with stderr_to_log():  # __main__.log holds the run's report, as stderr shows it
             try:
                 check(cfg)  # the rules types cannot say, once, before the mode reads anything
-                get_mode(str(cfg.mode.name))(cfg)
+                tensor_parallel.request(int(cfg.model.tp))
+                if tensor_parallel.follower():
+                    follow_from_cfg(cfg)  # ranks 1..N-1: rank 0's steps on this rank's shard
+                else:
+                    get_mode(str(cfg.mode.name))(cfg)
             except (UserError, ValueError) as err:  # ValueError: a stage refusing its settings (the Python API's error)
                 fail(str(err))
             except KeyboardInterrupt:
@@ -201,6 +207,7 @@ def hydra_main(cfg: DictConfig) -> None:
             remove_failed_run_dir()
         raise
     finally:
+        tensor_parallel.finish()
         release_job()
 
 

@@ -23,7 +23,7 @@ from pipeline.loading import (
 from pipeline.kv import kv_memory_setting, state_budget, state_shape
 from pipeline.memory import fmt_bytes, kv_bytes
 from pipeline.media import Inputs, load_inputs
-from pipeline.pipeline import Pipeline, check_stages
+from pipeline.pipeline import Pipeline, check_stages, follow
 from pipeline.response_format import cli_constraint
 from pipeline.runner.grammar import constraint_of
 from pipeline.spec import Speculative, check_same_tokenizer
@@ -92,7 +92,14 @@ def load_from_cfg(cfg: DictConfig) -> LoadedModel:
         trust_remote_code=bool(m.trust_remote_code),
         processor_kwargs=processor_kwargs(cfg),
         config=config,
+        tp=int(m.tp),
     )
+
+
+def follow_from_cfg(cfg: DictConfig) -> None:
+    """Ranks 1..N-1 of a tensor-parallel launch: load this rank's shard of the model, then run
+    rank 0's steps on it until rank 0 finishes (``pipeline.runner.mirror``)."""
+    follow(load_from_cfg(cfg))
 
 
 def check_settings_for_model(cfg: DictConfig, config: Any, path: str) -> None:

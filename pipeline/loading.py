@@ -16,7 +16,7 @@ from huggingface_hub import HfApi, constants as hub_constants, try_to_load_from_
 from huggingface_hub.errors import HfHubHTTPError
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
-from pipeline import quant as q
+from pipeline import quant as q, tensor_parallel
 from pipeline.errors import UserError
 from pipeline.families import Family, family_for_config
 from pipeline.kv import state_shape
@@ -40,6 +40,7 @@ class LoadedModel:
     # media kind -> the question a model built by the project asks when media come without a
     # prompt (the trained embedded default's "What shapes are in the image?"); empty otherwise
     default_prompts: dict = field(default_factory=dict)
+    tp: int = 1  # tensor-parallel ranks its weights are sharded over (``pipeline.tensor_parallel``)
 
     @property
     def config(self) -> Any:
@@ -204,6 +205,9 @@ def _storage(tensor: torch.Tensor) -> tuple[str, int]:
     float scale per row (SCB). The scales are part of what the scheme costs, so they count.
     """
     cls = type(tensor).__name__
+    if cls == "DTensor":  # tensor parallel: what this rank holds of it
+        tensor = tensor.to_local()
+        cls = type(tensor).__name__
     nbytes = _tensor_bytes(tensor)
     if cls == "Params4bit":
         state = getattr(tensor, "quant_state", None)
@@ -221,7 +225,8 @@ def _storage(tensor: torch.Tensor) -> tuple[str, int]:
 
 
 def placement_of(model: Any) -> dict[str, dict[str, int]]:
-    """Bytes of weights per device and per dtype / quantisation scheme.
+    """Bytes of weights per device and per dtype / quantisation scheme (under tensor parallel,
+    this rank's shards).
 
     Weights accelerate offloaded sit on the ``meta`` device in the model; they are counted
     where they really live (``cpu`` or ``disk``, from ``hf_device_map``), at their size.
@@ -516,6 +521,7 @@ def load_model(
     trust_remote_code: bool = False,
     processor_kwargs: dict | None = None,
     config: Any = None,
+    tp: int = 1,
 ) -> LoadedModel:
     """Load weights, tokenizer/processor and the family; bad paths become one-line UserErrors.
 
@@ -524,6 +530,8 @@ def load_model(
     ``max_memory`` without ``device_map`` means ``device_map="auto"`` (a budget only
     accelerate's placement can honour). The KV guard before prefill also reads it. ``config``:
     the model's config when the caller read it already (``read_config``), not read again.
+    ``tp``: shard the weights over this many ranks of a ``torchrun`` launch (transformers'
+    tensor-parallel plan; ``pipeline.tensor_parallel``), refused in one line where it cannot work.
     """
     path = str(path)
     _check_path(path)
@@ -536,10 +544,14 @@ def load_model(
     family = family_for_config(config)
     torch_dtype = resolve_dtype(dtype, device_map)
     quant_note = ""
+    if tp > 1:
+        quant, quant_note = _check_tensor_parallel(config, tp, quant, device_map)
     if quantization_config is None and quant is not None:
         quantization_config, quant_note = _quantization(quant, config, path, torch_dtype, device_map, family, budgets)
     hub: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_files_only(path)}
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "use_safetensors": True, **hub}
+    if tp > 1:  # the architecture's own plan, over the launch's ranks
+        kwargs.update(distributed_config=tensor_parallel.distributed_config(tp), config=tensor_parallel.plan_config(config))
     if device_map is not None:
         kwargs["device_map"] = device_map
     if budgets:
@@ -563,7 +575,7 @@ def load_model(
         model = auto_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load model {path!r}: {_load_error(err)}") from None
-    if device_map is None and torch.cuda.is_available() and quantization_config is None:
+    if device_map is None and torch.cuda.is_available() and quantization_config is None and tp == 1:
         model.to("cuda")
     model.eval()
     return LoadedModel(
@@ -577,7 +589,24 @@ def load_model(
         placement=placement_of(model),
         max_memory=budgets,
         default_prompts=_default_prompts(path),
+        tp=tp,
     )
+
+
+def _check_tensor_parallel(config: Any, tp: int, quant: Any, device_map: Any) -> tuple[Any, str]:
+    """Refuse what cannot be sharded (before any weight loads); returns the quant setting to
+    load with: ``auto`` keeps the checkpoint's weights under tensor parallel."""
+    tensor_parallel.check_launch(tp)
+    if device_map is not None:
+        raise UserError(f"model.tp={tp} places the weights itself (one shard per rank): drop model.device_map / "
+                        "model.max_memory")
+    quant_cfg = {"name": quant} if isinstance(quant, str) else quant
+    scheme = q.scheme_name(quant_cfg) if quant_cfg is not None else "none"
+    tensor_parallel.check_model(config, tp, scheme, state_shape(config, torch.float32) is not None)
+    tensor_parallel.start(tp)
+    if scheme == "auto":
+        return None, f"quant=auto keeps the checkpoint's weights under model.tp={tp}"
+    return quant, ""
 
 
 def _load_error(err: Exception) -> str:

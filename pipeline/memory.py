@@ -55,31 +55,34 @@ def sliding_window(config: Any) -> int | None:
     return windows.pop() if windows else None
 
 
-def kv_shape(config: Any) -> tuple[int, int, int]:
-    """(decoder layers, key/value heads, head dim) of the language model."""
+def kv_shape(config: Any, shards: int = 1) -> tuple[int, int, int]:
+    """(decoder layers, key/value heads, head dim) of the language model; the heads one of
+    ``shards`` tensor-parallel ranks holds."""
     text = text_config(config)
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-    return int(text.num_hidden_layers), kv_heads, head_dim
+    return int(text.num_hidden_layers), kv_heads // shards, head_dim
 
 
-def kv_bytes_per_layer(config: Any, tokens: int, dtype: torch.dtype) -> list[int]:
+def kv_bytes_per_layer(config: Any, tokens: int, dtype: torch.dtype, shards: int = 1) -> list[int]:
     """Bytes of keys + values each decoder layer holds for ``tokens`` positions.
 
     Sliding-window layers count every position too: the paged pool keeps them all (a block is
     shared by every layer, and reuse, rollback and the prefix cache need the whole history), so
     a sliding window saves no KV memory here. Linear-attention layers keep none (their state is
-    per sequence, not per position: ``pipeline.kv.states``).
+    per sequence, not per position: ``pipeline.kv.states``). ``shards``: one tensor-parallel
+    rank's share.
     """
-    _, kv_heads, head_dim = kv_shape(config)
+    _, kv_heads, head_dim = kv_shape(config, shards)
     size = torch.empty((), dtype=dtype).element_size()
     return [2 * kv_heads * head_dim * tokens * size if kind in ATTENTION_KINDS else 0 for kind in layer_kinds(config)]
 
 
-def kv_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
-    """Bytes of the whole KV cache for ``tokens`` positions (all layers, keys and values)."""
-    return sum(kv_bytes_per_layer(config, tokens, dtype))
+def kv_bytes(config: Any, tokens: int, dtype: torch.dtype, shards: int = 1) -> int:
+    """Bytes of the whole KV cache for ``tokens`` positions (all layers, keys and values; one
+    tensor-parallel rank's share of ``shards``)."""
+    return sum(kv_bytes_per_layer(config, tokens, dtype, shards))
 
 
 def _decoder_layers(model: Any, encoders: Sequence[str] = ()) -> list[Any]:

@@ -8,6 +8,7 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequenc
 
 import torch
 
+from pipeline import tensor_parallel
 from pipeline.context import Context, Request, Result
 from pipeline.engine import Engine, Handle, Phases, Sequence as EngineSequence
 from pipeline.errors import UserError
@@ -16,7 +17,7 @@ from pipeline.kv import ATTENTION, BlockPool, KVCache
 from pipeline.kv.sizing import Pools, pools_for
 from pipeline.loading import LoadedModel
 from pipeline.metrics import Metrics, decode_weight_bytes, reset_window, synchronize
-from pipeline.runner import CompiledStep, ModelRunner, fork_sampler
+from pipeline.runner import CompiledStep, ModelRunner, fork_sampler, mirror
 
 Stage = Callable[[Context], Any]
 ENGINE_STAGES = {"prefill": "stages.Prefill", "decode": "stages.DecodeLoop"}  # run by the engine, through hooks
@@ -32,6 +33,17 @@ def _shared(lm: LoadedModel, key: tuple, make: Callable[[], Any]) -> Any:
         if key not in table:
             table[key] = make()
         return table[key]
+
+
+def follow(lm: LoadedModel) -> None:
+    """Ranks 1..N-1 of a tensor-parallel launch (``load_model(..., tp=N)`` under torchrun): run
+    rank 0's model steps on this rank's shard until rank 0 calls ``tensor_parallel.finish()``.
+    Rank 0 builds its ``Pipeline`` as usual; nothing but the model runs here."""
+    group = tensor_parallel.current()
+    if group is None or group.driver:
+        raise UserError("follow() is for ranks 1..N-1 of a tensor-parallel launch (load_model(..., tp=N) under torchrun)")
+    mirror.follow(lm, group, ModelRunner)
+    tensor_parallel.finish()
 
 
 def shared_engine(lm: LoadedModel, pool: BlockPool, compiled: CompiledStep | None = None, *, max_seqs: int = 8,

@@ -43,6 +43,7 @@ class ModelSettings:
     offload_folder: Optional[str] = None
     trust_remote_code: bool = False
     processor: Dict[str, Any] = field(default_factory=dict)
+    tp: int = 1  # tensor-parallel ranks (torchrun --nproc-per-node N ... model.tp=N)
 
 
 @dataclass

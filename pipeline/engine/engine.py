@@ -146,6 +146,8 @@ class Engine:
             "kv_blocks_free": pool.free_blocks,
             "kv_blocks_total": pool.num_blocks - 1,
             "prefix_cache_hit_rate": pool.hits / pool.lookups if pool.lookups else None,
+            "kv_bytes_per_token": pool.block_bytes // pool.block_size,  # on each tensor-parallel rank
+            "tp_ranks": pool.shards,
             **states,
             **self.counters,
             **self._grammar_stats(),

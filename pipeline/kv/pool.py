@@ -49,7 +49,7 @@ class BlockPool:
     def __init__(
         self, config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device],
         state_slots: int = 0, checkpoint_every: int | None = None, reserved_slots: int = 0,
-        attention: str = "auto",
+        attention: str = "auto", shards: int = 1,
     ) -> None:
         other = uncacheable_layers(config)
         if other:
@@ -60,11 +60,13 @@ class BlockPool:
                             "EmbeddingGemma): the paged KV cache decodes causal models only")
         if num_blocks < 2:
             raise ValueError(f"a pool needs at least 2 blocks (one is the null block), got {num_blocks}")
-        self.layers, self.kv_heads, self.head_dim = kv_shape(config)
+        # Under tensor parallel (``shards`` ranks) each rank's pool holds its own key/value heads.
+        self.shards = shards
+        self.layers, self.kv_heads, self.head_dim = kv_shape(config, shards)
         self.block_size = int(block_size)
         self.num_blocks = int(num_blocks)
         self.dtype = dtype
-        self.block_bytes = kv_bytes(config, self.block_size, dtype)  # every layer, keys and values
+        self.block_bytes = kv_bytes(config, self.block_size, dtype, shards)  # every layer, keys and values
         # Sliding-window layers: their window (None: the model has none). The pool keeps every
         # position for them as well; the attention masks keys older than the window.
         self.window = sliding_window(config)
@@ -96,6 +98,9 @@ class BlockPool:
         self._fresh = bytearray(b"\x01") * self.num_blocks  # never handed out yet (memory not initialised)
         self._dirty: list[int] = []  # handed out since the last prepare_write, still to be zeroed
         self._exposed = 0  # blocks below this are read whole by attention (expose): none is fresh
+        # Rank 0 under tensor parallel: the copy_block calls since the last step, which the other
+        # ranks replay on their pools before the same step (``pipeline.runner.mirror``).
+        self.copies: list[tuple[int, int]] | None = None
 
     # sizes ----------------------------------------------------------------------------------
     @property
@@ -220,6 +225,16 @@ class BlockPool:
         self.prepare_write()  # dst may be fresh: zero it first, so the copy is not zeroed later
         for store in self._stores:
             store[:, :, dst] = store[:, :, src]
+        if self.copies is not None:
+            self.copies.append((src, dst))
+
+    def replicate(self) -> None:
+        """Make this pool another rank's replica (tensor parallel): rank 0 hands out the blocks,
+        so nothing here knows which are used for the first time; the whole pool is zeroed before
+        the first forward instead of block by block."""
+        with self.lock:
+            self._fresh = bytearray(self.num_blocks)
+            self._dirty = list(range(self.num_blocks))
 
     # prefix cache ---------------------------------------------------------------------------
     @staticmethod

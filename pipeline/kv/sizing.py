@@ -64,7 +64,9 @@ class Pools:
         came from (what ``auto`` kept for activations, and why)."""
         names = ["kv pool", "draft kv pool"]
         parts = [f"{names[min(i, 1)]} {fmt_bytes(p.num_blocks * p.block_bytes)} "
-                 f"({p.capacity_tokens:,} tokens in blocks of {p.block_size})" for i, p in enumerate(self.pools)]
+                 f"({p.capacity_tokens:,} tokens in blocks of {p.block_size}"
+                 f"{f', on each of {p.shards} tensor-parallel ranks' if p.shards > 1 else ''})"
+                 for i, p in enumerate(self.pools)]
         return f"{' + '.join(parts)}: {self.budget.asked}"
 
 
@@ -118,6 +120,11 @@ def pools_for(
     return Pools(pools, list(models), budget)
 
 
+def shards(lm: Any) -> int:
+    """The tensor-parallel ranks ``lm``'s weights (and so its KV heads) are split over."""
+    return int(getattr(lm, "tp", 1))
+
+
 def pool_device(lm: Any) -> torch.device:
     """The device whose free memory sizes the pool: the first GPU a decoder layer computes on,
     else the first layer's device."""
@@ -128,7 +135,7 @@ def pool_device(lm: Any) -> torch.device:
 def pool_bytes_for(lm: Any, tokens: int, block_size: int, checkpoint_every: int, max_seqs: int) -> int:
     """Bytes of ``memory`` that give a pool room for ``tokens`` tokens (and, for models with
     recurrent states, the slots ``state_budget`` sets aside first): ``pools_for``'s inverse."""
-    nbytes = -(-tokens // block_size) * kv_bytes(lm.config, block_size, _kv_dtype(lm))
+    nbytes = -(-tokens // block_size) * kv_bytes(lm.config, block_size, _kv_dtype(lm), shards(lm))
     shape = state_shape(lm.config, _kv_dtype(lm))
     if shape is not None:
         nbytes += (4 * max_seqs + tokens // checkpoint_every + 1) * shape.slot_bytes
@@ -139,7 +146,7 @@ def bytes_per_token(lm: Any, block_size: int, checkpoint_every: int) -> float:
     """Pool bytes one token costs this model: its keys and values, plus its share of a
     recurrent-state checkpoint for models with linear-attention layers."""
     dtype = _kv_dtype(lm)
-    rate = kv_bytes(lm.config, block_size, dtype) / block_size
+    rate = kv_bytes(lm.config, block_size, dtype, shards(lm)) / block_size
     shape = state_shape(lm.config, dtype)
     return rate + (shape.slot_bytes / checkpoint_every if shape is not None else 0.0)
 
@@ -147,7 +154,7 @@ def bytes_per_token(lm: Any, block_size: int, checkpoint_every: int) -> float:
 def _pool(lm: Any, nbytes: int, asked: str, block_size: int, checkpoint_every: int, max_seqs: int) -> BlockPool:
     """A pool of ``nbytes`` for ``lm``, allocated now when it lives on a GPU."""
     dtype = _kv_dtype(lm)
-    block_bytes = kv_bytes(lm.config, block_size, dtype)
+    block_bytes = kv_bytes(lm.config, block_size, dtype, shards(lm))
     shape = state_shape(lm.config, dtype)
     if shape is None:
         blocks, slots, reserved = nbytes // block_bytes, 0, 0
@@ -164,7 +171,8 @@ def _pool(lm: Any, nbytes: int, asked: str, block_size: int, checkpoint_every: i
         )
     devices = cache_devices(lm)
     pool = BlockPool(lm.config, blocks + 1, block_size, dtype, devices,  # + the null block
-                     state_slots=slots + 1 if slots else 0, checkpoint_every=checkpoint_every, reserved_slots=reserved)
+                     state_slots=slots + 1 if slots else 0, checkpoint_every=checkpoint_every, reserved_slots=reserved,
+                     shards=shards(lm))
     if any(torch.device(d).type == "cuda" for d in devices):
         pool.prepare_write()  # allocated now: memory read after this (a draft's pool, the next job) sees it gone
     return pool

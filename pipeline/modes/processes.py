@@ -12,6 +12,7 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, parse_flag_from_env
 from omegaconf import DictConfig, open_dict
 
+from pipeline import tensor_parallel
 from pipeline.outputs import run_dir
 
 
@@ -22,8 +23,20 @@ def process_state(sync_timeout_s: float = 86400) -> Any:
     Ranks that finish early wait at a barrier for the slowest one: the process group's timeout
     (torch's default is 30 minutes) must outlast the longest shard, hence ``sync_timeout_s``.
     """
+    if tensor_parallel.requested() > 1:
+        return OneProcess()  # the ranks are one engine's shards: rank 0 alone runs the mode
     cpu = not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU")
     return PartialState(cpu=cpu, timeout=timedelta(seconds=sync_timeout_s))
+
+
+class OneProcess:
+    """The view a mode has of a tensor-parallel launch: one process (rank 0) does its work."""
+
+    num_processes, process_index, is_main_process = 1, 0, True
+
+    @staticmethod
+    def wait_for_everyone() -> None:
+        return None
 
 
 def shared_run_dir(state: Any) -> Path:

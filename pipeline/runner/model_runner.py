@@ -3,7 +3,8 @@
 Everything that touches the model during a step goes through here, so this is the one place
 that decides compiled or eager (``decode.compile``: one-token decode steps on the compiled
 step, everything else eager; a model that cannot compile falls back with one warning), and
-the place the tensor-parallel step belongs (CUDA graphs by bucket live in ``compiled``).
+the one place a tensor-parallel step is sent to the other ranks (``mirror``; CUDA graphs by
+bucket live in ``compiled``).
 The engine hands it chunks and gets logits (``forward``) or, for a greedy decode burst, the
 chosen tokens (``burst``).
 """
@@ -15,11 +16,13 @@ from typing import Any, Sequence
 
 import torch
 
+from pipeline import tensor_parallel
 from pipeline.kv import BlockPool
 from pipeline.runner import matvec
 from pipeline.runner.batch import Chunk
 from pipeline.runner.compiled import CompiledStep
 from pipeline.runner.forward import burst_state, forward, run_burst, single_row_step
+from pipeline.runner.mirror import Mirror
 from pipeline.transfer import read
 
 
@@ -54,6 +57,9 @@ class ModelRunner:
         self.compiled = compiled
         self.device = lm.device  # (a property that walks the parameters: read once)
         self.native = native and self.device.type == "cpu" and matvec.ready(lm.model)
+        # Tensor parallel, on rank 0: every step is sent to the other ranks first (``mirror``).
+        group = tensor_parallel.current() if getattr(lm, "tp", 1) > 1 else None
+        self.mirror = Mirror(group, pool, compiled, native) if group is not None and group.driver else None
 
     @property
     def compiles(self) -> bool:
@@ -63,6 +69,8 @@ class ModelRunner:
     def forward(self, chunks: Sequence[Chunk]) -> StepOutput:
         """One packed forward, launched: compiled when every chunk is a single token (a decode
         step). Nothing waits here; the caller's read of the logits does (``StepOutput.finish_timing``)."""
+        if self.mirror is not None:
+            self.mirror.step("forward", chunks)
         t0 = time.perf_counter()
         use_compiled = self.compiled is not None and all(c.count == 1 for c in chunks)
         run = self.compiled if use_compiled else self._eager
@@ -81,6 +89,8 @@ class ModelRunner:
         """``steps`` greedy decode steps for rows that each feed one token (``fed`` at
         ``positions``, cache lengths ``starts``, block tables covering every slot written),
         each chosen token fed straight back; one host read at the end."""
+        if self.mirror is not None:
+            self.mirror.step("burst", fed, positions, starts, tables, steps)
         state = burst_state(self.pool, fed, positions, starts, tables, steps, self.device, bucketed=self.compiles)
         t0 = time.perf_counter()
         step = None if self.compiled is not None else single_row_step(self.pool, tables, starts, steps)

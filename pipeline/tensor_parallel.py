@@ -1,0 +1,177 @@
+"""Tensor parallel (``model.tp=N`` under ``torchrun``): the launch, its checks, and the channel rank 0
+drives the other ranks through.
+
+transformers shards the weights (``tp_plan="auto"``: the architecture's own plan, DTensor on
+``torch.distributed``); mm-pipeline adds one engine over the ranks: rank 0 runs the front stages,
+the scheduler, sampling and all I/O, and before each model step sends the other ranks what the
+forward needs (``pipeline.runner.mirror``); every rank runs the same forward on its shard, the
+collectives inside it keep them in step, and each rank's KV pool holds its own share of the
+key/value heads. gloo on CPU, NCCL on CUDA.
+
+Everything here is checked before any weight loads: what cannot work is one line.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from pipeline.errors import UserError
+from pipeline.memory import kv_shape, text_config
+
+# How long a rank waits for the next message. Long: the other ranks wait on rank 0's next step
+# through every idle minute of a chat or a server; a rank that dies closes its sockets, which the
+# others see at once (and torchrun stops the whole group when one process fails).
+IDLE_TIMEOUT = timedelta(days=7)
+BITSANDBYTES = ("nf4", "fp4", "int8")
+
+
+@dataclass
+class Group:
+    """This process's place in a tensor-parallel launch: ``rank`` of ``size``."""
+
+    rank: int
+    size: int
+    device: torch.device
+
+    @property
+    def driver(self) -> bool:
+        """Rank 0: owns the engine, the front stages and every output."""
+        return self.rank == 0
+
+    def send(self, message: Any) -> None:
+        """Rank 0: one message to every other rank (a pickled object, broadcast)."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        self._broadcast(torch.tensor([len(data)], dtype=torch.int64))
+        self._broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def receive(self) -> Any:
+        """Ranks 1..N-1: rank 0's next message (waits as long as rank 0 is idle)."""
+        size = torch.empty(1, dtype=torch.int64)
+        self._broadcast(size)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._broadcast(data)
+        return pickle.loads(data.numpy().tobytes())
+
+    @staticmethod
+    def _broadcast(tensor: torch.Tensor) -> None:
+        # CPU tensors: over gloo even where the forward's collectives run on NCCL ("cpu:gloo,cuda:nccl")
+        torch.distributed.broadcast(tensor, src=0)
+
+
+_GROUP: list[Group] = []
+_REQUESTED = [1]  # model.tp of this run (``request``)
+
+
+def request(tp: int) -> None:
+    """A run with ``model.tp=tp`` starts (checked against the launch, one line if they disagree)."""
+    check_launch(tp)
+    _REQUESTED[0] = tp
+
+
+def requested() -> int:
+    return _REQUESTED[0]
+
+
+def follower() -> bool:
+    """Whether this process is rank 1..N-1 of a tensor-parallel run (it follows rank 0's steps)."""
+    return requested() > 1 and int(os.environ.get("RANK", "0")) > 0
+
+
+def current() -> Group | None:
+    """The launch's group once ``start`` ran with ``model.tp`` > 1; None in a single process."""
+    return _GROUP[0] if _GROUP else None
+
+
+def launched_size() -> int:
+    """How many processes torchrun started (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_launch(tp: int) -> None:
+    """``model.tp`` against how the process was started: one line when they disagree."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise UserError(f"model.tp must be a whole number >= 1 (got {tp!r})")
+    world = launched_size()
+    if tp > 1 and "RANK" not in os.environ:
+        raise UserError(f"model.tp={tp} needs one process per shard: torchrun --nproc-per-node {tp} -m pipeline "
+                        f"model.tp={tp} ...")
+    if tp > 1 and world != tp:
+        raise UserError(f"model.tp={tp} under a launch of {world} processes: start exactly {tp} "
+                        f"(torchrun --nproc-per-node {tp}; several tensor-parallel groups in one launch are not supported)")
+
+
+def check_model(config: Any, tp: int, quant: str, recurrent: bool) -> None:
+    """What the model and settings must allow for ``tp`` shards, judged on config.json alone."""
+    if tp == 1:
+        return
+    text = text_config(config)
+    plan = getattr(text, "base_model_tp_plan", None) or getattr(config, "base_model_tp_plan", None)
+    arch = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    if not plan:
+        raise UserError(f"model.tp={tp}: {arch} has no tensor-parallel plan in transformers (base_model_tp_plan)")
+    if recurrent:
+        raise UserError(f"model.tp={tp}: {arch} has linear-attention layers, whose recurrent states are not sharded")
+    _, kv_heads, _ = kv_shape(config)
+    heads = int(text.num_attention_heads)
+    if kv_heads % tp or heads % tp:
+        raise UserError(f"model.tp={tp} must divide the attention heads ({heads}) and key/value heads ({kv_heads})")
+    if quant in BITSANDBYTES:
+        raise UserError(f"model.tp={tp} with quant={quant}: bitsandbytes weights cannot be sharded; use quant=none "
+                        "or quant=int8wo / int4wo (torchao)")
+
+
+def distributed_config(tp: int) -> Any:
+    """transformers' settings for ``tp`` shards on the architecture's own plan."""
+    from transformers.distributed import DistributedConfig
+
+    return DistributedConfig(tp_size=tp)
+
+
+def plan_config(config: Any) -> Any:
+    """``config`` with the input embeddings replicated instead of split over the vocabulary
+    (transformers' default): rank 0's front stages embed a prompt to merge media into it alone,
+    which a split embedding (an all-reduce) would make every rank join. The price is the
+    embedding matrix on every rank (vocabulary x hidden)."""
+    for part in {id(c): c for c in (config, text_config(config))}.values():
+        plan = getattr(part, "base_model_tp_plan", None)
+        if plan:
+            part.base_model_tp_plan = {**plan, "embed_tokens": "replicate"}
+    return config
+
+
+def start(tp: int) -> Group | None:
+    """Join the launch's process group (once per process) for ``tp`` shards; None when tp is 1."""
+    check_launch(tp)
+    if tp == 1:
+        return None
+    if _GROUP:
+        return _GROUP[0]
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend=backend, timeout=IDLE_TIMEOUT)
+    _GROUP.append(Group(torch.distributed.get_rank(), torch.distributed.get_world_size(), device))
+    return _GROUP[0]
+
+
+def finish() -> None:
+    """The end of a run: rank 0 tells the other ranks to stop; every rank leaves the group."""
+    if _GROUP and torch.distributed.is_initialized():
+        if _GROUP[0].driver:
+            try:
+                _GROUP[0].send(("stop", None))
+            except RuntimeError:
+                pass  # the other ranks are gone already (they failed, or the launcher stopped them)
+        torch.distributed.destroy_process_group()
+    _GROUP.clear()
+    _REQUESTED[0] = 1
