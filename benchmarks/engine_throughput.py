@@ -65,6 +65,16 @@ def workload(lm: LoadedModel, args: argparse.Namespace) -> list[list[int]]:
     return out
 
 
+def workload_args(ap: argparse.ArgumentParser) -> None:
+    """The workload's arguments (``workload`` reads them), shared by the scripts that time it."""
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--min-prompt", type=int, default=20)
+    ap.add_argument("--max-prompt", type=int, default=90)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens of a system prompt every request starts with")
+    ap.add_argument("--seed", type=int, default=0)
+
+
 def pipeline(lm: LoadedModel, max_seqs: int, compile: bool) -> Pipeline:
     return Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=compile)}, max_seqs=max_seqs,
                     max_batch_tokens=2048)
@@ -111,15 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arch", choices=ARCHS, help="build this architecture with random weights instead")
     ap.add_argument("--dtype", default="auto", help="auto (float32 CPU, bfloat16 GPU) | bfloat16 | float32")
     ap.add_argument("--quant", default="none", help="weight scheme: none | int8wo | nf4 | ... (quant=...)")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--min-prompt", type=int, default=20)
-    ap.add_argument("--max-prompt", type=int, default=90)
-    ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--shared-prefix", type=int, default=0, help="tokens of a system prompt every request starts with")
+    workload_args(ap)
     ap.add_argument("--max-seqs", default="0", help="engine.max_seqs of the batched run(s), e.g. 1,16,64 (0: all requests)")
     ap.add_argument("--compile", action="store_true", help="decode.compile=true for both pipeline paths (warmed up)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true", help="leave generate_batch out")
     ap.add_argument("--skip-solo", action="store_true", help="leave the one-at-a-time run out")
     ap.add_argument("--hf-blocks", type=int, default=0, help="generate_batch cache blocks (0: sized for the workload)")

@@ -64,6 +64,8 @@ from pipeline import KVCache, Pipeline, Request, load_model  # noqa: E402
 from pipeline.loading import LoadedModel  # noqa: E402
 from stages import DecodeLoop, Prefill  # noqa: E402
 
+from engine_throughput import run_engine  # noqa: E402  (this folder: benchmarks/)
+
 BLOCK = 16  # kv.block_size (the default)
 HEAD = 128  # linear key/value head dim (published)
 FULL_HEAD = 256  # full-attention head dim (published)
@@ -312,15 +314,7 @@ def bench_decode(lm: LoadedModel, args: argparse.Namespace, vocab: list[int], ch
     batched = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, max_seqs=args.batch)
 
     def together() -> tuple[float, list[list[int]]]:
-        batched.pool.clear_prefix_cache()
-        t0 = time.perf_counter()
-        handles = [batched.submit(Request(max_new_tokens=n, ignore_eos=True), ids=p, result=False) for p in prompts]
-        ctxs = [batched.wait(h) for h in handles]
-        seconds = time.perf_counter() - t0
-        outs = [list(c.generated) for c in ctxs]
-        for c in ctxs:
-            c.cache.clear()
-        return seconds, outs
+        return run_engine(batched, prompts, n, at_once=True)[:2]
 
     def alone() -> tuple[float, list[list[int]]]:
         single.pool.clear_prefix_cache()

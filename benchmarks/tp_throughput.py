@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -26,24 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from archs import build_arch  # noqa: E402
-from engine_throughput import workload  # noqa: E402
+from engine_throughput import run_engine, workload, workload_args  # noqa: E402
 
-from pipeline import Pipeline, Request, follow, load_model, tensor_parallel  # noqa: E402
+from pipeline import Pipeline, follow, load_model, tensor_parallel  # noqa: E402
 from stages import DecodeLoop, Prefill  # noqa: E402
 
 COLLECTIVES = ("allreduce", "all_reduce", "allgather", "all_gather", "wait_tensor", "broadcast")
-
-
-def run(pipe: Pipeline, prompts: list[list[int]], gen: int) -> tuple[float, list[list[int]]]:
-    pipe.pool.clear_prefix_cache()
-    t0 = time.perf_counter()
-    handles = [pipe.submit(Request(max_new_tokens=gen, ignore_eos=True), ids=p, result=False) for p in prompts]
-    ctxs = [pipe.wait(h) for h in handles]
-    seconds = time.perf_counter() - t0
-    tokens = [list(c.generated) for c in ctxs]
-    for c in ctxs:
-        c.cache.clear()
-    return seconds, tokens
 
 
 def collective_share(pipe: Pipeline, prompts: list[list[int]], gen: int) -> float:
@@ -51,7 +38,7 @@ def collective_share(pipe: Pipeline, prompts: list[list[int]], gen: int) -> floa
     from torch.profiler import profile
 
     with profile() as prof:
-        seconds, _ = run(pipe, prompts, gen)
+        seconds, _, _ = run_engine(pipe, prompts, gen, at_once=True)
     spent = sum(e.self_cpu_time_total for e in prof.key_averages() if any(c in e.key.lower() for c in COLLECTIVES))
     return spent / 1e6 / seconds
 
@@ -60,12 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="llama-187m")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--min-prompt", type=int, default=20)
-    ap.add_argument("--max-prompt", type=int, default=90)
-    ap.add_argument("--shared-prefix", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
+    workload_args(ap)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--kv-memory", type=int, default=256 << 20, help="kv.memory in bytes, on each rank")
     ap.add_argument("--json", type=Path, help="write this run's figures and tokens here")
@@ -85,10 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, max_seqs=args.requests,
                     max_batch_tokens=2048, kv_memory=args.kv_memory)
     prompts = workload(lm, args)
-    run(pipe, prompts[:4], 4)  # warm
+    run_engine(pipe, prompts[:4], 4, at_once=True)  # warm
     times, tokens = [], None
     for _ in range(args.reps):
-        seconds, tokens = run(pipe, prompts, args.new_tokens)
+        seconds, tokens, _ = run_engine(pipe, prompts, args.new_tokens, at_once=True)
         times.append(seconds)
     share = collective_share(pipe, prompts, args.new_tokens) if tp > 1 else 0.0
     generated = args.requests * args.new_tokens

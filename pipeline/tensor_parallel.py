@@ -1,7 +1,7 @@
 """Tensor parallel (``model.tp=N`` under ``torchrun``): the launch, its checks, and the channel rank 0
 drives the other ranks through.
 
-transformers shards the weights (``tp_plan="auto"``: the architecture's own plan, DTensor on
+transformers shards the weights (``DistributedConfig``: the architecture's own plan, DTensor on
 ``torch.distributed``); mm-pipeline adds one engine over the ranks: rank 0 runs the front stages,
 the scheduler, sampling and all I/O, and before each model step sends the other ranks what the
 forward needs (``pipeline.runner.mirror``); every rank runs the same forward on its shard, the
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -36,7 +37,6 @@ class Group:
 
     rank: int
     size: int
-    device: torch.device
 
     @property
     def driver(self) -> bool:
@@ -44,10 +44,12 @@ class Group:
         return self.rank == 0
 
     def send(self, message: Any) -> None:
-        """Rank 0: one message to every other rank (a pickled object, broadcast)."""
+        """Rank 0: one message to every other rank (a pickled object, broadcast). Whole messages
+        from any thread (the engine's steps, a runner announced by another thread, the stop)."""
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        self._broadcast(torch.tensor([len(data)], dtype=torch.int64))
-        self._broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        with _SEND_LOCK:
+            self._broadcast(torch.tensor([len(data)], dtype=torch.int64))
+            self._broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
     def receive(self) -> Any:
         """Ranks 1..N-1: rank 0's next message (waits as long as rank 0 is idle)."""
@@ -64,6 +66,7 @@ class Group:
 
 
 _GROUP: list[Group] = []
+_SEND_LOCK = threading.Lock()
 _REQUESTED = [1]  # model.tp of this run (``request``)
 
 
@@ -152,15 +155,13 @@ def start(tp: int) -> Group | None:
     if _GROUP:
         return _GROUP[0]
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    backend = "gloo"
     if torch.cuda.is_available():
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(torch.device("cuda", local))  # each rank's shard on its own GPU
         backend = "cpu:gloo,cuda:nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend=backend, timeout=IDLE_TIMEOUT)
-    _GROUP.append(Group(torch.distributed.get_rank(), torch.distributed.get_world_size(), device))
+    _GROUP.append(Group(torch.distributed.get_rank(), torch.distributed.get_world_size()))
     return _GROUP[0]
 
 
