@@ -84,6 +84,7 @@ def test_two_ranks_equal_one_process_with_prefix_hits_and_preemption(tiny_dir, t
     got = two_ranks(tmp_path, model_dir, vision=False, kv_tokens=320)  # 20 blocks a rank: preemption
     stats = got["stats"]
     assert stats["preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0 and stats["tp_ranks"] == 2
+    assert 0 < stats["tp_collective_share"] < 1  # gloo's all-reduces, sampled with torch.profiler
     lm = load_model(str(model_dir), dtype="float32")
     alone, _ = run_requests(lm, text_requests(), False, max_seqs=1)
     assert got["tokens"] == alone
@@ -145,3 +146,30 @@ def test_cli_refuses_tp_without_torchrun_before_loading():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: model.tp=2 needs one process per shard: torchrun")
     assert "Traceback" not in proc.stderr and "Loading weights" not in proc.stderr
+
+
+def test_a_follower_zeroes_exactly_the_blocks_rank_0_hands_out(tiny_dir):
+    """A follower's pool is never handed blocks itself: it replays rank 0's first-use zeroings (no
+    whole-pool zeroing on the first request), so an exposed block it already holds keys in is kept."""
+    from pipeline.kv import BlockPool
+
+    config = load_model(str(tiny_dir("llama")), dtype="float32").config
+    driver, follower_pool = (BlockPool(config, 8, 4, torch.float32, []) for _ in range(2))
+    driver.zeroed, driver.copies = [], []
+    first = driver.allocate()
+    driver.prepare_write()
+    follower_pool.prepare_write()  # allocated like rank 0's; fill with NaN: what fresh memory may hold
+    for store in follower_pool.stores:
+        store.fill_(float("nan"))
+    follower_pool.zero(driver.zeroed)
+    for store in follower_pool.stores:
+        store[:, :, first] = 1.0  # the first step's keys
+    second = driver.allocate()
+    driver.copy_block(first, second)
+    follower_pool.zero(driver.zeroed)
+    for src, dst in driver.copies:
+        follower_pool.copy_block(src, dst)
+    follower_pool.expose(8)  # attention reads the whole pool: fresh blocks are zeroed, used ones kept
+    store = follower_pool.stores[0]
+    assert bool((store[:, :, [first, second]] == 1).all())
+    assert not bool(store.isnan().any()) and int((store != 0).sum()) == 2 * store[:, :, first].numel()

@@ -148,6 +148,7 @@ class Engine:
             "prefix_cache_hit_rate": pool.hits / pool.lookups if pool.lookups else None,
             "kv_bytes_per_token": pool.block_bytes // pool.block_size,  # on each tensor-parallel rank
             "tp_ranks": pool.shards,
+            "tp_collective_share": self.runner.collective_share,  # sampled steps, rank 0 (None: one process)
             **states,
             **self.counters,
             **self._grammar_stats(),

@@ -98,8 +98,10 @@ class BlockPool:
         self._fresh = bytearray(b"\x01") * self.num_blocks  # never handed out yet (memory not initialised)
         self._dirty: list[int] = []  # handed out since the last prepare_write, still to be zeroed
         self._exposed = 0  # blocks below this are read whole by attention (expose): none is fresh
-        # Rank 0 under tensor parallel: the copy_block calls since the last step, which the other
-        # ranks replay on their pools before the same step (``pipeline.runner.mirror``).
+        # Rank 0 under tensor parallel: the blocks zeroed for their first use and the copy_block calls
+        # since the last step, which the other ranks replay on their pools before the same step
+        # (``pipeline.runner.mirror``): only rank 0 hands out blocks.
+        self.zeroed: list[int] | None = None
         self.copies: list[tuple[int, int]] | None = None
 
     # sizes ----------------------------------------------------------------------------------
@@ -136,6 +138,8 @@ class BlockPool:
             if not self._dirty:
                 return
             blocks, self._dirty = self._dirty, []
+            if self.zeroed is not None:
+                self.zeroed.extend(blocks)
             for store in self._stores:  # under the lock: no forward of another engine is writing them yet
                 store.index_fill_(2, upload(blocks, store.device), 0)
 
@@ -228,13 +232,15 @@ class BlockPool:
         if self.copies is not None:
             self.copies.append((src, dst))
 
-    def replicate(self) -> None:
-        """Make this pool another rank's replica (tensor parallel): rank 0 hands out the blocks,
-        so nothing here knows which are used for the first time; the whole pool is zeroed before
-        the first forward instead of block by block."""
+    def zero(self, blocks: list[int]) -> None:
+        """Another rank's replica (tensor parallel): zero the blocks rank 0 zeroed for their first
+        use, so they are no longer fresh here either (``expose`` must not wipe them later)."""
         with self.lock:
-            self._fresh = bytearray(self.num_blocks)
-            self._dirty = list(range(self.num_blocks))
+            for block in blocks:
+                if self._fresh[block]:
+                    self._fresh[block] = 0
+                    self._dirty.append(block)
+            self.prepare_write()
 
     # prefix cache ---------------------------------------------------------------------------
     @staticmethod

@@ -3,17 +3,20 @@ ranks, which run the same step on their shards of the weights and their share of
 
 Only rank 0 schedules, so only its pool hands out blocks; a step's message carries what the
 forward needs (the chunks, or a decode burst's rows: ids or merged embeddings, positions,
-block tables) plus the copy-on-write block copies made since the last step, which the other
-ranks replay first. The collectives inside the forward keep the ranks in step; the other ranks'
-logits are dropped.
+block tables) plus the blocks zeroed for their first use and the copy-on-write block copies
+made since the last step, which the other ranks replay first (zeroes, then copies: a block is
+zeroed when first handed out, before anything is copied into or out of it). The collectives
+inside the forward keep the ranks in step; the other ranks' logits are dropped.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
 import sys
-from typing import Any
+import time
+from typing import Any, Iterator
 
 import torch
 
@@ -23,6 +26,8 @@ from pipeline.runner.compiled import CompiledStep
 from pipeline.tensor_parallel import Group
 
 _RUNNERS = itertools.count()
+SAMPLE_EVERY = 64  # steps between two profiled ones (the collective share's samples)
+COLLECTIVES = ("allreduce", "all_reduce", "allgather", "all_gather", "wait_tensor", "broadcast", "nccl")
 
 
 class Mirror:
@@ -30,22 +35,62 @@ class Mirror:
 
     def __init__(self, group: Group, pool: BlockPool, compiled: CompiledStep | None, native: bool) -> None:
         self.group, self.pool, self.id = group, pool, next(_RUNNERS)
-        pool.copies = []
+        pool.zeroed, pool.copies = [], []
         spec = {"num_blocks": pool.num_blocks, "block_size": pool.block_size, "dtype": pool.dtype,
                 "attention": pool.attention, "shards": pool.shards}
         settings = None if compiled is None else (compiled.backend, compiled.mode)
         self._send(("runner", self.id, spec, settings, native))
+        self.steps = 0
+        self.sampled_s = 0.0  # wall time of the profiled steps
+        self.collective_s = 0.0  # of which in collectives (all-reduces, gathers, this channel's broadcasts)
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start-up chatter (no GPU found...)
+        with _profile(cuda=False):  # started now (about a second), not in the middle of a request
+            pass
 
-    def step(self, kind: str, *args: Any) -> None:
-        """Before rank 0 runs ``runner.<kind>(*args)``: the same call, to every other rank."""
-        copies, self.pool.copies = self.pool.copies, []
-        self._send((kind, self.id, copies, args))
+    @property
+    def collective_share(self) -> float | None:
+        """Share of rank 0's step time spent in collectives, over the steps sampled so far."""
+        return self.collective_s / self.sampled_s if self.sampled_s else None
+
+    @contextlib.contextmanager
+    def step(self, kind: str, *args: Any) -> Iterator[None]:
+        """Around rank 0's ``runner.<kind>(*args)``: first the same call to every other rank, with
+        the pool's zeroings and copies since the last step. Every ``SAMPLE_EVERY``-th step runs
+        under ``torch.profiler``, whose collective events give the share of the step spent in
+        them (sampled: the profiler costs milliseconds a step; the first sample also starts it)."""
+        self.steps += 1
+        with self._profiled() if self.steps % SAMPLE_EVERY == 1 else contextlib.nullcontext():
+            self.pool.prepare_write()  # the step's new blocks zeroed now, so they go with it
+            zeroed, self.pool.zeroed = self.pool.zeroed, []
+            copies, self.pool.copies = self.pool.copies, []
+            self._send((kind, self.id, zeroed, copies, args))
+            yield
+
+    @contextlib.contextmanager
+    def _profiled(self) -> Iterator[None]:
+        cuda = any(store.device.type == "cuda" for store in self.pool.stores)
+        with _profile(cuda) as prof:
+            t0 = time.perf_counter()
+            yield
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        spent = sum(e.self_device_time_total if cuda else e.self_cpu_time_total
+                    for e in prof.key_averages() if any(c in e.key.lower() for c in COLLECTIVES))
+        self.sampled_s += wall
+        self.collective_s += min(spent / 1e6, wall)
 
     def _send(self, message: tuple) -> None:
         try:
             self.group.send(message)
         except RuntimeError as err:  # a rank died: this group cannot take another step
             lost(err)
+
+
+def _profile(cuda: bool) -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
 
 
 def lost(err: BaseException) -> None:
@@ -75,13 +120,13 @@ def follow(lm: Any, group: Group, make_runner: Any) -> None:
         if kind == "runner":
             spec, settings, native = message[2:]
             pool = BlockPool(lm.config, devices=cache_devices(lm), **spec)
-            pool.replicate()
             compiled = None if settings is None else CompiledStep(*settings)
             runners[ident] = make_runner(lm, pool, compiled, native)
             continue
         runner = runners[ident]
-        copies, args = message[2], message[3]
+        zeroed, copies, args = message[2:]
         with torch.inference_mode():  # as the engine's steps run on rank 0
+            runner.pool.zero(zeroed)
             for src, dst in copies:
                 runner.pool.copy_block(src, dst)
             getattr(runner, kind)(*args)

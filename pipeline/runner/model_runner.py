@@ -10,6 +10,7 @@ chosen tokens (``burst``).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -69,14 +70,21 @@ class ModelRunner:
     def forward(self, chunks: Sequence[Chunk]) -> StepOutput:
         """One packed forward, launched: compiled when every chunk is a single token (a decode
         step). Nothing waits here; the caller's read of the logits does (``StepOutput.finish_timing``)."""
-        if self.mirror is not None:
-            self.mirror.step("forward", chunks)
         t0 = time.perf_counter()
         use_compiled = self.compiled is not None and all(c.count == 1 for c in chunks)
         run = self.compiled if use_compiled else self._eager
-        with matvec.active(self.native):
+        with self._mirrored("forward", chunks), matvec.active(self.native):
             logits = run(self.lm, self.pool, chunks, device=self.device)
         return StepOutput(logits, None, 0.0, use_compiled and self.compiles, started=t0)
+
+    def _mirrored(self, kind: str, *args: Any) -> Any:
+        """Tensor parallel, on rank 0: the step sent to the other ranks first (``Mirror.step``)."""
+        return contextlib.nullcontext() if self.mirror is None else self.mirror.step(kind, *args)
+
+    @property
+    def collective_share(self) -> float | None:
+        """Tensor parallel: share of rank 0's sampled step time spent in collectives (else None)."""
+        return None if self.mirror is None else self.mirror.collective_share
 
     @staticmethod
     def _eager(lm: Any, pool: BlockPool, chunks: Sequence[Chunk], device: torch.device) -> torch.Tensor:
@@ -89,12 +97,11 @@ class ModelRunner:
         """``steps`` greedy decode steps for rows that each feed one token (``fed`` at
         ``positions``, cache lengths ``starts``, block tables covering every slot written),
         each chosen token fed straight back; one host read at the end."""
-        if self.mirror is not None:
-            self.mirror.step("burst", fed, positions, starts, tables, steps)
-        state = burst_state(self.pool, fed, positions, starts, tables, steps, self.device, bucketed=self.compiles)
-        t0 = time.perf_counter()
-        step = None if self.compiled is not None else single_row_step(self.pool, tables, starts, steps)
-        with matvec.active(self.native):
-            chosen = run_burst(self.lm, self.pool, state, steps, self.compiled, step)
-        tokens = read(torch.cat(chosen))  # [steps][rows]: the one host read of the burst
+        with self._mirrored("burst", fed, positions, starts, tables, steps):
+            state = burst_state(self.pool, fed, positions, starts, tables, steps, self.device, bucketed=self.compiles)
+            t0 = time.perf_counter()
+            step = None if self.compiled is not None else single_row_step(self.pool, tables, starts, steps)
+            with matvec.active(self.native):
+                chosen = run_burst(self.lm, self.pool, state, steps, self.compiled, step)
+            tokens = read(torch.cat(chosen))  # [steps][rows]: the one host read of the burst
         return StepOutput(None, tokens, (time.perf_counter() - t0) / steps, self.compiles)

@@ -28,6 +28,12 @@ class _EngineCollector:
         if "state_slots_free" in stats:  # models with linear-attention layers (recurrent states)
             yield GaugeMetricFamily("mm_state_slots_free", "recurrent-state slots free or evictable",
                                     value=stats["state_slots_free"])
+        yield GaugeMetricFamily("mm_kv_bytes_per_token", "KV cache bytes a token takes (on each tensor-parallel rank)",
+                                value=stats["kv_bytes_per_token"])
+        yield GaugeMetricFamily("mm_tp_ranks", "tensor-parallel ranks (1: one process)", value=stats["tp_ranks"])
+        if stats.get("tp_collective_share") is not None:
+            yield GaugeMetricFamily("mm_tp_collective_share", "share of rank 0's step time in collectives (sampled)",
+                                    value=stats["tp_collective_share"])
         yield CounterMetricFamily("mm_prefix_cache_hits", "full blocks taken from the prefix cache", value=pool.hits)
         yield CounterMetricFamily("mm_prefix_cache_lookups", "prefix-cache lookups", value=pool.lookups)
         yield CounterMetricFamily("mm_preemptions", "sequences preempted (recomputed later)",
