@@ -449,7 +449,7 @@ def auto_scheme(path: str, config: Any, dtype: torch.dtype, device_map: Any, bud
     half the GPU's memory, the rest for the KV cache and activations) stay 16-bit, exact and
     fast; larger ones load in nf4 (about 3.5x fewer bytes). On CPU, weight-only int8 (torchao,
     one scale per row) with the native one-row kernel is the fastest scheme measured
-    (``benchmarks/quant_speed.py``: 1.4x float32, 1.1-1.5x bfloat16 single-stream decode; the
+    (``benchmarks/quant_speed.py``: 2.4-2.9x float32, 1.5-1.8x bfloat16 single-stream decode; the
     engine's tokens equal ``generate()`` on the same weights); without the kernel torchao
     dequantises in every matmul, so the weights stay as they are. Models built by this project
     are test scaffolding, kept exact; an already quantised checkpoint keeps its own scheme.
@@ -466,7 +466,7 @@ def auto_scheme(path: str, config: Any, dtype: torch.dtype, device_map: Any, bud
         if why_not is not None:
             return "none", f"quant=auto: none on CPU (no native kernel: {why_not}; int8 would dequantise in every matmul)"
         return "int8wo", ("quant=auto chose int8wo on CPU: int8 weights, one scale per row, read by the native "
-                          "kernel (1.4x float32, 1.1-1.5x bfloat16 single-stream decode)")
+                          "kernel (2.4-2.9x float32, 1.5-1.8x bfloat16 single-stream decode)")
     name, total = gpu
     weights = estimated_weights_bytes(path, config, dtype)
     kind = str(dtype).removeprefix("torch.")

@@ -21,6 +21,29 @@ def any_size(monkeypatch):
     monkeypatch.setattr(matvec, "MIN_ELEMENTS", 0)
 
 
+def _isas() -> list[str]:
+    """The instruction sets this CPU can run the kernel on (AVX2 always; AVX-512 where it has it)."""
+    if matvec.load() is not None:
+        return []
+    default, found = matvec.isa(), []
+    for name in ("avx2", "avx512"):
+        try:
+            found.append(matvec.isa(name))
+        except RuntimeError:  # no AVX-512 here
+            pass
+    matvec.isa(default)
+    return found
+
+
+@pytest.fixture(params=_isas())
+def isa(request):
+    """Each instruction-set path of the kernel this CPU has, the default one restored after."""
+    default = matvec.isa()
+    matvec.isa(request.param)
+    yield request.param
+    matvec.isa(default)
+
+
 @pytest.fixture
 def fresh(tiny_dir):
     """A tiny model of its own: the kernel wraps its layers, the session's shared ones stay as they are."""
@@ -44,8 +67,8 @@ def counting(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1000, 1024), (7, 48)])  # a row count not a multiple of 4
-def test_one_row_equals_torch_linear(dtype, bias, shape):
+@pytest.mark.parametrize("shape", [(1000, 1024), (7, 48), (33, 192)])  # rows not a multiple of 4; K not one of 64
+def test_one_row_equals_torch_linear(dtype, bias, shape, isa):
     torch.manual_seed(0)
     layer = torch.nn.Linear(shape[1], shape[0], bias=bias).to(dtype)
     x = torch.randn(1, 1, shape[1]).to(dtype)
@@ -60,7 +83,7 @@ def test_one_row_equals_torch_linear(dtype, bias, shape):
 
 
 @pytest.mark.parametrize("shape", [(256, 512), (1002, 1024)])  # rows in blocks of four, and two left over
-def test_int8_row_scales_round_like_torchao(shape):
+def test_int8_row_scales_round_like_torchao(shape, isa):
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
     torch.manual_seed(0)
@@ -175,3 +198,10 @@ def test_many_bfloat16_rows_widen_to_float32_where_bfloat16_matmuls_are_slow(mon
     monkeypatch.setattr(matvec, "_native_bf16", lambda: True)  # oneDNN's bfloat16 kernels: left to them
     with matvec.active():
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_the_instruction_set_is_named_and_only_a_known_one_is_taken():
+    assert matvec.isa() in ("avx2", "avx512")
+    with pytest.raises(RuntimeError, match="avx2 or avx512, not neon"):
+        matvec.isa("neon")
+    assert matvec.isa() in _isas()  # unchanged by the refusal

@@ -111,7 +111,10 @@ def test_int8wo_weights_are_torchao_int8_with_row_scales_and_skips_stay_plain(lo
     layer = lm.model.model.layers[0].mlp.up_proj
     assert type(layer.weight).__name__ == "Int8Tensor"
     assert layer.weight.qdata.dtype == torch.int8 and layer.weight.scale.numel() == layer.out_features
-    assert type(lm.model.lm_head.weight) is torch.nn.Parameter  # the default skip list keeps lm_head
+    assert type(lm.model.lm_head.weight).__name__ == "Int8Tensor"  # int8wo's default: the output projection too
+    kept = load_tiny("qwen3", quant={"name": "int8wo", "skip_modules": ["lm_head"]})
+    assert type(kept.model.lm_head.weight) is torch.nn.Parameter
+    assert type(kept.model.model.layers[0].mlp.up_proj.weight).__name__ == "Int8Tensor"
     linear_bytes = sum(m.in_features * m.out_features + 5 * m.out_features for m in lm.model.modules()
                        if type(getattr(m, "weight", None)).__name__ == "Int8Tensor")
     assert lm.placement["cpu"]["int8wo"] == linear_bytes  # int8 weights, a float32 scale and an int8 zero per row
@@ -152,6 +155,9 @@ def test_tied_lm_head_is_never_quantised():
     config = quantization_config({"name": "nf4", "skip_modules": []}, tied_lm_head=True)
     assert any("lm_head" in p for p in config.llm_int8_skip_modules)
     assert quantization_config({"name": "nf4", "skip_modules": []}).llm_int8_skip_modules == []
+    tied = quantization_config({"name": "int8wo"}, tied_lm_head=True)  # int8wo's default would quantise it
+    assert any("lm_head" in p for p in tied.modules_to_not_convert)
+    assert not any("lm_head" in p for p in quantization_config({"name": "int8wo"}).modules_to_not_convert)
 
 
 # --- accelerate placement: offloaded weights count where they live ----------------------------

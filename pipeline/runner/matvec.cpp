@@ -3,10 +3,11 @@
 // A decode step of one sequence is a chain of matrix-vector products: every weight byte is read
 // once and used for one multiply-add, so the step runs at the speed memory delivers weights.
 // PyTorch's CPU GEMMs stop near 60% of that for a single row (measured: README "Decode at the
-// memory roofline"). This kernel streams each weight row once with AVX2 FMAs in float32, row
-// after row, split over torch's intra-op threads (at::parallel_for: torch.set_num_threads).
-// Weights stay in PyTorch's own layout, so every other path (prefill, generate()) reads the same
-// tensor.
+// memory roofline"). This kernel streams each weight row once with FMAs in float32, row after
+// row, split over torch's intra-op threads (at::parallel_for: torch.set_num_threads). Two
+// instruction sets, chosen at run time (``isa``): AVX-512 where the CPU has it (16 lanes, half the
+// instructions a weight), else AVX2. Weights stay in PyTorch's own layout, so every other path
+// (prefill, generate()) reads the same tensor.
 //
 // Weights: float32, bfloat16 (widened by a shift: bfloat16 is the top half of a float32), or
 // int8 with one scale per output row (torchao's Int8Tensor, weight-only). Rounding follows the
@@ -18,10 +19,13 @@
 #include <immintrin.h>
 
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 namespace {
+
+namespace avx2 {
 
 inline __m256 widen(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 widen(const int8_t* p) {
@@ -81,25 +85,34 @@ inline void dot4(const int8_t* w, int64_t k, const float* x, float* out) {
   for (int r = 0; r < 4; ++r) out[r] = hsum(_mm256_add_ps(a[r][0], a[r][1]));
 }
 
-inline float read(const at::Tensor& t, int64_t i) {
-  return t.scalar_type() == at::kBFloat16 ? static_cast<float>(t.const_data_ptr<at::BFloat16>()[i])
-                                          : t.const_data_ptr<float>()[i];
-}
+}  // namespace avx2
+
+// One value per output row (the int8 scales, the bias), float32 or bfloat16, read without a tensor
+// call in the row loop (through at::Tensor they cost an eighth of an int8 product; converting them
+// to the output dtype first, a copy per call). Empty: no such values.
+struct PerRow {
+  const void* data = nullptr;
+  bool bf16 = false;
+  float operator[](int64_t i) const {
+    return bf16 ? static_cast<float>(static_cast<const at::BFloat16*>(data)[i]) : static_cast<const float*>(data)[i];
+  }
+  explicit operator bool() const { return data != nullptr; }
+};
 
 // y[row] from its dot product: the stock paths' roundings (see the file's head).
 template <typename T>
-inline T finish(float v, const at::Tensor& scale, const at::Tensor& bias, int64_t row) {
-  if (scale.defined()) {
-    v = static_cast<float>(T(static_cast<float>(T(v)) * static_cast<float>(T(read(scale, row)))));
-    return bias.defined() ? T(v + static_cast<float>(T(read(bias, row)))) : T(v);
+inline T finish(float v, PerRow scale, PerRow bias, int64_t row) {
+  if (scale) {
+    v = static_cast<float>(T(static_cast<float>(T(v)) * static_cast<float>(T(scale[row]))));
+    return bias ? T(v + static_cast<float>(T(bias[row]))) : T(v);
   }
-  return T(bias.defined() ? v + read(bias, row) : v);
+  return T(bias ? v + bias[row] : v);
 }
 
 // y = W x for every output row, the rows split into one contiguous range per intra-op thread.
+namespace avx2 {
 template <typename W, typename T>
-void matvec_rows(const W* w, int64_t n, int64_t k, const float* x, const at::Tensor& scale, const at::Tensor& bias,
-                 T* y) {
+void rows(const W* w, int64_t n, int64_t k, const float* x, PerRow scale, PerRow bias, T* y) {
   at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
     int64_t row = first;
     if constexpr (std::is_same_v<W, int8_t>) {
@@ -112,15 +125,127 @@ void matvec_rows(const W* w, int64_t n, int64_t k, const float* x, const at::Ten
     for (; row < last; ++row) y[row] = finish<T>(dot(w + row * k, k, x), scale, bias, row);
   });
 }
+}  // namespace avx2
+
+// AVX-512 (measured on a 2-core Sapphire Rapids VM, the 187M Llama's 57 matrices:
+// benchmarks/matvec_kernels.py and benchmarks/README.md, "A second machine"): one row after
+// another for every weight type, four accumulators of 16 lanes, and the stream prefetched AHEAD
+// bytes ahead into L2 (_MM_HINT_T1). There the AVX2 path's hints (1 KiB into L1; non-temporal for
+// int8) left each core short of misses in flight (one core streams about 11 GB/s of the two
+// cores' 20-25): bfloat16 17 GB/s there -> 22 here, int8 6.6 -> 19.
+// bfloat16 rows are widened without a shuffle: a 32-bit lane holds two bfloat16 weights, the even
+// one made a float32 by a shift, the odd one by a mask, multiplied by x split the same way
+// (``split_even_odd``, once a call); int8 by sign extension and conversion.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw")
+namespace avx512 {
+
+constexpr int64_t AHEAD = 8192;
+
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + AHEAD + b, _MM_HINT_T1);
+}
+
+inline __m512 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  return _mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d));
+}
+
+// 64 weights a step (k a multiple of 64); x in order (float32, int8 weights) or split (bfloat16).
+inline float dot(const float* w, int64_t k, const float* x) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < k; i += 64) {
+    prefetch(w + i, 256);
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+  }
+  return _mm512_reduce_add_ps(sum4(a0, a1, a2, a3));
+}
+
+inline __m512 widen(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline float dot(const int8_t* w, int64_t k, const float* x) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < k; i += 64) {
+    prefetch(w + i, 64);
+    a0 = _mm512_fmadd_ps(widen(w + i), _mm512_loadu_ps(x + i), a0);
+    a1 = _mm512_fmadd_ps(widen(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+    a2 = _mm512_fmadd_ps(widen(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
+    a3 = _mm512_fmadd_ps(widen(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
+  }
+  return _mm512_reduce_add_ps(sum4(a0, a1, a2, a3));
+}
+
+inline __m512 even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+inline __m512 odd(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xFFFF0000)))); }
+
+// x split by ``split_even_odd``: per 32 columns, the 16 even ones, then the 16 odd ones.
+inline float dot(const at::BFloat16* w, int64_t k, const float* x) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < k; i += 64) {
+    prefetch(w + i, 128);
+    const __m512i v0 = _mm512_loadu_si512(w + i), v1 = _mm512_loadu_si512(w + i + 32);
+    a0 = _mm512_fmadd_ps(even(v0), _mm512_loadu_ps(x + i), a0);
+    a1 = _mm512_fmadd_ps(odd(v0), _mm512_loadu_ps(x + i + 16), a1);
+    a2 = _mm512_fmadd_ps(even(v1), _mm512_loadu_ps(x + i + 32), a2);
+    a3 = _mm512_fmadd_ps(odd(v1), _mm512_loadu_ps(x + i + 48), a3);
+  }
+  return _mm512_reduce_add_ps(sum4(a0, a1, a2, a3));
+}
+
+template <typename W, typename T>
+void rows(const W* w, int64_t n, int64_t k, const float* x, PerRow scale, PerRow bias, T* y) {
+  at::parallel_for(0, n, 16, [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) y[row] = finish<T>(dot(w + row * k, k, x), scale, bias, row);
+  });
+}
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+// Which instruction set the kernel runs: AVX-512 (F and BW) where the CPU has it, else AVX2 (the
+// Python side builds the kernel only where AVX2 is there). ``matvec_isa`` reads or forces it.
+enum class Isa { avx2, avx512 };
+
+Isa& isa() {
+  static Isa chosen = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? Isa::avx512 : Isa::avx2;
+  return chosen;
+}
+
+// The bfloat16 AVX-512 path reads x split per 32 columns into even and odd ones (see its dot).
+void split_even_odd(const float* x, int64_t k, float* out) {
+  for (int64_t i = 0; i < k; i += 32)
+    for (int64_t j = 0; j < 16; ++j) {
+      out[i + j] = x[i + 2 * j];
+      out[i + 16 + j] = x[i + 2 * j + 1];
+    }
+}
+
+template <typename W, typename T>
+void matvec_rows(const W* w, int64_t n, int64_t k, const float* x, PerRow scale, PerRow bias, T* y) {
+  if (isa() == Isa::avx2 || k % 64) {
+    avx2::rows(w, n, k, x, scale, bias, y);
+  } else if constexpr (std::is_same_v<W, at::BFloat16>) {
+    thread_local std::vector<float> split;
+    split.resize(k);
+    split_even_odd(x, k, split.data());
+    avx512::rows(w, n, k, split.data(), scale, bias, y);
+  } else {
+    avx512::rows(w, n, k, x, scale, bias, y);
+  }
+}
 
 template <typename T>
-void dispatch(const at::Tensor& weight, const float* x, const at::Tensor& scale, const at::Tensor& bias, T* y) {
+void dispatch(const at::Tensor& weight, const float* x, PerRow scale, PerRow bias, T* y) {
   const int64_t n = weight.size(0), k = weight.size(1);
   switch (weight.scalar_type()) {
     case at::kFloat: matvec_rows(weight.const_data_ptr<float>(), n, k, x, scale, bias, y); break;
     case at::kBFloat16: matvec_rows(weight.const_data_ptr<at::BFloat16>(), n, k, x, scale, bias, y); break;
     case at::kChar:
-      TORCH_CHECK(scale.defined(), "matvec: int8 weights need their row scales");
+      TORCH_CHECK(bool(scale), "matvec: int8 weights need their row scales");
       matvec_rows(weight.const_data_ptr<int8_t>(), n, k, x, scale, bias, y);
       break;
     default: TORCH_CHECK(false, "matvec: weights must be float32, bfloat16 or int8");
@@ -139,6 +264,9 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const std::opti
                 "matvec: scale and bias must hold one float32 or bfloat16 value per output row");
     return t->contiguous();
   };
+  auto per_row = [](const at::Tensor& t) {
+    return t.defined() ? PerRow{t.const_data_ptr(), t.scalar_type() == at::kBFloat16} : PerRow{};
+  };
   const at::Tensor s = vector(scale), b = vector(bias);
   const at::Tensor xc = x.contiguous();
   thread_local std::vector<float> widened;  // x in float32 (no tensor allocated per call: 57 calls a step)
@@ -152,15 +280,30 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const std::opti
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   at::Tensor y = at::empty(sizes, x.options());
-  if (x.scalar_type() == at::kFloat) dispatch(weight, xf, s, b, y.data_ptr<float>());
-  else dispatch(weight, xf, s, b, y.data_ptr<at::BFloat16>());
+  if (x.scalar_type() == at::kFloat) dispatch(weight, xf, per_row(s), per_row(b), y.data_ptr<float>());
+  else dispatch(weight, xf, per_row(s), per_row(b), y.data_ptr<at::BFloat16>());
   return y;
+}
+
+// The instruction set in use ("avx512" or "avx2"); ``force`` (tests, measurements) switches to
+// one the CPU has.
+std::string matvec_isa(const std::optional<std::string>& force) {
+  if (force.has_value()) {
+    const bool avx512 = *force == "avx512";
+    TORCH_CHECK(avx512 || *force == "avx2", "matvec_isa: avx2 or avx512, not ", *force);
+    TORCH_CHECK(!avx512 || (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")),
+                "matvec_isa: this CPU has no AVX-512 (F and BW)");
+    isa() = avx512 ? Isa::avx512 : Isa::avx2;
+  }
+  return isa() == Isa::avx512 ? "avx512" : "avx2";
 }
 
 }  // namespace
 
 TORCH_LIBRARY(mm_pipeline, m) {
   m.def("matvec(Tensor x, Tensor weight, Tensor? scale=None, Tensor? bias=None) -> Tensor");
+  m.def("matvec_isa(str? force=None) -> str", &matvec_isa);  // no tensor: one kernel for every backend
 }
 
 TORCH_LIBRARY_IMPL(mm_pipeline, CPU, m) { m.impl("matvec", &matvec); }
+

@@ -197,6 +197,12 @@ def run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None
     return torch.ops.mm_pipeline.matvec(x, weight, scale, bias)
 
 
+def isa(force: str | None = None) -> str:
+    """The instruction set the kernel runs, "avx512" (where the CPU has AVX-512 F and BW) or "avx2";
+    ``force`` switches to another the CPU has (tests, measurements). ``load()`` first."""
+    return torch.ops.mm_pipeline.matvec_isa(force)
+
+
 def ready(model: torch.nn.Module) -> bool:
     """Whether the engine's steps on ``model`` can use the kernel: some CPU weight it reads (those
     are wrapped), and it builds (not even tried for a model with none)."""
