@@ -192,7 +192,7 @@ def hydra_main(cfg: DictConfig) -> None:
         with stderr_to_log():  # __main__.log holds the run's report, as stderr shows it
             try:
                 check(cfg)  # the rules types cannot say, once, before the mode reads anything
-                tensor_parallel.request(int(cfg.model.tp))
+                tensor_parallel.request(int(cfg.model.tp), str(cfg.mode.name))
                 if tensor_parallel.follower():
                     follow_from_cfg(cfg)  # ranks 1..N-1: rank 0's steps on this rank's shard
                 else:

@@ -131,13 +131,21 @@ class EngineLM(TemplateLM):
         return self.pipe.lm.device
 
     def all_gather(self, tensor: Any) -> Any:
-        return tensor if self.world_size == 1 else gather(tensor)
+        if self.world_size == 1:
+            return tensor
+        group = getattr(self.process, "group", None)  # tensor-parallel groups' rank 0s; None: accelerate's
+        if group is None:
+            return gather(tensor)
+        local = tensor.cpu().reshape(-1) if tensor.dim() == 0 else tensor.cpu()  # gloo's group; scalars as accelerate's gather
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, local, group=group)
+        return torch.cat(parts).to(tensor.device)
 
     def gather_object(self, obj: Any, dst: int = 0) -> list | None:
         if self.world_size == 1:
             return [obj]
         gathered = [None] * self.world_size if self.rank == dst else None
-        torch.distributed.gather_object(obj, gathered, dst=dst)
+        torch.distributed.gather_object(obj, gathered, group=getattr(self.process, "group", None), group_dst=dst)
         return gathered
 
     def barrier(self) -> None:

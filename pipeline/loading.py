@@ -572,7 +572,8 @@ def load_model(
         raise UserError(f"cannot load the tokenizer/processor of {path!r}: {_load_error(err)}") from None
     auto_class = getattr(transformers, family.auto_class)
     try:
-        model = auto_class.from_pretrained(path, **kwargs)
+        with tensor_parallel.sharding_within_groups(tensor_parallel.current() if tp > 1 else None):
+            model = auto_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load model {path!r}: {_load_error(err)}") from None
     if device_map is None and torch.cuda.is_available() and quantization_config is None and tp == 1:

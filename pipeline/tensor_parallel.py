@@ -1,5 +1,7 @@
 """Tensor parallel (``model.tp=N`` under ``torchrun``): the launch, its checks, and the channel rank 0
-drives the other ranks through.
+drives the other ranks through. A launch of a multiple of N processes makes several groups of N,
+each with its own engine (data parallel over the groups: batch and eval split their items over
+the groups' rank 0s).
 
 transformers shards the weights (``DistributedConfig``: the architecture's own plan, DTensor on
 ``torch.distributed``); mm-pipeline adds one engine over the ranks: rank 0 runs the front stages,
@@ -12,12 +14,14 @@ Everything here is checked before any weight loads: what cannot work is one line
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import pickle
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -33,14 +37,23 @@ BITSANDBYTES = ("nf4", "fp4", "int8")
 
 @dataclass
 class Group:
-    """This process's place in a tensor-parallel launch: ``rank`` of ``size``."""
+    """This process's place in a tensor-parallel launch: ``rank`` of ``size`` within its group, the
+    group ``replica`` of ``replicas`` (several groups in one launch: data parallel over groups).
+
+    ``leader``: the global rank of the group's rank 0; ``ranks``: the group's process group, and
+    ``leaders``: the group of every group's rank 0 (both None with one group: the default group)."""
 
     rank: int
     size: int
+    replica: int = 0
+    replicas: int = 1
+    leader: int = 0
+    ranks: Any = None
+    leaders: Any = None
 
     @property
     def driver(self) -> bool:
-        """Rank 0: owns the engine, the front stages and every output."""
+        """The group's rank 0: owns its engine, the front stages and every output."""
         return self.rank == 0
 
     def send(self, message: Any) -> None:
@@ -59,10 +72,9 @@ class Group:
         self._broadcast(data)
         return pickle.loads(data.numpy().tobytes())
 
-    @staticmethod
-    def _broadcast(tensor: torch.Tensor) -> None:
+    def _broadcast(self, tensor: torch.Tensor) -> None:
         # CPU tensors: over gloo even where the forward's collectives run on NCCL ("cpu:gloo,cuda:nccl")
-        torch.distributed.broadcast(tensor, src=0)
+        torch.distributed.broadcast(tensor, src=self.leader, group=self.ranks)
 
 
 _GROUP: list[Group] = []
@@ -70,9 +82,18 @@ _SEND_LOCK = threading.Lock()
 _REQUESTED = [1]  # model.tp of this run (``request``)
 
 
-def request(tp: int) -> None:
-    """A run with ``model.tp=tp`` starts (checked against the launch, one line if they disagree)."""
+SPLIT_MODES = ("batch", "eval")  # the modes that split their items over several groups
+
+
+def request(tp: int, mode: str = "run") -> None:
+    """A run of ``mode`` with ``model.tp=tp`` starts (checked against the launch, one line if they
+    disagree: only the modes that split their work run on several groups)."""
     check_launch(tp)
+    groups = launched_size() // tp
+    if tp > 1 and groups > 1 and mode not in SPLIT_MODES:
+        raise UserError(f"model.tp={tp} in a launch of {launched_size()} processes makes {groups} tensor-parallel "
+                        f"groups, which only mode=batch and mode=eval split work over: start {tp} processes for "
+                        f"mode={mode}")
     _REQUESTED[0] = tp
 
 
@@ -81,8 +102,8 @@ def requested() -> int:
 
 
 def follower() -> bool:
-    """Whether this process is rank 1..N-1 of a tensor-parallel run (it follows rank 0's steps)."""
-    return requested() > 1 and int(os.environ.get("RANK", "0")) > 0
+    """Whether this process is rank 1..N-1 of its tensor-parallel group (it follows rank 0's steps)."""
+    return requested() > 1 and int(os.environ.get("RANK", "0")) % requested() > 0
 
 
 def current() -> Group | None:
@@ -103,9 +124,9 @@ def check_launch(tp: int) -> None:
     if tp > 1 and "RANK" not in os.environ:
         raise UserError(f"model.tp={tp} needs one process per shard: torchrun --nproc-per-node {tp} -m pipeline "
                         f"model.tp={tp} ...")
-    if tp > 1 and world != tp:
-        raise UserError(f"model.tp={tp} under a launch of {world} processes: start exactly {tp} "
-                        f"(torchrun --nproc-per-node {tp}; several tensor-parallel groups in one launch are not supported)")
+    if tp > 1 and world % tp:
+        raise UserError(f"model.tp={tp} under a launch of {world} processes: start a multiple of {tp} "
+                        f"(torchrun --nproc-per-node {tp}, or {2 * tp} for two tensor-parallel groups)")
 
 
 def check_model(config: Any, tp: int, quant: str, recurrent: bool) -> None:
@@ -135,6 +156,29 @@ def distributed_config(tp: int) -> Any:
     return DistributedConfig(tp_size=tp)
 
 
+@contextlib.contextmanager
+def sharding_within_groups(group: Group | None) -> Iterator[None]:
+    """transformers lays its device mesh over every process of the launch. With several
+    tensor-parallel groups its mesh gets them as a replica dimension (``dp_replicate``), so each
+    process shards over its own group's ranks; the config it acts on keeps one replica (no FSDP
+    wrapping: the groups run different requests, not one model's steps). transformers has no
+    argument for a mesh of ours; this wraps the one function that builds it, checked to exist."""
+    if group is None or group.replicas == 1:
+        yield
+        return
+    from transformers.distributed import mixin
+
+    build = getattr(mixin, "initialize_distributed_mesh", None)
+    if build is None:
+        raise UserError("several tensor-parallel groups in one launch need transformers' "
+                        "distributed.mixin.initialize_distributed_mesh (transformers 5.x); start one group per launch")
+    mixin.initialize_distributed_mesh = lambda config: build(dataclasses.replace(config, dp_replicate_size=group.replicas))
+    try:
+        yield
+    finally:
+        mixin.initialize_distributed_mesh = build
+
+
 def plan_config(config: Any) -> Any:
     """``config`` with the input embeddings replicated instead of split over the vocabulary
     (transformers' default): rank 0's front stages embed a prompt to merge media into it alone,
@@ -161,8 +205,14 @@ def start(tp: int) -> Group | None:
         backend = "cpu:gloo,cuda:nccl"
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(backend=backend, timeout=IDLE_TIMEOUT)
-    _GROUP.append(Group(torch.distributed.get_rank(), torch.distributed.get_world_size()))
-    return _GROUP[0]
+    rank, replicas = torch.distributed.get_rank(), torch.distributed.get_world_size() // tp
+    group = Group(rank % tp, tp, replica=rank // tp, replicas=replicas, leader=rank - rank % tp)
+    if replicas > 1:  # every process creates every group, in the same order (torch.distributed's rule)
+        groups = [torch.distributed.new_group(list(range(r * tp, (r + 1) * tp))) for r in range(replicas)]
+        group.ranks = groups[group.replica]
+        group.leaders = torch.distributed.new_group(list(range(0, replicas * tp, tp)), backend="gloo")
+    _GROUP.append(group)
+    return group
 
 
 def finish() -> None:

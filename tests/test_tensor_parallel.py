@@ -134,9 +134,29 @@ def test_tp_without_torchrun_is_one_line(monkeypatch):
     with pytest.raises(UserError, match="torchrun --nproc-per-node 2"):
         tensor_parallel.check_launch(2)
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(UserError, match="launch of 4 processes"):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(UserError, match="launch of 3 processes: start a multiple of 2"):
         tensor_parallel.check_launch(2)
+    monkeypatch.setenv("WORLD_SIZE", "4")  # two groups of two: for the modes that split their items
+    tensor_parallel.check_launch(2)
+    with pytest.raises(UserError, match="makes 2 tensor-parallel groups, which only mode=batch and mode=eval split"):
+        tensor_parallel.request(2, "serve")
+    try:
+        tensor_parallel.request(2, "batch")
+    finally:
+        tensor_parallel.finish()
+
+
+def test_in_a_launch_of_several_groups_each_group_s_first_rank_drives(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    monkeypatch.setenv("RANK", "0")
+    tensor_parallel.request(3, "batch")
+    try:
+        for rank, follows in ((0, False), (1, True), (2, True), (3, False), (5, True)):
+            monkeypatch.setenv("RANK", str(rank))
+            assert tensor_parallel.follower() is follows
+    finally:
+        tensor_parallel.finish()  # (no group was joined: only the request is reset)
 
 
 def test_cli_refuses_tp_without_torchrun_before_loading():

@@ -1,7 +1,8 @@
 """Tensor parallel as users launch it (``torchrun``): the OpenAI client against ``mode=serve`` on two
-ranks, a rank killed mid-request, a step that fails on rank 0, and two machines' worth of
-rendezvous (``--nnodes 2``) on this one. Each case starts real processes (tens of seconds): marked
-slow, but for the failing step, which keeps the fault path in the default run."""
+ranks, a rank killed mid-request, a step that fails on rank 0, two machines' worth of rendezvous
+(``--nnodes 2``) on this one, and two tensor-parallel groups splitting a batch and an evaluation.
+Each case starts real processes (tens of seconds): marked slow, but for the failing step, which
+keeps the fault path in the default run."""
 from __future__ import annotations
 
 import os
@@ -20,11 +21,11 @@ from serving import ROOT, free_port, serving
 PROMPTS = ["Tell me about the sea.", "Count to five.", "What is a river?", "Name a colour."]
 
 
-def torchrun(*args: str, nodes: int = 1, node_rank: int = 0, port: int | None = None) -> list[str]:
+def torchrun(*args: str, nodes: int = 1, node_rank: int = 0, port: int | None = None, processes: int = 2) -> list[str]:
     """The launch line (``python -m torch.distributed.run``: torchrun's own module)."""
     rdzv = ["--nnodes", str(nodes), "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
             "--master-port", str(port or free_port())]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(2 // nodes), *rdzv, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes // nodes), *rdzv, *args]
 
 
 def descendants(pid: int) -> list[int]:
@@ -65,7 +66,7 @@ def test_openai_client_gets_the_single_process_answers_from_two_ranks_and_a_kill
         tiny_dir, tmp_path):
     model = tiny_dir("llama")
     settings = (f"model.path={model}", "model.dtype=float32", "kv.memory=64000000", "serve.model_name=tiny")
-    with serving(tmp_path / "one", *settings) as alone:
+    with serving(tmp_path, *settings) as alone:
         expected = answers(alone.url, "tiny", stream=False, concurrent=False)
     port = free_port()
     log = tmp_path / "tp.log"
@@ -162,6 +163,48 @@ def test_two_nodes_rendezvous_on_one_machine(tiny_dir, tmp_path):
     alone = subprocess.run([sys.executable, *args, f"hydra.run.dir={tmp_path / 'one'}"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert outs[0][0] == alone.stdout and outs[1][0] == ""  # the answer on rank 0's node only
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_groups_split_a_batch_and_an_evaluation(tiny_dir, tmp_path):
+    """Four processes, model.tp=2: two engines, each the batch's items i % 2 == its group; results
+    and lm-eval's samples equal one process's."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_eval import write_tasks
+
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Tell me about thing {i}.", "max_new_tokens": 6})
+                             + "\n" for i in range(6)))
+    write_tasks(tmp_path)
+    model = tiny_dir("qwen3")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    common = (f"model.path={model}", "model.dtype=float32", "kv.memory=64000000")
+    jobs = {"batch": ("mode=batch", f"input={items}"),
+            "eval": ("mode=eval", "eval.tasks=[mm_mc,mm_gen]", f"eval.include_path={tmp_path}", "eval.log_samples=true")}
+    for name, args in jobs.items():
+        four = subprocess.run(torchrun("-m", "pipeline", *args, *common, "model.tp=2", f"hydra.run.dir={tmp_path / name}4",
+                                       processes=4), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert four.returncode == 0, four.stderr[-3000:]
+        one = subprocess.run([sys.executable, "-m", "pipeline", *args, *common, f"hydra.run.dir={tmp_path / name}1"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert one.returncode == 0, one.stderr[-3000:]
+    rows = [[json.loads(line) for line in (tmp_path / f"batch{n}" / "results.jsonl").read_text().splitlines()] for n in (4, 1)]
+    assert [(r["id"], r["token_ids"]) for r in rows[0]] == [(r["id"], r["token_ids"]) for r in rows[1]]
+    assert json.loads((tmp_path / "batch4" / "summary.json").read_text())["num_processes"] == 2
+    for task in ("mm_mc", "mm_gen"):
+        def samples(folder: str) -> list:
+            path = next((tmp_path / folder).glob(f"samples_{task}*.jsonl"))
+            return sorted((r["doc_id"], r["filtered_resps"]) for r in map(json.loads, path.read_text().splitlines()))
+
+        four, one = samples("eval4"), samples("eval1")
+        assert [d for d, _ in four] == [d for d, _ in one] and len(one) == 3
+        for (_, a), (_, b) in zip(four, one):
+            if task == "mm_mc":  # log-likelihoods: the shards' all-reduces sum in another order
+                assert [float(x[0]) for x in a] == pytest.approx([float(x[0]) for x in b], abs=1e-4)
+            else:
+                assert a == b
 
 
 def _ask_long(url: str) -> int:

@@ -1,5 +1,7 @@
 """The processes of a data-parallel launch (``accelerate launch`` / ``torchrun``): each loads its
-own copy of the model; modes that split their work over them (batch, eval) share these."""
+own copy of the model; modes that split their work over them (batch, eval) share these. Under
+tensor parallel the copies are the tensor-parallel groups (``model.tp=N`` in a launch of k x N
+processes), each driven by its rank 0, which alone takes part here."""
 from __future__ import annotations
 
 import shutil
@@ -24,19 +26,35 @@ def process_state(sync_timeout_s: float = 86400) -> Any:
     (torch's default is 30 minutes) must outlast the longest shard, hence ``sync_timeout_s``.
     """
     if tensor_parallel.requested() > 1:
-        return OneProcess()  # the ranks are one engine's shards: rank 0 alone runs the mode
+        group = tensor_parallel.start(tensor_parallel.requested())  # joined now: the modes split work before loading
+        return OneProcess() if group.replicas == 1 else Groups(group)
     cpu = not torch.cuda.is_available() or parse_flag_from_env("ACCELERATE_USE_CPU")
     return PartialState(cpu=cpu, timeout=timedelta(seconds=sync_timeout_s))
 
 
 class OneProcess:
-    """The view a mode has of a tensor-parallel launch: one process (rank 0) does its work."""
+    """The view a mode has of a tensor-parallel launch of one group: its rank 0 does the work."""
 
     num_processes, process_index, is_main_process = 1, 0, True
+    group = None  # torch.distributed's group of the processes that share the work (None: the default)
 
     @staticmethod
     def wait_for_everyone() -> None:
         return None
+
+
+class Groups:
+    """The view a mode has of several tensor-parallel groups in one launch: each group's rank 0 is
+    one process of the data-parallel split (the first group's is the main one); the rest of each
+    group follows its rank 0's steps and takes no part here."""
+
+    def __init__(self, group: tensor_parallel.Group) -> None:
+        self.num_processes, self.process_index = group.replicas, group.replica
+        self.is_main_process = group.replica == 0
+        self.group = group.leaders
+
+    def wait_for_everyone(self) -> None:
+        torch.distributed.barrier(group=self.group)
 
 
 def shared_run_dir(state: Any) -> Path:
@@ -45,7 +63,10 @@ def shared_run_dir(state: Any) -> Path:
     if state.num_processes == 1:
         return mine
     box = [str(mine)]
-    broadcast_object_list(box, from_process=0)
+    if getattr(state, "group", None) is not None:  # tensor-parallel groups: their rank 0s
+        torch.distributed.broadcast_object_list(box, src=0, group=state.group)
+    else:
+        broadcast_object_list(box, from_process=0)
     chosen = Path(box[0])
     if chosen != mine:
         chosen.mkdir(parents=True, exist_ok=True)
@@ -63,8 +84,9 @@ def _remove_if_only_hydra(folder: Path) -> None:
 
 
 def place_on_rank(cfg: DictConfig, state: Any) -> None:
-    """With several processes and no explicit placement, each loads its copy on its own device."""
-    if state.num_processes > 1 and cfg.model.get("device_map") is None:
+    """With several processes and no explicit placement, each loads its copy on its own device
+    (tensor parallel places its shards itself)."""
+    if state.num_processes > 1 and cfg.model.get("device_map") is None and tensor_parallel.requested() == 1:
         device = state.device
         with open_dict(cfg):
             cfg.model.device_map = {"": "cpu" if device.type == "cpu" else str(device)}

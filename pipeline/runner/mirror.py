@@ -7,6 +7,12 @@ block tables) plus the blocks zeroed for their first use and the copy-on-write b
 made since the last step, which the other ranks replay first (zeroes, then copies: a block is
 zeroed when first handed out, before anything is copied into or out of it). The collectives
 inside the forward keep the ranks in step; the other ranks' logits are dropped.
+
+A step that fails on any rank (an error, device memory running out) leaves the ranks inside
+different collectives, waiting for each other: no rank can take another step, so that rank says
+why in one line and exits, and the others, whose next collective then fails, follow within
+seconds (``stop``). Ctrl-C on rank 0 waits for the step in flight to end on every rank before it
+interrupts (``_interrupts_after``), so a drained run stays in step.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import itertools
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any, Iterator
 
@@ -59,12 +66,15 @@ class Mirror:
         under ``torch.profiler``, whose collective events give the share of the step spent in
         them (sampled: the profiler costs milliseconds a step; the first sample also starts it)."""
         self.steps += 1
-        with self._profiled() if self.steps % SAMPLE_EVERY == 1 else contextlib.nullcontext():
+        with _interrupts_after(), self._profiled() if self.steps % SAMPLE_EVERY == 1 else contextlib.nullcontext():
             self.pool.prepare_write()  # the step's new blocks zeroed now, so they go with it
             zeroed, self.pool.zeroed = self.pool.zeroed, []
             copies, self.pool.copies = self.pool.copies, []
             self._send((kind, self.id, zeroed, copies, args))
-            yield
+            try:
+                yield
+            except BaseException as err:  # the other ranks are inside this step's collectives
+                failed(self.group, err)
 
     @contextlib.contextmanager
     def _profiled(self) -> Iterator[None]:
@@ -90,13 +100,44 @@ class Mirror:
 def _profile(cuda: bool) -> Any:
     from torch.profiler import ProfilerActivity, profile
 
-    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    # one cycle each (acc_events: no "clears events at the end of each cycle" warning on stderr)
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []), acc_events=True)
+
+
+@contextlib.contextmanager
+def _interrupts_after() -> Iterator[None]:
+    """Ctrl-C during the block is raised when it ends (on the main thread, where Python delivers
+    it; steps driven by another thread, a server's, never see it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[tuple] = []
+    before = signal.signal(signal.SIGINT, lambda *frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if caught and before is not signal.SIG_IGN:
+            (before if callable(before) else signal.default_int_handler)(*caught[0])
+
+
+def first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:200]
 
 
 def lost(err: BaseException) -> None:
-    """A rank stopped answering: say so in one line and end this process (the group is broken)."""
-    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-    print(f"mm-pipeline: tensor parallel: lost contact with the other ranks ({first}); stopping", file=sys.stderr)
+    """A rank stopped answering: the group is broken."""
+    stop(f"lost contact with the other ranks ({first_line(err)})")
+
+
+def failed(group: Group, err: BaseException) -> None:
+    """This rank's step raised while the others run it: their collectives wait for this one."""
+    stop(f"rank {group.rank}'s step failed ({type(err).__name__}: {first_line(err)}); the ranks are out of step")
+
+
+def stop(why: str) -> None:
+    """Say why in one line and end this process at once (no cleanup may wait on the group)."""
+    print(f"mm-pipeline: tensor parallel: {why}; stopping", file=sys.stderr)
     sys.stderr.flush()
     os._exit(1)
 
@@ -125,8 +166,11 @@ def follow(lm: Any, group: Group, make_runner: Any) -> None:
             continue
         runner = runners[ident]
         zeroed, copies, args = message[2:]
-        with torch.inference_mode():  # as the engine's steps run on rank 0
-            runner.pool.zero(zeroed)
-            for src, dst in copies:
-                runner.pool.copy_block(src, dst)
-            getattr(runner, kind)(*args)
+        try:
+            with torch.inference_mode():  # as the engine's steps run on rank 0
+                runner.pool.zero(zeroed)
+                for src, dst in copies:
+                    runner.pool.copy_block(src, dst)
+                getattr(runner, kind)(*args)
+        except Exception as err:  # rank 0 gone mid-step (its collective fails here), or this rank's own failure
+            failed(group, err)
