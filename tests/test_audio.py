@@ -298,6 +298,7 @@ def test_cli_hears_a_wav_and_reports_audio_metrics(tiny_dir, load_tiny, tmp_path
     assert result["prompt_ids"] == prompt_ids and result["token_ids"] == generated
 
 
+@pytest.mark.slow  # suite time; in-process: the bad_files cases of the audio loader
 def test_cli_bad_audio_is_one_line_exit_2(tiny_dir, bad_files, tmp_path):
     path, words = bad_files["corrupt header"]
     proc = run_cli(f"model.path={tiny_dir('qwen2-audio')}", f"input={path}", f"hydra.run.dir={tmp_path}")

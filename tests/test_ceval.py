@@ -239,6 +239,7 @@ def test_bad_data_and_dev_paths(tmp_path):
         ceval.load_dev(no_answers)
 
 
+@pytest.mark.slow  # suite time; in-process: test_malformed_row_is_one_line_naming_file_and_row
 def test_cli_malformed_row_is_one_line_error(tmp_path):
     path = write_csv(tmp_path / "bad_val.csv", [GOOD, ["2", "Q?", "a", "b", "c", "d", "Z"]])
     proc = run_cli("mode=ceval", f"data={path}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)

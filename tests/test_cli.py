@@ -52,7 +52,8 @@ def test_named_model_with_local_path_system_prompt_and_sampler_settings(tiny_dir
         pytest.param(["model.path=/no/such/dir"], "does not exist", marks=pytest.mark.slow),
         pytest.param(["prompt="], "prompt is empty", marks=pytest.mark.slow),
         pytest.param(["max_new_tokens=0"], "max_new_tokens must be an integer >= 1", marks=pytest.mark.slow),
-        (["engine.burst=x"], "engine.burst=x: Value 'x' of type 'str' could not be converted to Integer"),
+        pytest.param(["engine.burst=x"], "engine.burst=x: Value 'x' of type 'str' could not be converted to Integer",
+                     marks=pytest.mark.slow),  # in-process: test_quant's setting of the wrong type
         pytest.param(["foo=1"], "Could not override 'foo'", marks=pytest.mark.slow),  # test_cli_hygiene: unknown keys
         pytest.param(["sampler.temperature=-1"], "temperature", marks=pytest.mark.slow),
     ],
@@ -67,6 +68,7 @@ def test_bad_input_is_one_line_and_nonzero(tiny_dir, tmp_path, args, message):
     assert not (tmp_path / "result.json").exists()
 
 
+@pytest.mark.slow  # suite time; Hydra's own --cfg; test_help keeps a CLI flag in the default run
 def test_cfg_job_prints_the_composed_config():
     proc = run_cli("+model=qwen3", "--cfg", "job")
     assert proc.returncode == 0, proc.stderr

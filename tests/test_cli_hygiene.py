@@ -76,6 +76,7 @@ def test_every_documented_plus_override_passes(capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow  # suite time; in-process: test_an_unknown_key_is_refused_with_the_closest_one
 def test_an_unknown_plus_key_is_one_line_from_the_cli(tmp_path):
     proc = run_cli("+max_new_token=5", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2
@@ -116,6 +117,7 @@ def test_a_sweep_prints_only_answers_and_logs_each_run(tmp_path):
 
 # --- 4. a failed run leaves no folder -----------------------------------------------------------
 
+@pytest.mark.slow  # suite time; in-process: the failed-run cases below (hydra_job)
 def test_a_failed_run_leaves_no_folder(tmp_path):
     proc = run_cli("model.path=/no/such/dir", cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

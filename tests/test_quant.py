@@ -320,6 +320,7 @@ def test_cli_sweep_reports_each_scheme_in_its_result(tiny_dir, tmp_path):
     assert "Failed to load CPU gemm_4bit" not in proc.stderr and "MatMul8bitLt" not in proc.stderr
 
 
+@pytest.mark.slow  # suite time; in-process: test_quant's contradicting-settings cases
 def test_cli_int8_with_fp4_exits_2_with_one_line(tiny_dir, tmp_path):
     proc = run_cli(f"model.path={tiny_dir('qwen3')}", "quant=int8", "quant.quant_type=fp4",
                    f"hydra.run.dir={tmp_path}")

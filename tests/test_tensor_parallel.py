@@ -159,6 +159,7 @@ def test_in_a_launch_of_several_groups_each_group_s_first_rank_drives(monkeypatc
         tensor_parallel.finish()  # (no group was joined: only the request is reset)
 
 
+@pytest.mark.slow  # suite time; in-process: test_tp_without_torchrun_is_one_line
 def test_cli_refuses_tp_without_torchrun_before_loading():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.run([sys.executable, "-m", "pipeline", "model.tp=2"], capture_output=True, text=True, env=env,

@@ -309,6 +309,7 @@ def test_cli_two_images_matches_generate_and_reports_vision_metrics(tiny_dir, lo
     assert m["megapixels"] > 0 and m["vision_mp_s"] > 0 and m["stages"]["vision_encoder"]["seconds"] > 0
 
 
+@pytest.mark.slow  # suite time; test_stage_hooks' image-without-encoder CLI line covers the path
 def test_cli_image_to_a_text_model_is_one_line_and_exit_2(tiny_dir, tmp_path):
     path = ROOT / "examples" / "shapes.png"
     proc = run_cli(f"model.path={tiny_dir('qwen3')}", f"input={path}", f"hydra.run.dir={tmp_path}")
