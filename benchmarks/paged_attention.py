@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.runner import flex  # noqa: E402
-from pipeline.runner.attention import _gather  # noqa: E402
+from pipeline.kv.quantised import LayerKV  # noqa: E402
 from pipeline.runner.batch import key_slots  # noqa: E402
 
 
@@ -58,7 +58,7 @@ def case(rows: int, context: int, queries: int, args: argparse.Namespace) -> dic
 
     def gathered() -> torch.Tensor:
         slots = key_slots(tables, size)
-        ks, vs = _gather(k_pool, slots, dtype), _gather(v_pool, slots, dtype)
+        ks, vs = LayerKV(k_pool, v_pool).gather(slots, dtype)
         mask = (torch.arange(slots.shape[1], device=device) < hi.unsqueeze(-1)).unsqueeze(1)
         return torch.nn.functional.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, enable_gqa=True)
 

@@ -232,7 +232,8 @@ def engine_settings(cfg: DictConfig) -> dict:
     """The pool and engine settings (kv.*, engine.*) as Pipeline keyword arguments."""
     return dict(kv_memory=kv_memory(cfg), kv_block_size=cfg.kv.block_size,
                 kv_state_checkpoint_every=cfg.kv.state_checkpoint_every, kv_attention=cfg.kv.attention,
-                max_seqs=max_seqs(cfg),
+                kv_dtype=cfg.kv.dtype, kv_offload=cfg.kv.offload, kv_offload_bytes=_plain(cfg.kv.offload_bytes),
+                kv_offload_dir=cfg.kv.offload_dir, max_seqs=max_seqs(cfg),
                 max_batch_tokens=cfg.engine.max_batch_tokens, burst=cfg.engine.burst)
 
 

@@ -64,7 +64,7 @@ def measured_headroom(pipe: Any) -> tuple[int, str] | None:
     tokens = max([pipe.max_batch_tokens] + [bound for _, bound in media]) + 2 * pipe.max_seqs * pipe.kv_block_size
     meter.start()
     scratch = pipe.scratch(sizing.pool_bytes_for(lm, tokens, pipe.kv_block_size, pipe.kv_state_checkpoint_every,
-                                                 pipe.max_seqs))
+                                                 pipe.max_seqs, pipe.kv_dtype))
     pool = meter.held()
     try:
         for request, _ in media:

@@ -35,6 +35,10 @@ def layer_kinds(config: Any) -> list[str]:
 
 
 ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention"})  # layers that keep keys and values
+# kv.dtype: "auto" stores keys and values in the model's dtype; the others store one byte an
+# element plus a float16 scale per position and head (pipeline.kv.quantised says why).
+KV_DTYPES = ("auto", "int8", "fp8")
+KV_SCALE_DTYPE = torch.float16
 
 
 def uncacheable_layers(config: Any) -> set[str]:
@@ -65,24 +69,28 @@ def kv_shape(config: Any, shards: int = 1) -> tuple[int, int, int]:
     return int(text.num_hidden_layers), kv_heads // shards, head_dim
 
 
-def kv_bytes_per_layer(config: Any, tokens: int, dtype: torch.dtype, shards: int = 1) -> list[int]:
+def kv_bytes_per_layer(config: Any, tokens: int, dtype: torch.dtype, shards: int = 1, kv_dtype: str = "auto"
+                       ) -> list[int]:
     """Bytes of keys + values each decoder layer holds for ``tokens`` positions.
 
     Sliding-window layers count every position too: the paged pool keeps them all (a block is
     shared by every layer, and reuse, rollback and the prefix cache need the whole history), so
     a sliding window saves no KV memory here. Linear-attention layers keep none (their state is
     per sequence, not per position: ``pipeline.kv.states``). ``shards``: one tensor-parallel
-    rank's share.
+    rank's share. ``kv_dtype``: a quantised ``kv.dtype`` (one byte an element, a scale a head).
     """
     _, kv_heads, head_dim = kv_shape(config, shards)
-    size = torch.empty((), dtype=dtype).element_size()
-    return [2 * kv_heads * head_dim * tokens * size if kind in ATTENTION_KINDS else 0 for kind in layer_kinds(config)]
+    if kv_dtype == "auto":
+        per_head = head_dim * dtype.itemsize
+    else:
+        per_head = head_dim + KV_SCALE_DTYPE.itemsize
+    return [2 * kv_heads * per_head * tokens if kind in ATTENTION_KINDS else 0 for kind in layer_kinds(config)]
 
 
-def kv_bytes(config: Any, tokens: int, dtype: torch.dtype, shards: int = 1) -> int:
+def kv_bytes(config: Any, tokens: int, dtype: torch.dtype, shards: int = 1, kv_dtype: str = "auto") -> int:
     """Bytes of the whole KV cache for ``tokens`` positions (all layers, keys and values; one
-    tensor-parallel rank's share of ``shards``)."""
-    return sum(kv_bytes_per_layer(config, tokens, dtype, shards))
+    tensor-parallel rank's share of ``shards``; ``kv_dtype`` as in ``kv_bytes_per_layer``)."""
+    return sum(kv_bytes_per_layer(config, tokens, dtype, shards, kv_dtype))
 
 
 def _decoder_layers(model: Any, encoders: Sequence[str] = ()) -> list[Any]:

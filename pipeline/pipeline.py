@@ -14,6 +14,8 @@ from pipeline.engine import Engine, Handle, Phases, Sequence as EngineSequence
 from pipeline.errors import UserError
 from pipeline.headroom import measured_headroom
 from pipeline.kv import ATTENTION, BlockPool, KVCache
+from pipeline.kv.offload import Offload, attach_tier
+from pipeline.kv.quantised import kv_format
 from pipeline.kv.sizing import Pools, pools_for
 from pipeline.loading import LoadedModel
 from pipeline.metrics import Metrics, decode_weight_bytes, reset_window, synchronize
@@ -108,7 +110,10 @@ class Pipeline:
     Every run goes through one engine (``pipeline.engine``), so any number of threads may call
     ``run`` at once and each gets the answer it would get alone; the waiting threads take turns
     stepping it. ``kv_memory`` / ``kv_block_size`` (and, for models with linear-attention layers,
-    ``kv_state_checkpoint_every``) size the paged KV pool (``pipeline.kv.pool_for``); ``kv_attention`` is how
+    ``kv_state_checkpoint_every``) size the paged KV pool (``pipeline.kv.pool_for``); ``kv_dtype`` is how it
+    stores keys and values (``auto``: the model's dtype; ``int8``, ``fp8``: ``pipeline.kv.quantised``);
+    ``kv_offload`` (``none``, ``host``, ``disk``, with ``kv_offload_bytes`` / ``kv_offload_dir``) keeps blocks
+    the pool evicts in a second tier (``pipeline.kv.tier``); ``kv_attention`` is how
     attention reads it (``auto``, ``flex``, ``sdpa``: ``pipeline.runner.flex``); ``max_seqs`` / ``max_batch_tokens``
     bound the engine's batches; ``burst``: greedy decode steps run back to back (``Engine``).
     """
@@ -122,6 +127,10 @@ class Pipeline:
         kv_block_size: int = 16,
         kv_state_checkpoint_every: int = 1024,
         kv_attention: str = "auto",
+        kv_dtype: str = "auto",
+        kv_offload: str = "none",
+        kv_offload_bytes: int | None = None,
+        kv_offload_dir: str | None = None,
         max_seqs: int | None = None,
         max_batch_tokens: int = 2048,
         burst: int = 8,
@@ -137,6 +146,9 @@ class Pipeline:
         if kv_attention not in ATTENTION:
             raise UserError(f"kv_attention must be one of {', '.join(ATTENTION)} (got {kv_attention!r})")
         self.kv_attention = kv_attention
+        kv_format(kv_dtype)  # refuses an unknown one now
+        self.kv_dtype = kv_dtype
+        self.kv_offload = Offload.checked(kv_offload, kv_offload_bytes, kv_offload_dir)
         self.max_seqs = max_seqs if max_seqs is not None else default_max_seqs(lm.device)
         self.max_batch_tokens = max_batch_tokens
         self.burst = burst
@@ -167,21 +179,33 @@ class Pipeline:
         """Sized on first use, once per model and settings. A draft model (``decode.speculative=draft``)
         without a memory setting of its own gets its pool from the same budget
         (``pipeline.kv.pools_for``), handed to its ``Speculative``."""
-        key = ("pool", self.kv_memory, self.kv_block_size, self.kv_attention)
+        key = ("pool", self.kv_memory, self.kv_block_size, self.kv_attention, self.kv_dtype, self.kv_offload)
         if getattr(self.lm, "recurrent", False):  # the state slots depend on these too
             key += (self.kv_state_checkpoint_every, self.max_seqs)
         spec = getattr(self.stages.get("decode"), "speculative", None)
         joint = spec if spec is not None and getattr(spec, "shares_budget", False) else None
         models = [self.lm] + ([joint.draft] if joint is not None else [])
-        pools = _shared(self.lm, ("pools", *key[1:]), lambda: pools_for(
-            models, self.kv_memory, self.kv_block_size, self.kv_state_checkpoint_every, self.max_seqs,
-            self.max_batch_tokens, headroom=measured_headroom(self)))
+        pools = _shared(self.lm, ("pools", *key[1:]), lambda: self._new_pools(models))
         for i, pool in enumerate(pools.pools):  # each BlockPool in the table too, where code looking for them reads
             pool.attention = self.kv_attention
             _shared(self.lm, (*key, i), lambda pool=pool: pool)
         if joint is not None and len(pools.models) > 1 and pools.models[1] is joint.draft:
             joint.use_pool(pools.pools[1])
         return pools
+
+    def _new_pools(self, models: list[Any]) -> Pools:
+        pools = pools_for(models, self.kv_memory, self.kv_block_size, self.kv_state_checkpoint_every, self.max_seqs,
+                          self.max_batch_tokens, headroom=measured_headroom(self), kv_dtype=self.kv_dtype)
+        attach_tier(pools.pools[0], self.kv_offload, self.lm)  # the draft model's pool recomputes
+        return pools
+
+    def settings(self) -> dict[str, Any]:
+        """This chain's pool and engine settings, as keyword arguments for another Pipeline."""
+        o = self.kv_offload
+        return dict(kv_memory=self.kv_memory, kv_block_size=self.kv_block_size,
+                    kv_state_checkpoint_every=self.kv_state_checkpoint_every, kv_attention=self.kv_attention,
+                    kv_dtype=self.kv_dtype, kv_offload=o.kind, kv_offload_bytes=o.nbytes, kv_offload_dir=o.folder,
+                    max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens, burst=self.burst)
 
     @property
     def engine(self) -> Engine:
@@ -197,11 +221,9 @@ class Pipeline:
         """A prefill-only copy of this chain on a pool (``kv_memory`` bytes) and engine of its own,
         shared with nothing: dropped, it frees them (``pipeline.headroom`` measures with it)."""
         stages = {name: stage for name, stage in self.stages.items() if name != "decode"}
-        other = Pipeline(self.lm, stages, kv_memory=kv_memory, kv_block_size=self.kv_block_size,
-                         kv_state_checkpoint_every=self.kv_state_checkpoint_every, kv_attention=self.kv_attention,
-                         max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens, burst=self.burst)
+        other = Pipeline(self.lm, stages, **{**self.settings(), "kv_memory": kv_memory, "kv_offload": "none"})
         other._pools = pools_for([self.lm], kv_memory, self.kv_block_size, self.kv_state_checkpoint_every,
-                                 self.max_seqs, self.max_batch_tokens)
+                                 self.max_seqs, self.max_batch_tokens, kv_dtype=self.kv_dtype)
         other._pools.pools[0].attention = self.kv_attention
         other._engine = Engine(ModelRunner(self.lm, other.pool), max_seqs=self.max_seqs,
                                max_batch_tokens=self.max_batch_tokens, burst=self.burst)
@@ -209,9 +231,7 @@ class Pipeline:
 
     def with_stages(self, stages: Mapping[str, Stage]) -> "Pipeline":
         """Another stage chain on the same model, pool and engine (e.g. prefill only, for scoring)."""
-        other = Pipeline(self.lm, stages, kv_memory=self.kv_memory, kv_block_size=self.kv_block_size,
-                         kv_state_checkpoint_every=self.kv_state_checkpoint_every, kv_attention=self.kv_attention,
-                         max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens, burst=self.burst)
+        other = Pipeline(self.lm, stages, **self.settings())
         other._pool, other._pools, other._engine, other.warmup_s = self.pool, self._pools, self.engine, self.warmup_s
         return other
 

@@ -25,6 +25,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.errors import UserError, whole_number
 from pipeline.kv import ATTENTION, kv_memory_setting
+from pipeline.kv.offload import Offload
+from pipeline.kv.quantised import kv_format
 from pipeline.loading import check_device_map, parse_max_memory
 from pipeline.media.video import check_sampling
 from pipeline.quant import SCHEMES, scheme_name
@@ -78,6 +80,10 @@ class KVSettings:
     block_size: int = 16
     state_checkpoint_every: int = 1024
     attention: str = "auto"  # auto | flex | sdpa
+    dtype: str = "auto"  # auto | int8 | fp8
+    offload: str = "none"  # none | host | disk
+    offload_bytes: Optional[int] = None
+    offload_dir: Optional[str] = None
 
 
 @dataclass
@@ -237,6 +243,8 @@ def check(cfg: DictConfig) -> None:
     kv_memory_setting(plain(cfg.kv.memory))
     if cfg.kv.attention not in ATTENTION:
         raise UserError(f"kv.attention must be one of {', '.join(ATTENTION)} (got {cfg.kv.attention!r})")
+    kv_format(cfg.kv.dtype)
+    Offload.checked(cfg.kv.offload, plain(cfg.kv.offload_bytes), cfg.kv.offload_dir)
     for name in ("max_batch_tokens", "burst") + (("max_seqs",) if cfg.engine.max_seqs is not None else ()):
         whole_number(f"engine.{name}", cfg.engine[name])
     if cfg.prefill.chunk_size is not None:

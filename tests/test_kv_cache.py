@@ -1,5 +1,7 @@
 """KVCache on the paged pool: any sequence of reuse / rollback / restore / fork gives exactly the
-tokens of a fresh run, and the blocks are accounted for (shared, copied on write, returned)."""
+tokens of a fresh run, and the blocks are accounted for (shared, copied on write, returned).
+Every case runs on a full-precision pool and on an int8 one (``kv.dtype``): a quantised pool
+gives the tokens of a fresh run with the same ``kv.dtype``."""
 from __future__ import annotations
 
 import gc
@@ -14,10 +16,18 @@ N = 8
 
 
 POOL = 3 << 20  # this module's own pool (pipelines with the same settings share one)
+KV = {"dtype": "auto"}  # the kv.dtype of the pass running now (the kv_dtype fixture sets it)
+
+
+@pytest.fixture(scope="module", params=["auto", "int8"], autouse=True)
+def kv_dtype(request):
+    KV["dtype"] = request.param
+    yield request.param
+    KV["dtype"] = "auto"
 
 
 def make_pipe(lm) -> Pipeline:
-    return Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=POOL)
+    return Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=POOL, kv_dtype=KV["dtype"])
 
 
 def run_ids(lm, ids: list[int], cache: KVCache | None = None, n: int = N):
@@ -57,12 +67,13 @@ def test_cache_holds_prompt_and_fed_tokens(lm, prompt):
     assert metrics["prefill_tokens"] == len(prompt) and metrics["kv_reused_tokens"] == 0
 
 
-def test_nbytes_matches_shape_arithmetic(lm, prompt):
+def test_nbytes_matches_shape_arithmetic(lm, prompt, kv_dtype):
     _, _, cache = run_ids(lm, prompt)
     cfg = lm.config.get_text_config()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     elem = torch.finfo(lm.model.dtype).bits // 8
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+    per_head = head_dim * elem if kv_dtype == "auto" else head_dim + 2  # one byte an element + a float16 scale
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * per_head
     assert cache.nbytes == per_token * cache.block_size * blocks_for(cache)  # whole blocks are held
 
 

@@ -135,10 +135,11 @@ class Engine:
 
     def stats(self) -> dict:
         """Engine figures: sequences, blocks (and recurrent-state slots), prefix-cache hit rate,
-        preemptions, tokens in/out."""
+        the second tier's blocks, hits and loads (``kv_tier_*``), preemptions, tokens in/out."""
         pool, sched = self.pool, self.scheduler
         states = {} if pool.states is None else {
             "state_slots_free": pool.states.free_slots, "state_slots_total": pool.states.num_slots - 1}
+        tier = {} if pool.tier is None else {f"kv_tier_{k}": v for k, v in pool.tier.stats().items()}
         return {
             "running": len(sched.running),
             "waiting": len(sched.waiting) + len(self._inbox),
@@ -147,9 +148,11 @@ class Engine:
             "kv_blocks_total": pool.num_blocks - 1,
             "prefix_cache_hit_rate": pool.hits / pool.lookups if pool.lookups else None,
             "kv_bytes_per_token": pool.block_bytes // pool.block_size,  # on each tensor-parallel rank
+            "kv_dtype": pool.kv_dtype,
             "tp_ranks": pool.shards,
             "tp_collective_share": self.runner.collective_share,  # sampled steps, rank 0 (None: one process)
             **states,
+            **tier,
             **self.counters,
             **self._grammar_stats(),
             "busy_s": self.busy_s,

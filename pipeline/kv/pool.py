@@ -10,6 +10,7 @@ unreferenced cached block stays until the pool needs it (least recently used fir
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ from typing import Any, Sequence
 import torch
 
 from pipeline.errors import OutOfBlocks, UserError
+from pipeline.kv.quantised import LayerKV, kv_format
 from pipeline.kv.states import StateSlots, state_shape
-from pipeline.memory import ATTENTION_KINDS, kv_bytes, kv_shape, layer_kinds, sliding_window, text_config, uncacheable_layers
+from pipeline.memory import ATTENTION_KINDS, KV_SCALE_DTYPE, kv_bytes, kv_shape, layer_kinds, sliding_window, text_config, uncacheable_layers
 from pipeline.transfer import upload
 
 __all__ = ["ATTENTION", "BlockPool", "NULL_BLOCK", "OutOfBlocks"]
@@ -49,7 +51,7 @@ class BlockPool:
     def __init__(
         self, config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device],
         state_slots: int = 0, checkpoint_every: int | None = None, reserved_slots: int = 0,
-        attention: str = "auto", shards: int = 1,
+        attention: str = "auto", shards: int = 1, kv_dtype: str = "auto",
     ) -> None:
         other = uncacheable_layers(config)
         if other:
@@ -65,8 +67,12 @@ class BlockPool:
         self.layers, self.kv_heads, self.head_dim = kv_shape(config, shards)
         self.block_size = int(block_size)
         self.num_blocks = int(num_blocks)
-        self.dtype = dtype
-        self.block_bytes = kv_bytes(config, self.block_size, dtype, shards)  # every layer, keys and values
+        self.dtype = dtype  # the model's: what attention computes in (and recurrent states are kept in)
+        # ``kv.dtype``: keys and values stored in ``dtype`` ("auto") or quantised (``self.format``:
+        # pipeline.kv.quantised), one byte an element and a scale per position and head.
+        self.kv_dtype = kv_dtype
+        self.format = kv_format(kv_dtype)
+        self.block_bytes = kv_bytes(config, self.block_size, dtype, shards, kv_dtype)  # every layer, keys and values
         # Sliding-window layers: their window (None: the model has none). The pool keeps every
         # position for them as well; the attention masks keys older than the window.
         self.window = sliding_window(config)
@@ -79,7 +85,7 @@ class BlockPool:
         # first forward (prepare_write), on the layer's own device (accelerate may spread layers).
         # Linear-attention layers have none: their recurrent states live in ``states``.
         self._attention = [kind in ATTENTION_KINDS for kind in layer_kinds(config)]
-        self._kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.layers
+        self._kv: list[LayerKV | None] = [None] * self.layers
         self._allocated = False
         self._stores: list[torch.Tensor] = []
         shape = state_shape(config, dtype)
@@ -103,6 +109,17 @@ class BlockPool:
         # (``pipeline.runner.mirror``): only rank 0 hands out blocks.
         self.zeroed: list[int] | None = None
         self.copies: list[tuple[int, int]] | None = None
+        # A second tier (``kv.offload``: pipeline.kv.tier) for the full blocks this pool evicts:
+        # ``lookup`` loads a block from it instead of the prefill recomputing it.
+        self.tier: Any = None
+        self.spill_on_close = False  # a tier that outlives the process (disk): the prefix cache goes there at the end
+
+    def __del__(self) -> None:
+        if self.spill_on_close:
+            try:
+                self.spill()
+            except Exception:  # interpreter shutdown: the tier's modules may be gone already
+                pass
 
     # sizes ----------------------------------------------------------------------------------
     @property
@@ -122,6 +139,13 @@ class BlockPool:
             return len(self._free) + len(self._evictable)
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's stored keys and values, [slots, kv_heads, head_dim] (quantised bytes for a
+        quantised ``kv.dtype``: ``layer`` reads them as values)."""
+        kv = self._kv[layer]
+        return kv.k, kv.v
+
+    def layer(self, layer: int) -> LayerKV:
+        """A layer's keys and values (and scales) as attention writes and reads them."""
         return self._kv[layer]
 
     def prepare_write(self) -> None:
@@ -160,7 +184,8 @@ class BlockPool:
     def _allocate(self) -> None:
         """One tensor per device, [layers there, keys/values, blocks, block_size, kv_heads,
         head_dim], each layer's keys and values views of it: new blocks are zeroed in one call,
-        and the pool's address never changes (a captured CUDA graph writes into it)."""
+        and the pool's address never changes (a captured CUDA graph writes into it). A quantised
+        pool has a second one per device, the scales ([..., kv_heads]), indexed the same way."""
         devices = self.devices or [torch.device("cpu")] * self.layers
         by_device: dict[torch.device, list[int]] = {}
         for layer, device in enumerate(devices):
@@ -168,24 +193,32 @@ class BlockPool:
                 by_device.setdefault(torch.device(device), []).append(layer)
         self._stores = []
         slots = self.num_blocks * self.block_size
+        fmt = self.format
         for device, layers in by_device.items():
-            store = torch.empty((len(layers), 2, self.num_blocks, self.block_size, self.kv_heads, self.head_dim),
-                                dtype=self.dtype, device=device)
-            self._stores.append(store)
+            shape = (len(layers), 2, self.num_blocks, self.block_size, self.kv_heads)
+            store = torch.empty((*shape, self.head_dim), dtype=self.dtype if fmt is None else fmt.storage, device=device)
+            scales = None if fmt is None else torch.empty(shape, dtype=KV_SCALE_DTYPE, device=device)
+            self._stores += [store] if scales is None else [store, scales]
             for i, layer in enumerate(layers):
-                self._kv[layer] = (store[i, 0].view(slots, self.kv_heads, self.head_dim),
-                                   store[i, 1].view(slots, self.kv_heads, self.head_dim))
+                k, v = (store[i, j].view(slots, self.kv_heads, self.head_dim) for j in (0, 1))
+                if scales is None:
+                    self._kv[layer] = LayerKV(k, v)
+                else:
+                    self._kv[layer] = LayerKV(k, v, fmt, scales[i, 0].view(slots, self.kv_heads),
+                                              scales[i, 1].view(slots, self.kv_heads))
         self._dirty = [NULL_BLOCK] + self._dirty
         self._allocated = True
 
     @property
     def stores(self) -> list[torch.Tensor]:
-        """The pool's tensors (one per device; empty before the first forward)."""
+        """The pool's tensors (one per device, and one of scales per device for a quantised pool;
+        empty before the first forward), each [layers there, keys/values, blocks, ...]."""
         return list(self._stores)
 
     def kv_tensors(self) -> list[torch.Tensor]:
-        """Every attention layer's key and value views (what a forward reads and writes)."""
-        return [t for kv in self._kv if kv is not None for t in kv]
+        """Every attention layer's key and value views, and scales (what a forward reads and writes)."""
+        return [t for kv in self._kv if kv is not None
+                for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None]
 
     # blocks ---------------------------------------------------------------------------------
     def allocate(self) -> int:
@@ -196,6 +229,7 @@ class BlockPool:
                 block = self._free.pop()
             elif self._evictable:
                 block, _ = self._evictable.popitem(last=False)
+                self._offload(block)
                 self._forget(block)
             else:
                 raise OutOfBlocks
@@ -245,7 +279,9 @@ class BlockPool:
     # prefix cache ---------------------------------------------------------------------------
     @staticmethod
     def chain(parent: int | None, keys: tuple) -> int:
-        return hash((parent, keys))
+        """The chain hash of a block: the same in every process (Python's ``hash`` of a string is
+        salted per process), so a disk tier written by one server serves the next."""
+        return int.from_bytes(hashlib.blake2b(repr((parent, keys)).encode(), digest_size=8).digest(), "little")
 
     def register(self, block: int, parent: int | None, keys: tuple) -> int:
         """Record a full block's content in the prefix cache; returns its chain hash."""
@@ -272,18 +308,70 @@ class BlockPool:
                 self.states.forget(entry.digest)
 
     def lookup(self, parent: int | None, keys: tuple) -> int | None:
-        """The cached block holding ``keys`` after the chain ``parent`` (held for the caller), or None."""
+        """The cached block holding ``keys`` after the chain ``parent`` (held for the caller), or None.
+        A block the second tier holds is loaded back into a block of the pool."""
         with self.lock:
             self.lookups += 1
-            block = self._by_digest.get(self.chain(parent, keys))
+            digest = self.chain(parent, keys)
+            block = self._by_digest.get(digest)
             if block is None:
-                return None
+                return self._load(digest, parent, keys)
             entry = self._cached[block]
             if entry.parent != parent or entry.keys != keys:
                 return None
             self.hits += 1
             self.hold(block)
             return block
+
+    # second tier ----------------------------------------------------------------------------
+    def _offload(self, block: int) -> None:
+        """A cached block about to be reused for something else: its bytes to the tier."""
+        entry = self._cached[block]
+        if self.tier is not None and entry.digest not in self.tier:
+            self.tier.put(entry.digest, entry.keys, self.block_blob(block))
+
+    def _load(self, digest: int, parent: int | None, keys: tuple) -> int | None:
+        """A block of the pool holding the tier's copy of ``digest`` (held for the caller), or None."""
+        if self.tier is None or digest not in self.tier:
+            return None
+        blob = self.tier.get(digest, keys)
+        if blob is None:
+            return None
+        try:
+            block = self.allocate()
+        except OutOfBlocks:
+            return None
+        self.prepare_write()  # a fresh block is zeroed now, not after the bytes go in
+        self.load_blob(block, blob)
+        self.register(block, parent, keys)
+        self.hits += 1
+        return block
+
+    def spill(self) -> int:
+        """Every full block in the prefix cache to the tier (before a server or chat exits, so a
+        disk tier pointed at the same folder starts the next one warm); how many were written."""
+        with self.lock:
+            if self.tier is None:
+                return 0
+            todo = [b for b, entry in self._cached.items() if entry.digest not in self.tier]
+            for block in todo:
+                self._offload(block)
+            self.tier.flush()
+            return len(todo)
+
+    def block_blob(self, block: int) -> torch.Tensor:
+        """A block's bytes in every layer (keys, values, scales) as one uint8 tensor on the CPU."""
+        parts = [store[:, :, block].contiguous().view(torch.uint8).reshape(-1) for store in self._stores]
+        return torch.cat(parts).cpu() if parts else torch.empty(0, dtype=torch.uint8)
+
+    def load_blob(self, block: int, blob: torch.Tensor) -> None:
+        """``block_blob``'s inverse: the bytes into ``block`` of every layer."""
+        at = 0
+        for store in self._stores:
+            target = store[:, :, block]
+            n = target.numel() * target.element_size()
+            target.copy_(blob[at : at + n].to(store.device).view(store.dtype).view(target.shape))
+            at += n
 
     def is_cached(self, digest: int) -> bool:
         """Whether a block with this chain hash is in the prefix cache now."""

@@ -63,16 +63,26 @@ class Pools:
         """One line for the run's report: each pool's size and tokens, and where the budget
         came from (what ``auto`` kept for activations, and why)."""
         names = ["kv pool", "draft kv pool"]
-        parts = [f"{names[min(i, 1)]} {fmt_bytes(p.num_blocks * p.block_bytes)} "
+        parts = [f"{names[min(i, 1)]} {fmt_bytes(p.num_blocks * p.block_bytes)}"
+                 f"{'' if p.kv_dtype == 'auto' else f' {p.kv_dtype}'} "
                  f"({p.capacity_tokens:,} tokens in blocks of {p.block_size}"
                  f"{f', on each of {p.shards} tensor-parallel ranks' if p.shards > 1 else ''})"
                  for i, p in enumerate(self.pools)]
-        return f"{' + '.join(parts)}: {self.budget.asked}"
+        tier = self.pools[0].tier
+        kept = "" if tier is None else f"; {describe_tier(tier)}"
+        return f"{' + '.join(parts)}: {self.budget.asked}{kept}"
+
+
+def describe_tier(tier: Any) -> str:
+    """The second tier in a few words: kind, bound, blocks held (and a disk tier's folder)."""
+    s = tier.stats()
+    where = f" in {tier.folder}" if s["tier"] == "disk" else ""
+    return f"{s['tier']} tier{where}, at most {fmt_bytes(s['max_bytes'])}, {s['blocks']:,} blocks held"
 
 
 def pool_for(
     lm: Any, memory: float | int | str | None = None, block_size: int = 16, checkpoint_every: int = 1024,
-    max_seqs: int = 8, max_batch_tokens: int = 2048,
+    max_seqs: int = 8, max_batch_tokens: int = 2048, kv_dtype: str = "auto",
 ) -> BlockPool:
     """A pool sized by ``memory`` (``kv_memory_setting``): bytes, a fraction of what is free now,
     or ``auto``: 80% of free CUDA memory once the activations of a ``max_batch_tokens`` prefill
@@ -83,15 +93,17 @@ def pool_for(
 
     A model with linear-attention layers also gets recurrent-state slots out of the same bytes
     (``state_budget``): two per sequence in flight (``max_seqs``: its state and the one a forward
-    writes) plus one checkpoint per ``checkpoint_every`` tokens the blocks hold.
+    writes) plus one checkpoint per ``checkpoint_every`` tokens the blocks hold. ``kv_dtype``:
+    ``kv.dtype`` (quantised keys and values: ``pipeline.kv.quantised``).
     """
-    return pools_for([lm], memory, block_size, checkpoint_every, max_seqs, max_batch_tokens).pools[0]
+    return pools_for([lm], memory, block_size, checkpoint_every, max_seqs, max_batch_tokens,
+                     kv_dtype=kv_dtype).pools[0]
 
 
 def pools_for(
     models: Sequence[Any], memory: float | int | str | None = None, block_size: int = 16,
     checkpoint_every: int = 1024, max_seqs: int = 8, max_batch_tokens: int = 2048,
-    headroom: tuple[int, str] | None = None,
+    headroom: tuple[int, str] | None = None, kv_dtype: str = "auto",
 ) -> Pools:
     """One pool per model (a target, then its draft model) from one ``memory`` budget measured on
     the first model's device, split by their KV bytes per token so that every pool holds the
@@ -112,11 +124,12 @@ def pools_for(
     if memory == "auto" and device.type == "cuda":
         reserved, why = headroom or activation_headroom(target, max_batch_tokens, max_seqs)
     budget = _budget(memory, device, target, reserved, why)
-    rates = [bytes_per_token(lm, block_size, checkpoint_every) for lm in models]
+    rates = [bytes_per_token(lm, block_size, checkpoint_every, kv_dtype) for lm in models]
     pools = []
     for i, (lm, rate) in enumerate(zip(models, rates)):
         asked = budget.asked if i == 0 else f"the draft model's share of {budget.asked}"
-        pools.append(_pool(lm, int(budget.nbytes * rate / sum(rates)), asked, block_size, checkpoint_every, max_seqs))
+        pools.append(_pool(lm, int(budget.nbytes * rate / sum(rates)), asked, block_size, checkpoint_every, max_seqs,
+                           kv_dtype))
     return Pools(pools, list(models), budget)
 
 
@@ -132,29 +145,31 @@ def pool_device(lm: Any) -> torch.device:
     return next((d for d in devices if d.type == "cuda"), devices[0] if devices else torch.device("cpu"))
 
 
-def pool_bytes_for(lm: Any, tokens: int, block_size: int, checkpoint_every: int, max_seqs: int) -> int:
+def pool_bytes_for(lm: Any, tokens: int, block_size: int, checkpoint_every: int, max_seqs: int,
+                   kv_dtype: str = "auto") -> int:
     """Bytes of ``memory`` that give a pool room for ``tokens`` tokens (and, for models with
     recurrent states, the slots ``state_budget`` sets aside first): ``pools_for``'s inverse."""
-    nbytes = -(-tokens // block_size) * kv_bytes(lm.config, block_size, _kv_dtype(lm), shards(lm))
+    nbytes = -(-tokens // block_size) * kv_bytes(lm.config, block_size, _kv_dtype(lm), shards(lm), kv_dtype)
     shape = state_shape(lm.config, _kv_dtype(lm))
     if shape is not None:
         nbytes += (4 * max_seqs + tokens // checkpoint_every + 1) * shape.slot_bytes
     return nbytes
 
 
-def bytes_per_token(lm: Any, block_size: int, checkpoint_every: int) -> float:
+def bytes_per_token(lm: Any, block_size: int, checkpoint_every: int, kv_dtype: str = "auto") -> float:
     """Pool bytes one token costs this model: its keys and values, plus its share of a
-    recurrent-state checkpoint for models with linear-attention layers."""
+    recurrent-state checkpoint for models with linear-attention layers (kept in the model's dtype)."""
     dtype = _kv_dtype(lm)
-    rate = kv_bytes(lm.config, block_size, dtype, shards(lm)) / block_size
+    rate = kv_bytes(lm.config, block_size, dtype, shards(lm), kv_dtype) / block_size
     shape = state_shape(lm.config, dtype)
     return rate + (shape.slot_bytes / checkpoint_every if shape is not None else 0.0)
 
 
-def _pool(lm: Any, nbytes: int, asked: str, block_size: int, checkpoint_every: int, max_seqs: int) -> BlockPool:
+def _pool(lm: Any, nbytes: int, asked: str, block_size: int, checkpoint_every: int, max_seqs: int,
+          kv_dtype: str = "auto") -> BlockPool:
     """A pool of ``nbytes`` for ``lm``, allocated now when it lives on a GPU."""
     dtype = _kv_dtype(lm)
-    block_bytes = kv_bytes(lm.config, block_size, dtype, shards(lm))
+    block_bytes = kv_bytes(lm.config, block_size, dtype, shards(lm), kv_dtype)
     shape = state_shape(lm.config, dtype)
     if shape is None:
         blocks, slots, reserved = nbytes // block_bytes, 0, 0
@@ -172,7 +187,7 @@ def _pool(lm: Any, nbytes: int, asked: str, block_size: int, checkpoint_every: i
     devices = cache_devices(lm)
     pool = BlockPool(lm.config, blocks + 1, block_size, dtype, devices,  # + the null block
                      state_slots=slots + 1 if slots else 0, checkpoint_every=checkpoint_every, reserved_slots=reserved,
-                     shards=shards(lm))
+                     shards=shards(lm), kv_dtype=kv_dtype)
     if any(torch.device(d).type == "cuda" for d in devices):
         pool.prepare_write()  # allocated now: memory read after this (a draft's pool, the next job) sees it gone
     return pool

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from pipeline import ceval
-from pipeline.assemble import load_from_cfg, stages_from_cfg
+from pipeline.assemble import engine_settings, load_from_cfg, stages_from_cfg
 from pipeline.errors import UserError, whole_number
 from pipeline.outputs import run_dir, write_csv, write_json
 from pipeline.pipeline import Pipeline
@@ -39,7 +39,7 @@ def main(cfg: DictConfig) -> None:
 
     lm = load_from_cfg(cfg)
     # No decode warm-up or static cache: C-Eval never decodes, and a dynamic cache crops cheaply.
-    pipe = Pipeline(lm, stages)
+    pipe = Pipeline(lm, stages, **engine_settings(cfg))  # kv.* and engine.* as every mode
     graded = {"n": 0, "correct": 0}
     bar = tqdm(total=len(questions), desc="ceval", unit="q", file=sys.stderr, dynamic_ncols=True)
 

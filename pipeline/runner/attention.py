@@ -24,6 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from pipeline.kv import state_shape
+from pipeline.kv.quantised import LayerKV
 from pipeline.memory import text_config
 from pipeline.runner import flex
 from pipeline.runner.batch import Group, PagedBatch, key_slots
@@ -57,12 +58,11 @@ def paged_attention(
         fn = ALL_ATTENTION_FUNCTIONS.get_interface(original, None) or eager_attention_forward
         return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     window = _check_layer(module, batch, kwargs)
-    k_pool, v_pool = batch.pool.layer_kv(module.layer_idx)
-    k_pool.index_copy_(0, batch.slots, _as(key[0].transpose(0, 1), k_pool.dtype))
-    v_pool.index_copy_(0, batch.slots, _as(value[0].transpose(0, 1), v_pool.dtype))
+    kv = batch.pool.layer(module.layer_idx)
+    kv.write(batch.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     flat_q = query[0].transpose(0, 1)  # [T, heads, D]
-    parts = [(g, _attend_causal(g, query, key, value, k_pool, v_pool, scaling) if g.causal else
-              _attend(g, flat_q, k_pool, v_pool, window is not None, scaling, batch.pool.block_size))
+    parts = [(g, _attend_causal(g, query, key, value, kv, scaling) if g.causal else
+              _attend(g, flat_q, kv, window is not None, scaling, batch.pool.block_size))
              for g in batch.groups]
     if len(parts) == 1 and parts[0][0].start == 0 and parts[0][1].shape[0] == flat_q.shape[0]:
         return parts[0][1].unsqueeze(0), None  # one contiguous group: already in packed order
@@ -86,12 +86,12 @@ def _check_layer(module: torch.nn.Module, batch: PagedBatch, kwargs: dict) -> in
     return window
 
 
-def _attend(g: Group, flat_q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, sliding: bool,
-            scaling: float | None, block_size: int) -> torch.Tensor:
+def _attend(g: Group, flat_q: torch.Tensor, kv: LayerKV, sliding: bool, scaling: float | None,
+            block_size: int) -> torch.Tensor:
     """One group's attention over its rows' blocks: [rows * q, heads, D] in row order
     (``sliding``: the layer has the pool's sliding window)."""
     if g.span is not None:
-        return _attend_in_place(g, flat_q, k_pool, v_pool, scaling)
+        return _attend_in_place(g, flat_q, kv, scaling)
     rows, q = _sizes(g)
     heads, dim = flat_q.shape[1], flat_q.shape[2]
     if g.start is not None:
@@ -99,13 +99,13 @@ def _attend(g: Group, flat_q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     else:
         qs = flat_q[g.q_index].transpose(1, 2)  # [B, heads, q, D]
     if g.flex is not None:
-        o = _attend_flex(g.flex, qs, k_pool, v_pool, sliding, scaling, block_size)
+        o = _attend_flex(g.flex, qs, kv, sliding, scaling, block_size)
         if o is not None:
             return o.transpose(1, 2).reshape(rows * q, heads, dim)
         k_slots, mask = _dense(g.flex, sliding, block_size)
     else:
         k_slots, mask = g.k_slots, g.window_mask if sliding else g.mask
-    ks, vs = _gather(k_pool, k_slots, qs.dtype), _gather(v_pool, k_slots, qs.dtype)  # [B, kv_heads, K, D]
+    ks, vs = kv.gather(k_slots, qs.dtype)  # [B, kv_heads, K, D]
     kv_heads = ks.shape[1]
     if g.q == 1 and kv_heads != heads:
         # One query per row: the query heads sharing a key/value head become its rows (no
@@ -127,10 +127,11 @@ def _sizes(g: Group) -> tuple[Any, Any]:
     return g.rows, g.q
 
 
-def _attend_flex(masks: flex.PagedMasks, qs: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                 sliding: bool, scaling: float | None, block_size: int) -> torch.Tensor | None:
+def _attend_flex(masks: flex.PagedMasks, qs: torch.Tensor, kv: LayerKV, sliding: bool, scaling: float | None,
+                 block_size: int) -> torch.Tensor | None:
     """[B, heads, q, D] by FlexAttention over the pool in place; None where it cannot run (keys
     stored in another dtype than the queries, or the kernel failed: said once, then never tried)."""
+    k_pool, v_pool = kv.k, kv.v
     if qs.dtype != k_pool.dtype or flex.KERNEL.broken is not None:
         return None
     if torch.compiler.is_compiling():  # a failure here is the compiled step's to handle
@@ -149,15 +150,13 @@ def _dense(masks: flex.PagedMasks, sliding: bool, block_size: int) -> tuple[torc
     return slots, dense_mask(slots.shape[1], masks.hi, masks.lo if sliding else None)
 
 
-def _attend_in_place(g: Group, flat_q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                     scaling: float | None) -> torch.Tensor:
+def _attend_in_place(g: Group, flat_q: torch.Tensor, kv: LayerKV, scaling: float | None) -> torch.Tensor:
     """One decode query whose keys are the consecutive slots ``g.span``: a view of the pool, and
     no mask (every key is the row's own past). The query heads sharing a key/value head become
     its rows, as in ``_attend``."""
     first, n = g.span
     heads, dim = flat_q.shape[1], flat_q.shape[2]
-    ks = _as(k_pool[first : first + n].transpose(0, 1).unsqueeze(0), flat_q.dtype)  # [1, kv_heads, n, D]
-    vs = _as(v_pool[first : first + n].transpose(0, 1).unsqueeze(0), flat_q.dtype)
+    ks, vs = kv.span(first, n, flat_q.dtype)  # [1, kv_heads, n, D]
     kv_heads = ks.shape[1]
     qs = flat_q[g.start : g.start + 1].reshape(1, kv_heads, heads // kv_heads, dim)
     return scaled_dot_product_attention(qs, ks, vs, scale=scaling).reshape(1, heads, dim)
@@ -166,8 +165,8 @@ def _attend_in_place(g: Group, flat_q: torch.Tensor, k_pool: torch.Tensor, v_poo
 QUERY_TILE = 64  # CPU: rows of a chunk over cached keys attended at once (bounds the mask it needs)
 
 
-def _attend_causal(g: Group, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
-                   v_pool: torch.Tensor, scaling: float | None) -> torch.Tensor:
+def _attend_causal(g: Group, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV,
+                   scaling: float | None) -> torch.Tensor:
     """One plainly causal prefill chunk (``batch.causal_chunk``): [q, heads, D].
 
     From position 0 its keys are its own new ones and the kernel is ``is_causal``, as
@@ -179,14 +178,13 @@ def _attend_causal(g: Group, query: torch.Tensor, key: torch.Tensor, value: torc
     q, first = g.q, g.start
     qs = query[:, :, first : first + q]
     gqa = key.shape[1] != query.shape[1]
-    if g.span is None and g.k_slots is None:
-        ks, vs = key[:, :, first : first + q], value[:, :, first : first + q]
+    if g.span is None and g.k_slots is None:  # keys as the pool stores them: a prefix hit reads the same ones
+        ks, vs = (kv.as_stored(t[:, :, first : first + q]) for t in (key, value))
         return scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=gqa)[0].transpose(0, 1)
     if g.span is not None:
-        lo, n = g.span
-        ks, vs = (_as(p[lo : lo + n].transpose(0, 1).unsqueeze(0), qs.dtype) for p in (k_pool, v_pool))
+        ks, vs = kv.span(*g.span, qs.dtype)
     else:
-        ks, vs = _gather(k_pool, g.k_slots, qs.dtype), _gather(v_pool, g.k_slots, qs.dtype)
+        ks, vs = kv.gather(g.k_slots, qs.dtype)
     if qs.device.type == "cuda":
         o = scaled_dot_product_attention(qs, ks, vs, attn_mask=causal_lower_right(q, ks.shape[2]), scale=scaling,
                                          enable_gqa=gqa)
@@ -201,17 +199,6 @@ def _attend_causal(g: Group, query: torch.Tensor, key: torch.Tensor, value: torc
         parts.append(scaled_dot_product_attention(qs[:, :, lo:hi], ks[:, :, :seen], vs[:, :, :seen], attn_mask=mask,
                                                   scale=scaling, enable_gqa=gqa))
     return torch.cat(parts, dim=2)[0].transpose(0, 1)
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-def _gather(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[B, K] slots of a [slots, kv_heads, D] pool -> [B, kv_heads, K, D] (one index_select: the
-    cheapest gather on CPU)."""
-    rows = pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
-    return _as(rows.transpose(1, 2), dtype)
 
 
 AttentionInterface.register(ATTENTION, paged_attention)

@@ -65,7 +65,8 @@ class PagedMasks:
 def usable(pool: Any, device: torch.device) -> bool:
     """Whether decode rows read this pool through FlexAttention (``kv.attention``)."""
     wanted = pool.attention == "flex" or (pool.attention == "auto" and device.type == "cuda")
-    return wanted and pool.dtype in FLEX_DTYPES and KERNEL.broken is None
+    # A quantised pool (kv.dtype) is dequantised as it is gathered: FlexAttention reads it in place.
+    return wanted and pool.dtype in FLEX_DTYPES and pool.format is None and KERNEL.broken is None
 
 
 def usable_for_prefill(pool: Any, device: torch.device) -> bool:

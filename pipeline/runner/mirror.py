@@ -44,7 +44,7 @@ class Mirror:
         self.group, self.pool, self.id = group, pool, next(_RUNNERS)
         pool.zeroed, pool.copies = [], []
         spec = {"num_blocks": pool.num_blocks, "block_size": pool.block_size, "dtype": pool.dtype,
-                "attention": pool.attention, "shards": pool.shards}
+                "attention": pool.attention, "shards": pool.shards, "kv_dtype": pool.kv_dtype}
         settings = None if compiled is None else (compiled.backend, compiled.mode)
         self._send(("runner", self.id, spec, settings, native))
         self.steps = 0

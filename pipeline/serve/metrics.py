@@ -38,6 +38,29 @@ class _EngineCollector:
         yield CounterMetricFamily("mm_prefix_cache_lookups", "prefix-cache lookups", value=pool.lookups)
         yield CounterMetricFamily("mm_preemptions", "sequences preempted (recomputed later)",
                                   value=stats["preemptions"])
+        yield from _tier_metrics(stats)
+
+
+TIER_METRICS = (  # kv.offload's second tier: (stats key, metric, help, counter?)
+    ("blocks", "mm_kv_tier_blocks", "KV blocks held in the second tier", False),
+    ("bytes", "mm_kv_tier_bytes", "bytes the second tier holds", False),
+    ("hits", "mm_kv_tier_hits", "blocks loaded back from the second tier instead of recomputed", True),
+    ("misses", "mm_kv_tier_misses", "second-tier reads that found no usable block", True),
+    ("stores", "mm_kv_tier_stores", "blocks written to the second tier", True),
+    ("refused", "mm_kv_tier_refused", "tier files refused (corrupt, or another model's)", True),
+    ("bytes_loaded", "mm_kv_tier_loaded_bytes", "bytes loaded back from the second tier", True),
+    ("load_s", "mm_kv_tier_load_seconds", "seconds spent loading blocks from the second tier", True),
+)
+
+
+def _tier_metrics(stats: dict) -> Iterator[Metric]:
+    """The second tier's figures (``kv.offload``), labelled by tier; none without one."""
+    if "kv_tier_tier" not in stats:
+        return
+    for key, name, help_text, counter in TIER_METRICS:
+        family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, help_text, labels=["tier"])
+        family.add_metric([stats["kv_tier_tier"]], stats[f"kv_tier_{key}"])
+        yield family
 
 
 class ServerMetrics:
