@@ -36,9 +36,9 @@ def layer_kinds(config: Any) -> list[str]:
 
 ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention"})  # layers that keep keys and values
 # kv.dtype: "auto" stores keys and values in the model's dtype; the others store one byte an
-# element plus a float16 scale per position and head (pipeline.kv.quantised says why).
+# element plus a bfloat16 scale per position and head (pipeline.kv.quantised says why).
 KV_DTYPES = ("auto", "int8", "fp8")
-KV_SCALE_DTYPE = torch.float16
+KV_SCALE_DTYPE = torch.bfloat16
 
 
 def uncacheable_layers(config: Any) -> set[str]:

@@ -282,6 +282,7 @@ def test_audio_to_a_model_without_audio_encoder_is_refused(load_tiny):
 # ---------------------------------------------------------------- command line
 
 
+@pytest.mark.slow  # the CLI path of audio; the pipeline's audio metrics are checked in-process
 def test_cli_hears_a_wav_and_reports_audio_metrics(tiny_dir, load_tiny, tmp_path):
     proc = run_cli(f"model.path={tiny_dir('qwen2-audio')}", "input=examples/tone.wav", "prompt=What do you hear?",
                    f"max_new_tokens={N}", "model.dtype=float32", f"hydra.run.dir={tmp_path}")

@@ -137,6 +137,7 @@ def test_bench_with_hf_baseline_reports_every_cell(tiny_dir, tmp_path, monkeypat
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # mode=bench through a subprocess; its grid is checked in-process
 def test_cli_bench_without_baseline(tiny_dir, tmp_path):
     run = tmp_path / "run"
     proc = run_cli(

@@ -132,6 +132,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # 72 s; inductor's CPU code generation also runs in test_flex's compiled kernel test
 def test_inductor_compiled_step(tiny_dir):
     """The real code generation once (CPU inductor), a batch of two then of one. In its own
     process: dynamo has crashed here when one process compiled the same function with aot_eager
@@ -263,6 +264,7 @@ def test_bad_engine_settings_are_refused_where_the_config_enters(override, messa
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.slow  # a second full compile and warm-up; decode.compile's warm-up runs in the default run
 def test_stage_level_compile_is_warmed_up_like_decode_compile(lm):
     """``stages.decode.compile=true`` set directly compiles and warms up exactly as
     ``decode.compile=true`` does: the stage decides, so the two settings cannot disagree."""

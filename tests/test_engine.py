@@ -168,7 +168,7 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(load_tiny):
     assert len({tuple(r.token_ids) for r in batched}) > 1
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])  # compiled: 12 s
 def test_threads_sharing_one_pipeline_get_their_own_answers(load_tiny, compiled):
     lm = load_tiny("qwen3")
     decode = DecodeLoop(compile=True, compile_backend="aot_eager") if compiled else DecodeLoop()

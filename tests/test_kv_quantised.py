@@ -26,10 +26,20 @@ def test_int8_round_trip_is_within_half_a_step():
     x[9, 1, 5] = 40.0  # an outlier sets its row's step
     q, scale = quantise(FORMATS["int8"], x)
     back = dequantise(FORMATS["int8"], q, scale, torch.float32)
-    assert q.dtype == torch.int8 and scale.dtype == torch.float16 and not back.isnan().any()
+    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16 and not back.isnan().any()
     step = scale.float().unsqueeze(-1)
     assert bool(((back - x).abs() <= step / 2 + 1e-6 * x.abs()).all())
     assert bool((back[7, 2] == 0).all())
+
+
+def test_the_scale_is_exact_in_the_model_dtype_and_never_clips():
+    x = torch.randn(500, 2, 64, dtype=torch.float32) * torch.logspace(-4, 4, 500).view(-1, 1, 1)
+    for fmt in FORMATS.values():
+        q, scale = quantise(fmt, x)
+        assert bool((scale.float() * fmt.top >= x.abs().amax(-1)).all())  # max|x| fits without clipping
+        assert bool((scale.float() * fmt.top <= x.abs().amax(-1) * (1 + 2**-7)).all())  # the step barely grows
+        exact = dequantise(fmt, q, scale, torch.float64)
+        assert torch.equal(dequantise(fmt, q, scale, torch.float32).double(), exact)
 
 
 def test_fp8_round_trip_is_within_its_mantissa():
@@ -113,6 +123,23 @@ def test_speculative_decoding_keeps_the_tokens_of_plain_decoding(load_tiny):
         return pipe.run(request).token_ids
 
     assert run(Speculative("ngram")) == run(None)
+
+
+def test_the_compiled_step_reads_a_quantised_pool_as_eager_does(load_tiny):
+    """The graph dynamo captures (aot_eager: the same capture as inductor, no code generation)
+    quantises the keys it writes and dequantises the rows it reads, batched and alone."""
+    lm = load_tiny("qwen3", dtype="float64")
+    rng = random.Random(5)
+    prompts = [words(rng, rng.randint(5, 30)) for _ in range(4)]
+
+    def run(**decode) -> list[list[int]]:
+        pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop(**decode)},
+                        kv_memory=1 << 20, kv_dtype="int8", max_seqs=4)
+        pipe.pool.clear_prefix_cache()
+        handles = [pipe.submit(Request(prompt=p, max_new_tokens=10, ignore_eos=True)) for p in prompts]
+        return [h.result(timeout=300).token_ids for h in handles]
+
+    assert run(compile=True, compile_backend="aot_eager") == run()
 
 
 @pytest.mark.parametrize("family", ["gemma3", "qwen3.5", "qwen2-audio"])

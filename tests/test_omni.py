@@ -265,6 +265,7 @@ def test_use_audio_in_video_setting_flows_from_the_config():
     assert (model.name, model.path) == ("qwen2.5-omni", "Qwen/Qwen2.5-Omni-3B")
 
 
+@pytest.mark.slow  # the CLI's media path; the pipeline's heard video is checked in-process here
 def test_cli_hears_the_video_and_matches_generate(tiny_dir, lm, files, tmp_path):
     proc = run_cli(f"model.path={tiny_dir(FAMILY)}", f"input=[{files['clip']},{files['png']},{files['wav']}]",
                    f"prompt={PROMPT}", f"max_new_tokens={N}", "ignore_eos=true", "media.video_fps=1",

@@ -252,6 +252,7 @@ def shapes_oracle(vl):
     return oracle(vl, [load_image(SHAPES)], text="Describe this image.")
 
 
+@pytest.mark.slow  # the CLI path; both behaviours are checked in-process (test_recurrent)
 def test_cli_image_matches_generate_and_a_recurrent_draft_model_is_refused(tiny_dir, vl, shapes_oracle, tmp_path,
                                                                              monkeypatch):
     args = [f"model.path={tiny_dir(VL)}", f"input={SHAPES}", f"max_new_tokens={N}", "ignore_eos=true"]
@@ -288,6 +289,7 @@ def test_ngram_speculative_run_mode_matches_generate(tiny_dir, vl, tmp_path, mon
     assert result["metrics"]["spec_drafted"] > 0
 
 
+@pytest.mark.slow  # serve and batch over images run for Qwen2-VL in the default run
 def test_served_and_batched_image_answers_equal_generate(tiny_dir, vl, shapes_oracle, tmp_path, monkeypatch):
     """The same image request over the OpenAI API (``mode=serve``) and as a ``mode=batch`` line."""
     from openai import OpenAI
