@@ -21,6 +21,7 @@ from pipeline.loading import (
     LoadedModel, _check_path, _load_error, load_model, local_files_only, parse_max_memory, read_config, resolve_dtype,
 )
 from pipeline.kv import kv_memory_setting, state_budget, state_shape
+from pipeline.kv.offload import check_offload
 from pipeline.memory import fmt_bytes, kv_bytes
 from pipeline.media import Inputs, load_inputs
 from pipeline.pipeline import Pipeline, check_stages, follow
@@ -108,10 +109,17 @@ def check_settings_for_model(cfg: DictConfig, config: Any, path: str) -> None:
     (A fraction of free memory or ``auto`` depends on what is free after loading: ``pool_for``.)"""
     model = model_label(cfg, path)
     check_state_checkpoint_setting(int(cfg.kv.state_checkpoint_every), config, model)
+    check_offload_setting(str(cfg.kv.offload), config, int(cfg.model.tp), model)
     memory = kv_memory_setting(_plain(cfg.kv.memory))
     if isinstance(memory, int):
         check_kv_bytes_hold_a_block(memory, int(cfg.kv.block_size), int(cfg.kv.state_checkpoint_every), config,
-                                    kv_dtypes(cfg), model)
+                                    kv_dtypes(cfg), model, str(cfg.kv.dtype))
+
+
+def check_offload_setting(offload: str, config: Any, tp: int, model: str) -> None:
+    """``kv.offload`` that the pool would refuse (``pipeline.kv.offload``), refused before the
+    weights load."""
+    check_offload(offload, state_shape(config, torch.float32) is not None, tp, model)
 
 
 def model_label(cfg: DictConfig, path: str) -> str:
@@ -139,7 +147,7 @@ def kv_dtypes(cfg: DictConfig) -> list[torch.dtype]:
 
 
 def check_kv_bytes_hold_a_block(memory: int, block_size: int, checkpoint_every: int, config: Any,
-                                dtypes: list[torch.dtype], model: str) -> None:
+                                dtypes: list[torch.dtype], model: str, kv_dtype: str = "auto") -> None:
     """``kv.memory`` as a byte count must hold one KV block (and, for a model with linear-attention
     layers, the recurrent-state slots of one sequence).
 
@@ -148,7 +156,7 @@ def check_kv_bytes_hold_a_block(memory: int, block_size: int, checkpoint_every: 
     may use is assumed, so a count that the pool would accept is never refused here.
     """
     dtype = min(dtypes, key=lambda d: torch.empty((), dtype=d).element_size())
-    block_bytes = kv_bytes(config, block_size, dtype)
+    block_bytes = kv_bytes(config, block_size, dtype, kv_dtype=kv_dtype)
     if block_bytes <= 0:
         return
     shape = state_shape(config, dtype)
@@ -160,7 +168,8 @@ def check_kv_bytes_hold_a_block(memory: int, block_size: int, checkpoint_every: 
     if not fits:
         raise UserError(
             f"kv.memory={memory:,} bytes cannot hold one KV block of {block_size} tokens ({block_bytes:,} bytes "
-            f"for {model} in {str(dtype).removeprefix('torch.')}){states}: raise kv.memory or use kv.memory=auto"
+            f"for {model} in {str(dtype).removeprefix('torch.') if kv_dtype == 'auto' else f'kv.dtype={kv_dtype}'})"
+            f"{states}: raise kv.memory or use kv.memory=auto"
         )
 
 

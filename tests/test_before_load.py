@@ -201,6 +201,22 @@ def test_kv_memory_below_one_block_is_refused(default_config, recurrent_config):
         check_kv_bytes_hold_a_block(kv_bytes(recurrent_config, 16, torch.float32), 16, 1024, recurrent_config,
                                     [torch.float32], "qwen3.5")
     check_kv_bytes_hold_a_block(1 << 30, 16, 1024, recurrent_config, [torch.float32], "qwen3.5")
+    # an int8 pool's block is smaller: what it would take is not refused, what it would not is, by its size
+    small = kv_bytes(default_config, 16, torch.float32, kv_dtype="int8")
+    check_kv_bytes_hold_a_block(small, 16, 1024, default_config, [torch.float32], "shapes", "int8")
+    with pytest.raises(UserError, match=f"one KV block of 16 tokens \\({small:,} bytes for shapes in kv.dtype=int8\\)"):
+        check_kv_bytes_hold_a_block(small - 1, 16, 1024, default_config, [torch.float32], "shapes", "int8")
+
+
+def test_offload_that_the_pool_cannot_serve_is_refused_before_loading(default_config, recurrent_config):
+    from pipeline.assemble import check_offload_setting
+
+    check_offload_setting("disk", default_config, 1, "shapes")
+    check_offload_setting("none", recurrent_config, 2, "qwen3.5")
+    with pytest.raises(UserError, match="^kv.offload keeps key/value blocks only: qwen3.5's linear-attention"):
+        check_offload_setting("host", recurrent_config, 1, "qwen3.5")
+    with pytest.raises(UserError, match="^kv.offload under tensor parallel is not supported"):
+        check_offload_setting("disk", default_config, 2, "shapes")
 
 
 def test_state_checkpoint_every_is_for_linear_attention_models(default_config, recurrent_config):

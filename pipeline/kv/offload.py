@@ -50,14 +50,9 @@ class Offload:
 
 def attach_tier(pool: BlockPool, offload: Offload, lm: Any) -> None:
     """Give ``pool`` the second tier ``offload`` asks for (nothing for ``none``)."""
+    check_offload(offload.kind, pool.states is not None, pool.shards)
     if offload.kind == "none":
         return
-    if pool.states is not None:
-        raise UserError("kv.offload keeps key/value blocks only: this model's linear-attention layers also need "
-                        "their recurrent states, which are not offloaded (use kv.offload=none)")
-    if pool.shards > 1:
-        raise UserError("kv.offload under tensor parallel is not supported: each rank holds only its own heads "
-                        "(use kv.offload=none)")
     pin = any(torch.device(d).type == "cuda" for d in pool.devices)
     pool.tier = make_tier(offload.kind, pool.block_bytes, offload.nbytes, offload.folder, fingerprint(pool, lm), pin)
     if offload.kind == "disk":  # what the prefix cache holds at the end stays for the next process
@@ -71,6 +66,20 @@ def _spill(ref: weakref.ref) -> None:
         kept = pool.spill()
         if kept:
             log.info("kv.offload=disk: %d cached blocks written to %s", kept, pool.tier.folder)
+
+
+def check_offload(kind: str, recurrent: bool, shards: int, model: str = "this model") -> None:
+    """Refuse a tier the pool cannot serve: a block of a model with recurrent states is useless
+    without the state at its end (not offloaded), and under tensor parallel each rank holds only
+    its own heads."""
+    if kind == "none":
+        return
+    if recurrent:
+        raise UserError(f"kv.offload keeps key/value blocks only: {model}'s linear-attention layers also need their "
+                        "recurrent states, which are not offloaded (use kv.offload=none)")
+    if shards > 1:
+        raise UserError("kv.offload under tensor parallel is not supported: each rank holds only its own heads "
+                        "(use kv.offload=none)")
 
 
 def fingerprint(pool: BlockPool, lm: Any) -> str:
