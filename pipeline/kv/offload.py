@@ -20,10 +20,9 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.kv.pool import BlockPool
-from pipeline.kv.tier import make_tier
+from pipeline.kv.tier import TIERS, make_tier
 
 log = logging.getLogger(__name__)
-OFFLOAD = ("none", "host", "disk")
 DEFAULT_BYTES = 4 << 30  # kv.offload_bytes when unset
 _SAMPLE = 64  # bytes of each weight the fingerprint reads (its first ones)
 
@@ -39,8 +38,8 @@ class Offload:
     @classmethod
     def checked(cls, kind: str, nbytes: int | None = None, folder: str | None = None) -> "Offload":
         """The settings, refused in one line when they cannot work together."""
-        if kind not in OFFLOAD:
-            raise UserError(f"kv.offload must be one of {', '.join(OFFLOAD)} (got {kind!r})")
+        if kind not in TIERS:
+            raise UserError(f"kv.offload must be one of {', '.join(TIERS)} (got {kind!r})")
         if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0):
             raise UserError(f"kv.offload_bytes must be a positive number of bytes (got {nbytes!r})")
         if kind == "disk" and not folder:
