@@ -35,9 +35,8 @@ def layer_kinds(config: Any) -> list[str]:
 
 
 ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention"})  # layers that keep keys and values
-# kv.dtype: "auto" stores keys and values in the model's dtype; the others store one byte an
-# element plus a bfloat16 scale per position and head (pipeline.kv.quantised says why).
-KV_DTYPES = ("auto", "int8", "fp8")
+# A quantised kv.dtype stores one byte an element plus a scale of this dtype per position and
+# head (pipeline.kv.quantised says why); "auto" stores keys and values in the model's dtype.
 KV_SCALE_DTYPE = torch.bfloat16
 
 

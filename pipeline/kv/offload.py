@@ -20,7 +20,7 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.kv.pool import BlockPool
-from pipeline.kv.tier import TIERS, make_tier
+from pipeline.kv.tier import check_tier, make_tier
 
 log = logging.getLogger(__name__)
 DEFAULT_BYTES = 4 << 30  # kv.offload_bytes when unset
@@ -38,12 +38,9 @@ class Offload:
     @classmethod
     def checked(cls, kind: str, nbytes: int | None = None, folder: str | None = None) -> "Offload":
         """The settings, refused in one line when they cannot work together."""
-        if kind not in TIERS:
-            raise UserError(f"kv.offload must be one of {', '.join(TIERS)} (got {kind!r})")
+        check_tier(kind, folder)
         if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0):
             raise UserError(f"kv.offload_bytes must be a positive number of bytes (got {nbytes!r})")
-        if kind == "disk" and not folder:
-            raise UserError("kv.offload=disk needs kv.offload_dir (the folder that keeps the blocks)")
         return cls(kind, DEFAULT_BYTES if nbytes is None else nbytes, str(folder) if folder else None)
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.errors import UserError
-from pipeline.memory import KV_DTYPES, KV_SCALE_DTYPE
+from pipeline.memory import KV_SCALE_DTYPE
 
 __all__ = ["KVFormat", "LayerKV", "dequantise", "kv_format", "quantise"]
 
@@ -52,6 +52,7 @@ class KVFormat:
 
 FORMATS = {"int8": KVFormat("int8", torch.int8, 127.0),
            "fp8": KVFormat("fp8", torch.uint8, float(torch.finfo(torch.float8_e4m3fn).max))}
+KV_DTYPES = ("auto", *FORMATS)  # kv.dtype: "auto" is the model's own dtype
 
 
 def kv_format(kv_dtype: str) -> KVFormat | None:

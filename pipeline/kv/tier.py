@@ -31,7 +31,7 @@ import torch
 
 from pipeline.errors import UserError
 
-__all__ = ["DiskTier", "HostTier", "TIERS", "make_tier"]
+__all__ = ["DiskTier", "HostTier", "TIERS", "check_tier", "make_tier"]
 
 TIERS = ("none", "host", "disk")  # kv.offload
 MAGIC = b"MMKVBLOCK1\n"
@@ -296,12 +296,17 @@ class DiskTier(_Tier):
 def make_tier(kind: str, block_nbytes: int, max_bytes: int, folder: str | None, fingerprint: str,
               pin: bool) -> HostTier | DiskTier | None:
     """The tier ``kv.offload`` asks for (None for "none")."""
-    if kind not in TIERS:
-        raise UserError(f"kv.offload must be one of {', '.join(TIERS)} (got {kind!r})")
+    check_tier(kind, folder)
     if kind == "none":
         return None
     if kind == "host":
         return HostTier(block_nbytes, max_bytes, pin)
-    if not folder:
-        raise UserError("kv.offload=disk needs kv.offload_dir")
     return DiskTier(folder, block_nbytes, max_bytes, fingerprint)
+
+
+def check_tier(kind: str, folder: str | None) -> None:
+    """``kv.offload`` names a tier, and a disk tier has its folder."""
+    if kind not in TIERS:
+        raise UserError(f"kv.offload must be one of {', '.join(TIERS)} (got {kind!r})")
+    if kind == "disk" and not folder:
+        raise UserError("kv.offload=disk needs kv.offload_dir (the folder that keeps the blocks)")

@@ -150,27 +150,17 @@ inline __m512 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d));
 }
 
-// 64 weights a step (k a multiple of 64); x in order (float32, int8 weights) or split (bfloat16).
-inline float dot(const float* w, int64_t k, const float* x) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t i = 0; i < k; i += 64) {
-    prefetch(w + i, 256);
-    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), a0);
-    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
-    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
-    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 48), _mm512_loadu_ps(x + i + 48), a3);
-  }
-  return _mm512_reduce_add_ps(sum4(a0, a1, a2, a3));
-}
-
+inline __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 widen(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-inline float dot(const int8_t* w, int64_t k, const float* x) {
+// 64 weights a step (k a multiple of 64); x in order (float32, int8 weights) or split (bfloat16, below).
+template <typename W>
+inline float dot(const W* w, int64_t k, const float* x) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t i = 0; i < k; i += 64) {
-    prefetch(w + i, 64);
+    prefetch(w + i, 64 * sizeof(W));
     a0 = _mm512_fmadd_ps(widen(w + i), _mm512_loadu_ps(x + i), a0);
     a1 = _mm512_fmadd_ps(widen(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
     a2 = _mm512_fmadd_ps(widen(w + i + 32), _mm512_loadu_ps(x + i + 32), a2);
