@@ -554,6 +554,10 @@ def load_model(
         kwargs.update(distributed_config=tensor_parallel.distributed_config(tp), config=tensor_parallel.plan_config(config))
     if device_map is not None:
         kwargs["device_map"] = device_map
+    elif quantization_config is not None and tp == 1 and torch.cuda.is_available():
+        # Quantised weights are made where they load: bitsandbytes picks the GPU itself, torchao
+        # would quantise on (and stay on) the CPU, where its int4 packing does not even exist.
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
     if budgets:
         kwargs["max_memory"] = dict(budgets)
     if offload_folder:

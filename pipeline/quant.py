@@ -207,7 +207,10 @@ def torchao_config(name: str, skips: list[str], gpu: bool, cpu_offload: bool) ->
     if cpu_offload:
         raise UserError(f"quant={name} cannot offload layers to cpu or disk next to a GPU: give the model the whole "
                         "GPU (model.device_map=auto with enough memory) or use quant=nf4")
-    scheme = Int8WeightOnlyConfig() if name == "int8wo" else Int4WeightOnlyConfig(group_size=128)
+    # int4: the tile-packed layout runs on PyTorch's own tinygemm kernel (``_weight_int4pack_mm``);
+    # torchao's default "plain" layout needs the separate mslk kernel library.
+    scheme = (Int8WeightOnlyConfig() if name == "int8wo"
+              else Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
     return TorchAoConfig(quant_type=scheme, modules_to_not_convert=skips)
 
 

@@ -247,6 +247,27 @@ def test_auto_picks_nf4_for_weights_over_half_the_gpu(real_model, monkeypatch):
     assert lm.quant_note.startswith("quant=auto chose nf4") and "more than half of cuda:0" in lm.quant_note
 
 
+@pytest.mark.parametrize("scheme", ["int8wo", "int4wo", "nf4"])
+def test_quantised_weights_load_onto_the_gpu(real_model, monkeypatch, scheme):
+    """On a GPU machine a quantised model is loaded onto the GPU: torchao quantises weights where
+    they are, and left on the CPU its int4 packing failed to load (seen on an H100) and int8
+    would have decoded on the CPU. A simulated GPU; the load is stopped where transformers starts."""
+    import transformers
+
+    seen = {}
+
+    def from_pretrained(path, **kwargs):
+        seen.update(kwargs)
+        raise OSError("stopped here by the test")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(transformers.Qwen3ForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(UserError, match="stopped here by the test"):
+        load_model(real_model, dtype=torch.bfloat16, quant=scheme)
+    assert seen["device_map"] == {"": 0} and seen["quantization_config"] is not None
+
+
 def test_weights_are_estimated_from_the_checkpoint_before_loading(real_model, load_tiny):
     """The estimate (safetensors bytes rescaled to the load dtype) is what the loaded model holds."""
     config = loading.read_config(real_model)

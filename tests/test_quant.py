@@ -52,6 +52,16 @@ def test_quantised_pipeline_matches_generate(load_tiny, scheme):
     assert result.metrics["placement"] == lm.placement
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="int4wo runs on CUDA only")
+def test_int4wo_pipeline_matches_generate_on_cuda(load_tiny):
+    """torchao's int4 weights in the tile-packed layout (PyTorch's own tinygemm kernel, bfloat16)."""
+    lm = load_tiny("qwen3", quant="int4wo", dtype=torch.bfloat16)
+    assert lm.quant == "int4wo"
+    assert type(lm.model.model.layers[0].mlp.up_proj.weight).__name__ == "Int4TilePackedTo4dTensor"
+    ours, oracle = run_and_oracle(lm)
+    assert ours == oracle
+
+
 # --- the layers really are 4-bit / 8-bit, and the skip list is honoured -----------------------
 def test_nf4_linears_are_4bit_and_skips_stay_linear(load_tiny):
     # double_quant off: its per-layer code table (1 KiB) would dominate layers this small
@@ -69,10 +79,10 @@ def test_nf4_linears_are_4bit_and_skips_stay_linear(load_tiny):
     n_quantised = sum(m.in_features * m.out_features for _, m in quantised)
     float_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if type(p).__name__ != "Params4bit")
     float_bytes += sum(b.numel() * b.element_size() for b in model.buffers())
-    assert set(lm.placement) == {"cpu"}
-    assert lm.placement["cpu"]["float32"] == float_bytes
+    assert set(lm.placement) == {str(lm.device)}
+    assert lm.placement[str(lm.device)]["float32"] == float_bytes
     # 4 bits per weight + one float32 absmax per 64-weight block = 0.5625 bytes per weight
-    assert 0.5625 <= lm.placement["cpu"]["nf4"] / n_quantised < 0.57
+    assert 0.5625 <= lm.placement[str(lm.device)]["nf4"] / n_quantised < 0.57
 
 
 def test_default_skips_keep_lm_head_and_quantise_every_decoder_linear(load_tiny):
@@ -117,7 +127,7 @@ def test_int8wo_weights_are_torchao_int8_with_row_scales_and_skips_stay_plain(lo
     assert type(kept.model.model.layers[0].mlp.up_proj.weight).__name__ == "Int8Tensor"
     linear_bytes = sum(m.in_features * m.out_features + 5 * m.out_features for m in lm.model.modules()
                        if type(getattr(m, "weight", None)).__name__ == "Int8Tensor")
-    assert lm.placement["cpu"]["int8wo"] == linear_bytes  # int8 weights, a float32 scale and an int8 zero per row
+    assert lm.placement[str(lm.device)]["int8wo"] == linear_bytes  # int8 weights, a float32 scale and an int8 zero per row
     # what a decode step reads (the bandwidth figure) counts the int8 bytes, not the logical float32 ones
     plain = load_tiny("qwen3")
     int8 = [m for m in lm.model.modules() if type(getattr(m, "weight", None)).__name__ == "Int8Tensor"]
@@ -131,7 +141,7 @@ def test_int8_placement_counts_weights_and_row_scales(load_tiny):
     assert quantised and all(type(m.weight).__name__ == "Int8Params" for _, m in quantised)
     # one int8 byte per weight + one float32 scale per output row
     expected = sum(m.in_features * m.out_features + 4 * m.out_features for _, m in quantised)
-    assert lm.placement["cpu"]["int8"] == expected
+    assert lm.placement[str(lm.device)]["int8"] == expected
 
 
 def test_skip_names_match_towers_anywhere_at_module_boundaries():

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The wheels a lent GPU machine lacks, in .whl/ under the 64 MiB a device call may carry with the tree.
+# ../shared/gpu/wheels.sh's set, plus what that set misses (measured on an H100 loan, 2026-11-28:
+# every step failed at `import soundfile`; torchao for quant=int4wo; openai for the serve step),
+# less PyAV (35 MB; video only) and bitsandbytes' kernels for CUDA releases other than 13.x
+# (the image's torch is cu130): 94 MB -> 32 MB.
+#   bash benchmarks/gpu_wheels.sh
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+bash ../shared/gpu/wheels.sh torchao==0.18.0 >/dev/null
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl soundfile cffi pycparser openai distro jiter sniffio
+rm -f .whl/av-*.whl
+for w in .whl/bitsandbytes-*.whl; do
+    zip -q -d "$w" 'bitsandbytes/libbitsandbytes_cuda1[12]*' 'bitsandbytes/libbitsandbytes_rocm*' || true
+done
+total=$(( $(du -cb .whl/*.whl | tail -1 | cut -f1) + $(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1) ))
+echo "wheels + tracked tree: $((total >> 20)) MiB of the 64 MiB a call carries"
