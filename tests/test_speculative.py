@@ -205,7 +205,7 @@ def test_compiled_draft_steps_draft_what_the_eager_draft_drafts(load_tiny, draft
     results = [pipe_for(lm, spec).run(request_for(lm, n=40)) for spec in (eager, compiled)]
     assert [r.token_ids for r in results] == [want, want]
     assert results[0].metrics["spec_accepted"] == results[1].metrics["spec_accepted"] > 0
-    assert compiled.compiled._greedy is not None and compiled.compiled.broken is None
+    assert compiled.compiled._step is not None and compiled.compiled.broken is None
     assert eager.compiled is None and Speculative("ngram", compile=True).compiled is None  # n-gram has no model
 
 

@@ -11,7 +11,7 @@ not by arithmetic; compiling the whole forward removes most of it. Two functions
 Fixed shapes: the batch and the block-table width are rounded up to buckets
 (``forward.batch_bucket``, ``width_bucket``) and marked dynamic, so one graph serves every
 bucket from 2 up (dynamo specialises size 1: batch 1 has its own); masks and write slots are
-built inside the graph from tensors. ``Pipeline.warmup`` builds both before the first request;
+built inside the graph from tensors. ``Pipeline.warmup`` builds both graphs before the first request;
 after it no batch size or context length recompiles (tests/test_compiled.py counts).
 
 On CUDA the default mode is ``reduce-overhead``: every bucket is captured as a CUDA graph, the
@@ -34,7 +34,7 @@ import torch
 from pipeline.kv import BlockPool
 from pipeline.runner import flex
 from pipeline.runner.batch import Chunk
-from pipeline.runner.forward import burst_state, decode_logits, greedy_step, greedy_steps
+from pipeline.runner.forward import burst_state, decode_logits, decode_step, greedy_step, greedy_steps
 
 
 class FastPathFallback(UserWarning):
@@ -58,8 +58,7 @@ class CompiledStep:
         self.backend = backend
         self.mode = mode if backend == "inductor" else None  # modes are inductor options
         self.broken: str | None = None  # why compiling failed, once it did
-        self._forward: Any = None  # compiled decode_logits
-        self._greedy: Any = None  # compiled greedy_step
+        self._step: Any = None  # compiled decode_step
         self._warned = False
         self.shapes: set[tuple[int, int]] = set()  # (batch, keys) the compiled step has run at
         self._static: weakref.WeakSet = weakref.WeakSet()  # pools whose tensors CUDA graphs may keep
@@ -109,11 +108,12 @@ class CompiledStep:
         state = burst_state(pool, [c.ids[0] for c in chunks], positions, [c.start for c in chunks],
                             [c.table for c in chunks], 1, device, bucketed=self.why_not(lm) is None)
         pool.prepare_write()
-        logits = self._run("_forward", decode_logits, lambda fn, _: fn(lm.model, pool, *state), lm, pool)
+        logits = self._run(lambda step: step(lm.model, pool, *state)[3], lambda: decode_logits(lm.model, pool, *state),
+                           lm, pool)
         return logits[: len(chunks)]
 
     def greedy_steps(self, lm: Any, pool: BlockPool, state: tuple[torch.Tensor, ...], steps: int) -> list[torch.Tensor]:
-        """``forward.greedy_steps`` (a decode burst) on the compiled ``greedy_step``.
+        """``forward.greedy_steps`` (a decode burst) on the compiled ``decode_step``.
 
         Dynamo checks its guards (tensor shapes, strides, the model's attributes) before every
         call, which costs about as much as the kernels of a tiny step. From the third step of a
@@ -124,32 +124,31 @@ class CompiledStep:
         def settled() -> Any:
             return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
 
-        return self._run("_greedy", greedy_step, lambda fn, compiled: greedy_steps(
-            lm.model, pool, state, steps, step=fn, settled=settled if compiled else None), lm, pool)
+        return self._run(
+            lambda step: greedy_steps(lm.model, pool, state, steps, step=lambda *a: step(*a)[:3], settled=settled),
+            lambda: greedy_steps(lm.model, pool, state, steps, step=greedy_step), lm, pool)
 
-    def _run(self, slot: str, fn: Any, call: Any, lm: Any, pool: BlockPool) -> Any:
-        """``call(compiled fn, True)``; ``call(fn, False)`` where compiling is impossible or failed
-        (the calls are functional over the pool's slots: rerunning one rewrites the same slots).
-        A failure with FlexAttention in the graph first retries the compile without it."""
+    def _run(self, compiled_call: Any, eager_call: Any, lm: Any, pool: BlockPool) -> Any:
+        """``compiled_call(compiled decode_step)``; ``eager_call()`` where compiling is impossible or
+        failed (the calls are functional over the pool's slots: rerunning one rewrites the same
+        slots). A failure with FlexAttention in the graph first retries the compile without it."""
         reason = self.why_not(lm)
         if reason is not None:
             self.fallback(reason)
-            return call(fn, False)
-        compiled = getattr(self, slot)
-        if compiled is None:
-            compiled = self._compile(fn, lm)
-            setattr(self, slot, compiled)
+            return eager_call()
+        if self._step is None:
+            self._step = self._compile(decode_step, lm)
         try:
-            return call(compiled, True)
+            return compiled_call(self._step)
         except Exception as err:  # dynamo/inductor raise many types; all mean "cannot compile this"
             if flex.usable(pool, lm.device):
                 flex.KERNEL.fail(err)
-                setattr(self, slot, None)
-                return self._run(slot, fn, call, lm, pool)
+                self._step = None
+                return self._run(compiled_call, eager_call, lm, pool)
             first_line = (str(err).strip().splitlines() or [""])[0][:200]
             self.broken = f"torch.compile failed ({type(err).__name__}: {first_line})"
             self.fallback(self.broken)
-            return call(fn, False)
+            return eager_call()
 
     def _compile(self, fn: Any, lm: Any) -> Any:
         """``fn`` compiled, called with its batch and key dimensions marked dynamic; under CUDA
