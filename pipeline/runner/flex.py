@@ -26,6 +26,7 @@ its split-size symbol by plain text replacement: "cur_kvSplitSize8 was not decla
 from __future__ import annotations
 
 import sys
+import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -156,6 +157,7 @@ class FlexKernel:
 
     def __init__(self) -> None:
         self.broken: str | None = None
+        self.trace = ""  # the failure's whole traceback (the one-line reason is ``broken``)
         self.unfused = False
         self._compiled: Any = None
 
@@ -171,6 +173,7 @@ class FlexKernel:
         return self._compiled(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=options)
 
     def fail(self, err: Exception) -> None:
+        self.trace = "".join(traceback.format_exception(err))
         first_line = (str(err).strip().splitlines() or [""])[0][:200]
         self.broken = f"FlexAttention failed ({type(err).__name__}: {first_line})"
         message = f"kv.attention=flex: {self.broken}; attention gathers each row's keys instead"
