@@ -141,8 +141,7 @@ def greedy_step(
     unit a decode burst repeats with no host work in between (see ``Engine`` and
     ``pipeline.runner.compiled``). Returns the chosen ids and the next step's positions and
     lengths."""
-    logits = decode_logits(model, pool, ids, positions, lengths, tables, extent)
-    return logits.argmax(dim=-1).view(1, -1), positions + 1, lengths + 1
+    return decode_step(model, pool, ids, positions, lengths, tables, extent)[:3]
 
 
 def decode_step(
@@ -156,8 +155,8 @@ def decode_step(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``greedy_step``'s outputs and the logits: the one function the compiled step compiles, so
     that greedy bursts and single steps (sampled rows, requests waiting) share its graphs: half
-    the graphs ``decode_logits`` and ``greedy_step`` compiled apart (a 187M model's first
-    warm-up on 2 CPU cores: 117 s for four)."""
+    the graphs of ``decode_logits`` and ``greedy_step`` compiled apart (a 187M model's first
+    warm-up on 2 CPU cores: 147 s for four graphs, 97 s for two)."""
     logits = decode_logits(model, pool, ids, positions, lengths, tables, extent)
     return logits.argmax(dim=-1).view(1, -1), positions + 1, lengths + 1, logits
 
