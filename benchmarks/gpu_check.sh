@@ -31,7 +31,7 @@ step_cmd() {
     decode_nf4) echo "$PY benchmarks/decode_vs_generate.py $ARCH --quant nf4 $DECODE ${PEAK} --json $OUT/decode_nf4.json" ;;
     decode_int4wo) echo "$PY benchmarks/decode_vs_generate.py $ARCH --quant int4wo --dtype bfloat16 $DECODE ${PEAK} --json $OUT/decode_int4wo.json" ;;
     # -v: each test's name and outcome as it ends, so a step cut at its limit still says which failed
-    cuda_tests) echo "$PY -m pytest -v --tb=short -p no:cacheprovider --timeout 60 tests/test_gpu_path.py tests/test_flex.py tests/test_quant.py tests/test_sampler.py -k 'cuda or gpu_path or flex or quant'" ;;
+    cuda_tests) echo "$PY -m pytest -v --tb=short -p no:cacheprovider --timeout 60 -m 'slow or not slow' tests/test_gpu_path.py tests/test_flex.py tests/test_quant.py tests/test_sampler.py -k '(cuda or gpu_path or flex or quant) and not cli'" ;;
     engine_tests) echo "$PY -m pytest -v --tb=short -p no:cacheprovider --timeout 60 tests/test_engine.py" ;;
     attention) echo "$PY benchmarks/paged_attention.py --device cuda --dtype bfloat16" ;;
     batch) echo "$PY benchmarks/engine_throughput.py $ARCH --dtype bfloat16 --requests 32 --new-tokens 32 --max-seqs 1,32 --skip-solo --skip-hf --reps 1 --json $OUT/batch.json" ;;

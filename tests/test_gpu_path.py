@@ -72,6 +72,7 @@ def test_buckets_bound_the_shapes():
     assert [width_bucket(n) for n in (1, 2, 3, 5, 64, 65)] == [2, 2, 4, 8, 64, 128]
 
 
+@pytest.mark.slow  # suite time; test_compiled checks the same for batches of 1 to 5; gpu_check runs it
 def test_no_recompilation_after_warmup_for_any_batch_or_context(lm, request):
     from torch._dynamo.utils import counters
 
