@@ -85,7 +85,7 @@ def test_no_recompilation_after_warmup_for_any_batch_or_context(lm, request):
     for sizes in ([3], [4] * 2, [5, 6, 7], [8] * 17, [3] * 64, [2000, 9]):
         ctxs = submit_all(pipe, lm, sizes, 10)
         assert all(len(c.generated) == 10 for c in ctxs)
-    # sampled rows take decode_logits, not bursts: warmed up as well
+    # sampled rows take single compiled steps, not bursts: warmed up as well
     submit_all(pipe, lm, [4] * 5 + [1500], 4, sampler=Sampler(temperature=0.8, seed=1))
     assert counters["stats"]["unique_graphs"] == graphs, f"recompiled (FlexAttention: {flex.KERNEL.broken})"
     # What CUDA graphs are captured for: a few bucketed shapes, not one per batch size and length.

@@ -2,11 +2,10 @@
 pool under ``torch.compile``, for every decode-only engine step.
 
 gpt-fast's lesson: at small batch the decode step is bound by Python and kernel-launch overhead,
-not by arithmetic; compiling the whole forward removes most of it. Two functions are compiled:
-
-- ``forward.greedy_step``: batch built, model run and argmax taken in one call, repeated by the
-  engine's decode bursts (greedy rows, nobody waiting) with the token fed straight back;
-- ``forward.decode_logits``: any other decode-only step (sampled rows, requests waiting).
+not by arithmetic; compiling the whole forward removes most of it. One function is compiled,
+``forward.decode_step``: batch built, model run, logits and their argmax in one call. The
+engine's decode bursts (greedy rows, nobody waiting) repeat it with the chosen token fed straight
+back; any other decode-only step (sampled rows, requests waiting) takes its logits.
 
 Fixed shapes: the batch and the block-table width are rounded up to buckets
 (``forward.batch_bucket``, ``width_bucket``) and marked dynamic, so one graph serves every
