@@ -213,11 +213,15 @@ def test_gif_webm_and_mov_decode(clips):
     assert red_box[0] > 150 and red_box[1] < 90
 
 
-def test_bad_video_files_are_one_line(clips, tmp_path):
+def test_bad_video_files_are_one_line(clips):
     for name, word in (("cut", "corrupt"), ("empty", "no video frames")):
         with pytest.raises(UserError) as err:
             load_video(clips[name])
         assert clips[name].name in str(err.value) and word in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow  # suite time: two interpreters; the same errors in-process above
+def test_bad_video_files_on_the_cli_are_one_line_and_exit_2(clips, tmp_path):
     runs = [(clips[name], (f"input={clips[name]}", f"hydra.run.dir={tmp_path / name}")) for name in ("cut", "empty")]
     with ThreadPoolExecutor(2) as pool:  # two interpreters start at once: half the wall time
         procs = list(pool.map(lambda r: run_cli(*r[1]), runs))
