@@ -7,7 +7,7 @@
 #   run: python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
 #          --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site:$PWD bash benchmarks/gpu_check.sh
 #
-# STEPS (default: all, in this order) picks some: STEPS="decode_bf16 decode_nf4" bash ...
+# STEPS picks the steps (default: the set below, in its order): STEPS="decode_bf16 batch" bash ...
 # LIMIT=SECONDS replaces every step's own time limit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,13 +23,18 @@ DECODE="--image 448 --prompt-tokens 32 --new-tokens 128 --reps 2"
 PEAK=${PEAK_GB_S:+--peak-gb-s $PEAK_GB_S}
 PY=python3
 
+decode() {  # decode NAME ARGS...: decode_vs_generate's figures for one scheme, into $OUT/NAME.json
+    local name=$1; shift
+    echo "$PY benchmarks/decode_vs_generate.py $ARCH $* $DECODE ${PEAK} --json $OUT/$name.json"
+}
+
 step_cmd() {
     case "$1" in
     env) echo "nvidia-smi; $PY -c 'import torch, transformers, bitsandbytes, torchao; print(torch.__version__, torch.version.cuda, transformers.__version__, bitsandbytes.__version__, torchao.__version__, torch.cuda.get_device_name())'" ;;
-    decode_bf16) echo "$PY benchmarks/decode_vs_generate.py $ARCH --quant none --dtype bfloat16 $DECODE ${PEAK} --json $OUT/decode_bf16.json" ;;
-    decode_bf16_fast) echo "$PY benchmarks/decode_vs_generate.py $ARCH --quant none --dtype bfloat16 --fast $DECODE ${PEAK} --json $OUT/decode_bf16_fast.json" ;;
-    decode_nf4) echo "$PY benchmarks/decode_vs_generate.py $ARCH --quant nf4 $DECODE ${PEAK} --json $OUT/decode_nf4.json" ;;
-    decode_int4wo) echo "$PY benchmarks/decode_vs_generate.py $ARCH --quant int4wo --dtype bfloat16 $DECODE ${PEAK} --json $OUT/decode_int4wo.json" ;;
+    decode_bf16) decode decode_bf16 --quant none --dtype bfloat16 ;;
+    decode_bf16_fast) decode decode_bf16_fast --quant none --dtype bfloat16 --fast ;;
+    decode_nf4) decode decode_nf4 --quant nf4 ;;
+    decode_int4wo) decode decode_int4wo --quant int4wo --dtype bfloat16 ;;
     # -v: each test's name and outcome as it ends, so a step cut at its limit still says which failed
     cuda_tests) echo "$PY -m pytest -v --tb=short -p no:cacheprovider --timeout 60 -m 'slow or not slow' tests/test_gpu_path.py tests/test_flex.py tests/test_quant.py tests/test_sampler.py -k '(cuda or gpu_path or flex or quant) and not cli'" ;;
     engine_tests) echo "$PY -m pytest -v --tb=short -p no:cacheprovider --timeout 60 tests/test_engine.py" ;;

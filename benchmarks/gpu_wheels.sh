@@ -7,10 +7,7 @@
 #   bash benchmarks/gpu_wheels.sh
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
-bash ../shared/gpu/wheels.sh torchao==0.18.0 >/dev/null
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl soundfile cffi pycparser openai distro jiter sniffio
+bash ../shared/gpu/wheels.sh torchao==0.18.0 soundfile cffi pycparser openai distro jiter sniffio >/dev/null
 rm -f .whl/av-*.whl
 for w in .whl/bitsandbytes-*.whl; do
     zip -q -d "$w" 'bitsandbytes/libbitsandbytes_cuda1[12]*' 'bitsandbytes/libbitsandbytes_rocm*' || true
