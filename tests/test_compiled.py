@@ -90,6 +90,24 @@ def test_compiled_batches_equal_their_solo_runs(lm, prompt):
         assert pipe.wait(h).generated == oracle(lm, p, N - i)
 
 
+def test_sampled_rows_on_the_compiled_step_equal_eager(lm, prompt):
+    """Sampled rows take the compiled step's logits (not its argmax): seeded, the same tokens as
+    eager decoding, and they did run compiled."""
+    from pipeline.runner.compiled import CompiledStep
+    from stages import Sampler
+
+    def sampled(**decode) -> list[int]:
+        pipe = pipe_of(lm, sampler=Sampler(temperature=0.8, seed=5), **decode)
+        return run_ids(pipe, prompt).generated
+
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        real = CompiledStep.__call__
+        mp.setattr(CompiledStep, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+        assert sampled(compile=True, compile_backend="aot_eager") == sampled()
+    assert len(calls) >= N - 1
+
+
 def test_eos_and_stop_strings_on_the_compiled_path(lm, prompt):
     free = run_ids(pipe_of(lm), prompt, n=24)
     eos = free.generated[6]
