@@ -6,6 +6,7 @@ front, the run stops at once with the numbers.
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Sequence
 
@@ -132,6 +133,17 @@ def available_ram() -> int:
         return int(psutil.virtual_memory().available)
     except ImportError:  # psutil comes with accelerate; this is only a fallback
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+@functools.cache
+def total_ram() -> int:
+    """Bytes of RAM the machine has."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except ImportError:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def free_bytes(device: torch.device, lm: Any) -> tuple[int, str]:

@@ -188,14 +188,15 @@ def test_many_bfloat16_rows_widen_to_float32_where_bfloat16_matmuls_are_slow(mon
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 48).to(torch.bfloat16)
     matvec.attach(layer)
-    x = torch.randn(2, matvec.WIDEN_ROWS, 64, dtype=torch.bfloat16)
+    x = torch.randn(2, matvec.MANY_ROWS, 64, dtype=torch.bfloat16)
     widened = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16)
     monkeypatch.setattr(matvec, "_native_bf16", lambda: False)
     with matvec.active():
         assert torch.equal(layer(x), widened)  # float32 accumulation, one rounding: the stock arithmetic
         few = x[0, :3]
         assert torch.equal(layer(few), torch.nn.functional.linear(few, layer.weight, layer.bias))  # below 8 rows: stock
-    monkeypatch.setattr(matvec, "_native_bf16", lambda: True)  # oneDNN's bfloat16 kernels: left to them
+    monkeypatch.setattr(matvec, "_native_bf16", lambda: True)  # oneDNN's bfloat16 kernels: not widened
+    monkeypatch.setattr(matvec.packed, "usable", lambda x, weight: False)  # (their packed path: test_packed.py)
     with matvec.active():
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
 

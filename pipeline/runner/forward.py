@@ -17,6 +17,7 @@ from pipeline.runner import flex
 from pipeline.runner.attention import attach
 from pipeline.runner.batch import Chunk, Group, PagedBatch, build_batch, in_place_span, key_slots, padded_table
 from pipeline.runner.masks import dense_mask, window_start
+from pipeline.runner.sampling import argmax
 from pipeline.transfer import upload
 
 
@@ -158,7 +159,7 @@ def decode_step(
     the graphs of ``decode_logits`` and ``greedy_step`` compiled apart (a 187M model's first
     warm-up on 2 CPU cores: 147 s for four graphs, 97 s for two)."""
     logits = decode_logits(model, pool, ids, positions, lengths, tables, extent)
-    return logits.argmax(dim=-1).view(1, -1), positions + 1, lengths + 1, logits
+    return argmax(logits).view(1, -1), positions + 1, lengths + 1, logits
 
 
 class SingleRowStep:
@@ -183,7 +184,7 @@ class SingleRowStep:
         else:
             group = Group(1, 1, self.k_slots[:, :n], None, start=0)
         logits = run_model(model, ids, None, positions, None, PagedBatch(pool, self.k_slots[0, n - 1 : n], [group]))
-        return logits.argmax(dim=-1).view(1, -1), positions + 1, lengths + 1
+        return argmax(logits).view(1, -1), positions + 1, lengths + 1
 
 
 def single_row_step(pool: BlockPool, tables: Sequence[Sequence[int]], starts: Sequence[int],

@@ -12,7 +12,8 @@ read, more than one row) the layer runs as it always did; a failed build says wh
 Only the engine's own forwards use it (``active``): ``generate()`` and every other call of the
 model keep PyTorch's kernels, so comparisons against ``generate()`` stay honest. The same wrapper
 runs the engine's eager bfloat16 products of 8 rows or more (prefill, batched decode) widened to
-float32 on CPUs without native bfloat16 matmuls (``widens``).
+float32 on CPUs without native bfloat16 matmuls (``widens``), and on prepacked weights on CPUs
+with them (``pipeline.runner.packed``).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from pipeline.runner import packed
+
 SOURCE = Path(__file__).with_name("matvec.cpp")
 # -fopenmp for at::parallel_for's threads (without it the kernel runs on one); the OpenMP symbols
 # resolve to torch's own runtime, so torch.set_num_threads governs the kernel too.
@@ -35,7 +38,9 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 # Smaller weights are left to PyTorch: no memory-bound work to win, a few microseconds of call to
 # lose (the tiny test models, the embedded default: none of their matrices reaches this).
 MIN_ELEMENTS = 1 << 17
-WIDEN_ROWS = 8  # bfloat16 products of this many rows or more run widened to float32 (``widens``)
+# bfloat16 products of this many rows or more run widened to float32 (``widens``) or, on CPUs with
+# native bfloat16 matmuls, on prepacked weights (``pipeline.runner.packed``)
+MANY_ROWS = 8
 
 _BUILD_LOCK = threading.Lock()
 _built: list[str | None] = []  # [why not, or None], once the first load() has decided
@@ -169,21 +174,26 @@ def _forward(original: Any, module: torch.nn.Module, reads: list, x: torch.Tenso
             weight = module.weight  # read each call: an assignment to ``.data`` is seen too
         if x.numel() == x.shape[-1]:
             return run(x, weight, scale, module.bias)
-        if scale is None and not torch.compiler.is_compiling() and widens(x, weight):
-            bias = None if module.bias is None else module.bias.float()
-            return F.linear(x.float(), weight.float(), bias).to(x.dtype)
+        if scale is None and x.numel() >= MANY_ROWS * x.shape[-1] and not torch.compiler.is_compiling():
+            if widens(x, weight):
+                bias = None if module.bias is None else module.bias.float()
+                return F.linear(x.float(), weight.float(), bias).to(x.dtype)
+            if packed.usable(x, weight):
+                out = packed.linear(module, x, weight)
+                if out is not None:
+                    return out
     return original(x)
 
 
 def widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a bfloat16 product of ``x``'s rows is faster widened to float32: on a CPU without
-    native bfloat16 matmuls (no AVX-512 BF16 / AMX: oneDNN's bfloat16 path is off) PyTorch falls
-    back to a generic loop, 4.7x slower than widening the weight and running float32's GEMM at 64
-    rows and already slower at 8 (measured: 1024x4096, 2 threads); below 8 widening loses. Same arithmetic: float32
-    accumulation, one rounding to bfloat16. Eager steps only: a compiled graph would guard on the
-    row count."""
-    return (x.dtype == weight.dtype == torch.bfloat16 and x.numel() >= WIDEN_ROWS * x.shape[-1]
-            and not _native_bf16())
+    """Whether a bfloat16 product of many rows (``MANY_ROWS``) is faster widened to float32: on a
+    CPU without native bfloat16 matmuls (no AVX-512 BF16 / AMX: oneDNN's bfloat16 path is off)
+    PyTorch falls back to a generic loop, 4.7x slower than widening the weight and running
+    float32's GEMM at 64 rows and already slower at 8 (measured: 1024x4096, 2 threads); below 8
+    widening loses. Same arithmetic: float32 accumulation, one rounding to bfloat16. Eager steps
+    only: a compiled graph would guard on the row count. (With native bfloat16 matmuls such
+    products take prepacked weights instead: ``pipeline.runner.packed``.)"""
+    return x.dtype == weight.dtype == torch.bfloat16 and not _native_bf16()
 
 
 @functools.cache

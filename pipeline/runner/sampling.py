@@ -16,6 +16,15 @@ def argmax_only(sampler: Any) -> bool:
     return sampler is None or bool(getattr(sampler, "argmax_only", False))
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``; on CPU through ``max``, which picks the same index (the first
+    of ties; a NaN first) 2-3x faster there (64 x 32,000 bfloat16 logits, 2 threads: argmax
+    5.7 ms, max 1.9). Compiled graphs keep ``argmax``: Inductor writes its own reduction."""
+    if logits.device.type == "cpu" and not torch.compiler.is_compiling():
+        return logits.max(dim=-1).indices
+    return logits.argmax(dim=-1)
+
+
 def fork_sampler(sampler: Any) -> Any:
     """A per-sequence copy: same settings, its own random generator (seeded afresh), so a seeded
     request draws the same tokens alone or in any batch."""
@@ -49,7 +58,7 @@ def choose(logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int
     for key, rows in groups.items():
         part = logits if len(rows) == len(samplers) else logits[rows]
         if key == "argmax":
-            parts.append(part.argmax(dim=-1))
+            parts.append(argmax(part))
         elif callable(key):
             outs = outputs or history
             parts.append(key([samplers[i] for i in rows], part, lambda j, rows=rows: history(rows[j]),

@@ -1,0 +1,70 @@
+"""Products of many bfloat16 rows on oneDNN's prepacked weights, on CPUs with native bfloat16
+matmuls (AMX, AVX-512 BF16).
+
+There PyTorch's bfloat16 ``F.linear`` is oneDNN's kernel, but it takes the weight in PyTorch's
+row-major layout and reorders it into the kernel's blocks on every call: at 64 rows (a batched
+decode step) that is about half the product's time. oneDNN also takes the weight reordered once
+(``torch.ops.mkldnn._reorder_linear_weight``: the prepacking Inductor's freezing and vLLM's CPU
+build do): 1.4-2.2x at 64-2048 rows (1024x4096, 2 threads; benchmarks/README.md, "Batched decode
+on AMX"). The reordered copy is a second copy of the weight, so a layer gets one at its first such
+product only while the RAM left stays above ``FLOOR`` of the machine's; it is kept with the layer
+and remade when the weight changes. Arithmetic: float32 accumulation, one rounding to bfloat16,
+as unpacked (the order of the sums may differ, as between any two GEMM kernels).
+"""
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+from pipeline.memory import available_ram, total_ram
+
+FLOOR = 0.25  # of the machine's RAM, left available after a packed copy is made (else unpacked)
+HINT_ROWS = 64  # oneDNN's batch-size hint for the packed layout (the engine's usual decode batch)
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` can run on a packed weight: bfloat16 both, on a CPU with native
+    bfloat16 matmuls, where PyTorch has the packing ops."""
+    return x.dtype == weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _supported()
+
+
+@functools.cache
+def _supported() -> bool:
+    return (bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def linear(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``F.linear(x, weight, module.bias)`` on ``weight``'s packed copy (made on first use), or None
+    where there is none (too little RAM: the caller runs its own product)."""
+    packed = _packed(module, weight)
+    if packed is None:
+        return None
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, module.bias, "none", [], "")
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _packed(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy of ``weight`` kept with ``module``, remade when the weight is another tensor
+    or was changed in place (its version counter)."""
+    key = (weight.data_ptr(), weight._version)
+    kept = module.__dict__.get("_mm_packed")
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    nbytes = weight.numel() * weight.element_size()
+    packed = None
+    if available_ram() - nbytes >= FLOOR * total_ram():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), HINT_ROWS)
+    else:
+        _say_once()
+    module.__dict__["_mm_packed"] = (key, packed)
+    return packed
+
+
+@functools.cache
+def _say_once() -> None:
+    print(f"mm-pipeline: too little RAM for prepacked bfloat16 weights (a second copy; at least {FLOOR:.0%} of RAM "
+          "stays free): some batched products use PyTorch's unpacked path", file=sys.stderr)
+
