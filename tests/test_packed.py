@@ -3,6 +3,8 @@ with native bfloat16 matmuls: the same numbers as PyTorch's linear up to the ord
 a changed weight is the one read, too little RAM falls back, and engine tokens equal generate()."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +16,7 @@ from stages import DecodeLoop, Prefill
 
 pytestmark = [
     pytest.mark.skipif(matvec.load() is not None, reason=f"native kernel unavailable: {matvec.load()}"),
-    pytest.mark.skipif(not packed._supported(), reason="this CPU has no native bfloat16 matmuls (AMX / AVX-512 BF16)"),
+    pytest.mark.skipif(not packed.SUPPORTED, reason="this CPU has no native bfloat16 matmuls (AMX / AVX-512 BF16)"),
 ]
 
 
@@ -39,7 +41,8 @@ def test_many_rows_take_the_packed_weight_and_round_like_linear(bias):
     with matvec.active():
         got = layer(x)
     assert got.shape == (3, 7, 384) and got.dtype == torch.bfloat16
-    assert layer.__dict__["_mm_packed"][1] is not None  # it ran on a packed copy
+    assert packed._PACKED[layer.weight][1] is not None  # it ran on a packed copy
+    copy.deepcopy(layer)  # the packed copy is not part of the layer (oneDNN's tensors cannot be copied)
     close_to_float(got, x, layer.weight, layer.bias)
     few = x[0, : matvec.MANY_ROWS - 1]
     with matvec.active():  # below MANY_ROWS: PyTorch's own product
@@ -89,6 +92,32 @@ def test_batched_bfloat16_engine_on_packed_weights_matches_generate(tiny_dir, fa
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (9, 23, 14, 31)]
     handles = [pipe.submit(Request(max_new_tokens=10, ignore_eos=True), ids=p, result=False) for p in prompts]
     got = [list(pipe.wait(h).generated) for h in handles]
-    assert any(m.__dict__.get("_mm_packed", (0, None))[1] is not None for m in lm.model.modules())
+    assert any((packed._PACKED.get(p) or (0, None))[1] is not None for p in lm.model.parameters())
     for ids, tokens in zip(prompts, got):
         assert tokens == generate_oracle(lm, torch.tensor([ids]), 10, ignore_eos=True)
+
+
+def test_the_compiled_step_calls_the_packed_product_and_matches_generate(tiny_dir, monkeypatch):
+    """Inside a compiled step the packed product is an op of the graph (oneDNN's packed tensors
+    cannot enter one); its batched tokens equal generate()'s. aot_eager: the same graph capture
+    as inductor, no code generation."""
+    from pipeline import load_model
+
+    rows = []
+    linear = packed.linear
+
+    def counted(x, *args):
+        rows.append(x.numel() // x.shape[-1])
+        return linear(x, *args)
+
+    monkeypatch.setattr(packed, "linear", counted)
+    lm = load_model(str(tiny_dir("qwen3")), dtype="bfloat16")
+    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=True, compile_backend="aot_eager")},
+                    kv_memory=1 << 20)
+    prompts = [list(range(5, 5 + n)) for n in (6, 11, 17)]
+    handles = [pipe.submit(Request(max_new_tokens=6, ignore_eos=True), ids=p, result=False) for p in prompts]
+    got = [pipe.wait(h) for h in handles]
+    assert all(c.metrics.info["decode_compiled"] for c in got)
+    assert min(rows) < matvec.MANY_ROWS  # a decode step of 3 rows (bucket 4): only the compiled step packs so few
+    for ids, c in zip(prompts, got):
+        assert list(c.generated) == generate_oracle(lm, torch.tensor([ids]), 6, ignore_eos=True)

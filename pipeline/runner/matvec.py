@@ -174,14 +174,16 @@ def _forward(original: Any, module: torch.nn.Module, reads: list, x: torch.Tenso
             weight = module.weight  # read each call: an assignment to ``.data`` is seen too
         if x.numel() == x.shape[-1]:
             return run(x, weight, scale, module.bias)
-        if scale is None and x.numel() >= MANY_ROWS * x.shape[-1] and not torch.compiler.is_compiling():
+        if scale is not None:
+            return original(x)
+        if torch.compiler.is_compiling():  # any row count (no guard on it, no graph per side of MANY_ROWS)
+            return torch.ops.mm_pipeline.packed_linear(x, weight, module.bias) if packed.usable(x, weight) else original(x)
+        if x.numel() >= MANY_ROWS * x.shape[-1]:
+            if packed.usable(x, weight):
+                return packed.linear(x, weight, module.bias)
             if widens(x, weight):
                 bias = None if module.bias is None else module.bias.float()
                 return F.linear(x.float(), weight.float(), bias).to(x.dtype)
-            if packed.usable(x, weight):
-                out = packed.linear(module, x, weight)
-                if out is not None:
-                    return out
     return original(x)
 
 

@@ -15,51 +15,75 @@ from __future__ import annotations
 
 import functools
 import sys
+import threading
 
 import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
 
 from pipeline.memory import available_ram, total_ram
 
 FLOOR = 0.25  # of the machine's RAM, left available after a packed copy is made (else unpacked)
 HINT_ROWS = 64  # oneDNN's batch-size hint for the packed layout (the engine's usual decode batch)
 
+# weight -> ((its data pointer, version), packed copy or None): beside the weight, not on it or
+# its module, so that copying the model (deepcopy) never meets oneDNN's opaque tensors
+_PACKED = WeakIdKeyDictionary()
+_LOCK = threading.Lock()
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x @ weight.T`` can run on a packed weight: bfloat16 both, on a CPU with native
-    bfloat16 matmuls, where PyTorch has the packing ops."""
-    return x.dtype == weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _supported()
 
-
-@functools.cache
 def _supported() -> bool:
     return (bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def linear(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``F.linear(x, weight, module.bias)`` on ``weight``'s packed copy (made on first use), or None
-    where there is none (too little RAM: the caller runs its own product)."""
-    packed = _packed(module, weight)
+SUPPORTED = _supported()  # a plain bool: read inside compiled graphs without breaking them
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` can run on a packed weight: bfloat16 both, on a CPU with native
+    bfloat16 matmuls, where PyTorch has the packing ops."""
+    return SUPPORTED and x.dtype == weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, on ``weight``'s packed copy (made on first use) where there
+    is one (not: too little RAM)."""
+    packed = packed_copy(weight)
     if packed is None:
-        return None
-    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, module.bias, "none", [], "")
+        return F.linear(x, weight, bias)
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _packed(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
-    """The packed copy of ``weight`` kept with ``module``, remade when the weight is another tensor
-    or was changed in place (its version counter)."""
+@torch.library.custom_op("mm_pipeline::packed_linear", mutates_args=(),
+                         schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear`` as an op a compiled graph calls as it is (oneDNN's packed tensors cannot enter one)."""
+    return linear(x, weight, bias)
+
+
+@packed_linear.register_fake
+def _fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy of ``weight``, remade when it was changed in place (its version counter)
+    or its data replaced; None where RAM is short (said once)."""
     key = (weight.data_ptr(), weight._version)
-    kept = module.__dict__.get("_mm_packed")
+    kept = _PACKED.get(weight)
     if kept is not None and kept[0] == key:
         return kept[1]
-    nbytes = weight.numel() * weight.element_size()
-    packed = None
-    if available_ram() - nbytes >= FLOOR * total_ram():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), HINT_ROWS)
-    else:
-        _say_once()
-    module.__dict__["_mm_packed"] = (key, packed)
+    with _LOCK:  # one copy made at a time: two threads' first products count the RAM once each
+        nbytes = weight.numel() * weight.element_size()
+        packed = None
+        if available_ram() - nbytes >= FLOOR * total_ram():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), HINT_ROWS)
+        else:
+            _say_once()
+        _PACKED[weight] = (key, packed)
     return packed
 
 
@@ -67,4 +91,3 @@ def _packed(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor | Non
 def _say_once() -> None:
     print(f"mm-pipeline: too little RAM for prepacked bfloat16 weights (a second copy; at least {FLOOR:.0%} of RAM "
           "stays free): some batched products use PyTorch's unpacked path", file=sys.stderr)
-
