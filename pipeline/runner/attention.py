@@ -26,7 +26,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 from pipeline.kv import state_shape
 from pipeline.kv.quantised import LayerKV
 from pipeline.memory import text_config
-from pipeline.runner import flex
+from pipeline.runner import flex, matvec
 from pipeline.runner.batch import Group, PagedBatch, key_slots
 from pipeline.runner.decoder import plain_head
 from pipeline.runner.linear import attach_linear
@@ -105,6 +105,9 @@ def _attend(g: Group, flat_q: torch.Tensor, kv: LayerKV, sliding: bool, scaling:
         k_slots, mask = _dense(g.flex, sliding, block_size)
     else:
         k_slots, mask = g.k_slots, g.window_mask if sliding else g.mask
+    if g.q == 1 and native_decode(qs, kv):
+        return torch.ops.mm_pipeline.decode_attention(qs[:, :, 0], kv.k, kv.v, k_slots, mask,
+                                                      dim ** -0.5 if scaling is None else scaling)
     ks, vs = kv.gather(k_slots, qs.dtype)  # [B, kv_heads, K, D]
     kv_heads = ks.shape[1]
     if g.q == 1 and kv_heads != heads:
@@ -115,6 +118,18 @@ def _attend(g: Group, flat_q: torch.Tensor, kv: LayerKV, sliding: bool, scaling:
         return o.reshape(rows * q, heads, dim)
     o = scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=kv_heads != heads)
     return o.transpose(1, 2).reshape(rows * q, heads, dim)
+
+
+NATIVE_GROUP = 8  # the native decode kernel's most query heads per key/value head (decode_attention.cpp)
+
+
+def native_decode(qs: torch.Tensor, kv: LayerKV) -> bool:
+    """Whether decode rows attend through the native kernel (``decode_attention.cpp``): on CPU
+    with the engine's native kernels on (``decode.matvec``), keys stored in the queries' dtype
+    (float32 or bfloat16, not quantised). It reads the pool in place: no gathered copy."""
+    return (qs.device.type == "cpu" and matvec.enabled() and kv.fmt is None and qs.dtype == kv.k.dtype
+            and qs.dtype in (torch.float32, torch.bfloat16) and qs.shape[-1] % 8 == 0
+            and qs.shape[1] // kv.k.shape[1] <= NATIVE_GROUP)
 
 
 def _sizes(g: Group) -> tuple[Any, Any]:

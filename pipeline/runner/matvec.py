@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from pipeline.runner import packed
 
 SOURCE = Path(__file__).with_name("matvec.cpp")
+SOURCES = [SOURCE, SOURCE.with_name("decode_attention.cpp")]  # one extension: both kernels build and load together
 # -fopenmp for at::parallel_for's threads (without it the kernel runs on one); the OpenMP symbols
 # resolve to torch's own runtime, so torch.set_num_threads governs the kernel too.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
@@ -70,7 +71,7 @@ def _build() -> str | None:
         from torch.utils import cpp_extension
 
         # built once (about 10 s), then loaded from torch's extensions folder (about 0.3 s)
-        cpp_extension.load(name="mm_pipeline_matvec", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+        cpp_extension.load(name="mm_pipeline_matvec", sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
                            is_python_module=False)
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels run
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
@@ -85,11 +86,22 @@ def _build() -> str | None:
 @functools.cache
 def _register_fake() -> None:
     torch.library.register_fake("mm_pipeline::matvec")(_fake)  # output shapes, for torch.compile
+    torch.library.register_fake("mm_pipeline::decode_attention")(_fake_attention)
 
 
 def _fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
           bias: torch.Tensor | None = None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _fake_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+def enabled() -> bool:
+    """Whether the engine's native kernels run on this thread now (inside ``active(True)``)."""
+    return getattr(_state, "active", False)
 
 
 @contextlib.contextmanager

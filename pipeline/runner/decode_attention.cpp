@@ -1,0 +1,204 @@
+// Decode attention on CPU: one query token per row, over keys and values read where they lie in
+// the paged pool.
+//
+// A batched decode step's attention through PyTorch first gathers every row's keys and values
+// into a dense [rows, kv_heads, keys, head_dim] copy (an index_select each), then runs SDPA's
+// flash kernel, which is tuned for many queries: with one query per row (the query heads that
+// share a key/value head as its rows) it spends most of its time in per-block overhead. Here
+// each (row, key/value head) is one task: its query heads' scores against every visible key
+// (each key read once for all of them), a softmax in float32, the weighted sum of values (each
+// read once), split over torch's intra-op threads. Arithmetic: float32 throughout, one rounding
+// to the output dtype; the order of the sums differs from SDPA's, as between any two kernels.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+// Eight values widened to float32 (bfloat16 is the top half of a float32: a shift).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// score[g * stride] = q[g] . key for the G query heads of one key/value head (q [G, dim] float32,
+// dim a multiple of 8): the key is widened once for all of them; G is a template argument so
+// that the accumulators stay in registers.
+template <int G, typename T>
+inline void scores_of(const float* q, const T* key, int64_t dim, float* score, int64_t stride) {
+  __m256 a[G];
+  for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < dim; i += 8) {
+    const __m256 k = load8(key + i);
+    for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + i), k, a[g]);
+  }
+  for (int g = 0; g < G; ++g) score[g * stride] = hsum(a[g]);
+}
+
+// acc[g] += p[g * stride] * value for the G query heads (acc [G, dim]): the value widened once.
+template <int G, typename T>
+inline void accumulate(const float* p, int64_t stride, const T* value, int64_t dim, float* acc) {
+  __m256 w[G];
+  for (int g = 0; g < G; ++g) w[g] = _mm256_set1_ps(p[g * stride]);
+  for (int64_t i = 0; i < dim; i += 8) {
+    const __m256 v = load8(value + i);
+    for (int g = 0; g < G; ++g) {
+      float* out = acc + g * dim + i;
+      _mm256_storeu_ps(out, _mm256_fmadd_ps(w[g], v, _mm256_loadu_ps(out)));
+    }
+  }
+}
+
+// exp(x) for x <= 0 (scores less their maximum), vectorisable: 2^(x log2 e) split into an integer
+// power (the exponent bits) and 2^f for f in [-0.5, 0.5] by a degree-6 polynomial (relative error
+// about 2e-7, near float32's own; SDPA's CPU kernel uses a similar one). Below -87 (and for a masked key's -inf) it is 0.
+inline float exp_nonpositive(float x) {
+  const bool zero = !(x >= -87.f);  // also -inf (a masked key) and NaN
+  x = zero ? -87.f : x;
+  const float t = x * 1.44269504088896341f;
+  const float n = (t + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23), without a call
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return zero ? 0.f : out;
+}
+
+template <int G, typename T>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+            const bool* mask, double scale, at::Tensor& out) {
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k.size(1), keys = slots.size(1);
+  constexpr int64_t group = G;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1), ss0 = slots.stride(0);
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> query(group * dim), scores(group * keys), acc(group * dim);
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = qp + b * qs0 + (h * group + g) * qs1;
+        for (int64_t i = 0; i < dim; ++i) query[g * dim + i] = to_float(src[i]) * static_cast<float>(scale);
+      }
+      float top[G], total[G];
+      for (int g = 0; g < G; ++g) top[g] = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < keys; ++t) {
+        if (mask != nullptr && !mask[b * keys + t]) {
+          for (int64_t g = 0; g < group; ++g) scores[g * keys + t] = -std::numeric_limits<float>::infinity();
+          continue;
+        }
+        scores_of<G>(query.data(), kp + sp[b * ss0 + t] * ks0 + h * ks1, dim, scores.data() + t, keys);
+        for (int64_t g = 0; g < group; ++g) top[g] = std::max(top[g], scores[g * keys + t]);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * keys;
+        const float m = top[g];
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < keys; ++t) {
+          s[t] = exp_nonpositive(s[t] - m);  // a masked key: exp(-inf) -> 0
+          sum += s[t];
+        }
+        total[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < keys; ++t) {
+        if (mask != nullptr && !mask[b * keys + t]) continue;
+        accumulate<G>(scores.data() + t, keys, vp + sp[b * ss0 + t] * vs0 + h * vs1, dim, acc.data());
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = op + (b * heads + h * group + g) * dim;
+        const float norm = total[g] > 0.f ? 1.f / total[g] : 0.f;  // a row that sees no key: zeros
+        for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<T>(acc[g * dim + i] * norm);
+      }
+    }
+  });
+}
+
+constexpr int64_t MAX_GROUP = 8;  // query heads per key/value head (GQA groups: 1, 2, 4, 6, 7, 8 in the families here)
+
+template <int G>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots, const bool* mask,
+         double scale, at::Tensor& out) {
+  if (q.scalar_type() == at::kFloat) {
+    attend<G, float>(q, k, v, slots, mask, scale, out);
+  } else {
+    attend<G, at::BFloat16>(q, k, v, slots, mask, scale, out);
+  }
+}
+
+// q [rows, heads, dim]; k, v [slots, kv_heads, dim] (one layer of the pool); slots [rows, keys]
+// the pool slot of each key position; mask [rows, keys] (or [rows, 1, 1, keys]) true where the
+// row sees the key (None: every key). Returns [rows, heads, dim] in q's dtype.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                            const std::optional<at::Tensor>& mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && slots.dim() == 2, "decode_attention: bad ranks");
+  TORCH_CHECK(q.dtype() == k.dtype() && k.dtype() == v.dtype(), "decode_attention: q, k, v must share a dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "decode_attention: head_dim not contiguous");
+  TORCH_CHECK(q.size(1) % k.size(1) == 0 && q.size(2) == k.size(2), "decode_attention: head shapes disagree");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.size(0) == q.size(0), "decode_attention: slots [rows, keys] int64");
+  at::Tensor m;
+  if (mask.has_value()) {
+    m = mask->reshape({slots.size(0), slots.size(1)}).contiguous();
+    TORCH_CHECK(m.scalar_type() == at::kBool, "decode_attention: a boolean mask");
+  }
+  const bool* mp = mask.has_value() ? m.data_ptr<bool>() : nullptr;
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "decode_attention: float32 or bfloat16");
+  TORCH_CHECK(q.size(2) % 8 == 0, "decode_attention: head_dim a multiple of 8");
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  const int64_t group = q.size(1) / k.size(1);
+  switch (group) {
+    case 1: run<1>(q, k, v, slots, mp, scale, out); break;
+    case 2: run<2>(q, k, v, slots, mp, scale, out); break;
+    case 3: run<3>(q, k, v, slots, mp, scale, out); break;
+    case 4: run<4>(q, k, v, slots, mp, scale, out); break;
+    case 5: run<5>(q, k, v, slots, mp, scale, out); break;
+    case 6: run<6>(q, k, v, slots, mp, scale, out); break;
+    case 7: run<7>(q, k, v, slots, mp, scale, out); break;
+    case 8: run<8>(q, k, v, slots, mp, scale, out); break;
+    default: TORCH_CHECK(false, "decode_attention: at most ", MAX_GROUP, " query heads per key/value head");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mm_pipeline, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor? mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mm_pipeline, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -1,0 +1,112 @@
+"""The native CPU decode attention (pipeline/runner/decode_attention.cpp): the numbers of SDPA
+over gathered keys, and the engine's decode rows on it (eager and compiled) give generate()'s
+tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import generate_oracle
+from pipeline import Pipeline, Request, load_model
+from pipeline.runner import attention, matvec
+from stages import DecodeLoop, Prefill
+
+pytestmark = pytest.mark.skipif(matvec.load() is not None, reason=f"native kernels unavailable: {matvec.load()}")
+
+
+def reference(q, k, v, slots, mask, scale):
+    """SDPA in float64 over the gathered keys: [rows, heads, dim]."""
+    rows, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    ks, vs = (t[slots].transpose(1, 2).double() for t in (k, v))  # [rows, kv_heads, keys, dim]
+    o = F.scaled_dot_product_attention(q.double().view(rows, kv_heads, heads // kv_heads, dim), ks, vs,
+                                       attn_mask=None if mask is None else mask.view(rows, 1, 1, -1), scale=scale)
+    return o.reshape(rows, heads, dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 4, 64), (12, 2, 128), (8, 8, 80), (14, 2, 64), (16, 2, 64)])
+def test_it_equals_sdpa_over_gathered_keys(dtype, heads, kv_heads, dim):
+    torch.manual_seed(0)
+    rows, slots_in_pool, keys = 5, 300, 37
+    q = torch.randn(rows, heads, dim).to(dtype)
+    k, v = (torch.randn(slots_in_pool, kv_heads, dim).to(dtype) for _ in range(2))
+    slots = torch.randint(0, slots_in_pool, (rows, keys))
+    seen = torch.arange(keys) < torch.tensor([1, 5, 37, 20, 36]).unsqueeze(1)  # row 0 sees one key
+    for mask in (seen.view(rows, 1, 1, keys), None):
+        got = torch.ops.mm_pipeline.decode_attention(q, k, v, slots, mask, 0.125)
+        want = reference(q, k, v, slots, mask, 0.125)
+        assert got.dtype == dtype and got.shape == (rows, heads, dim)
+        # float32: the order of the sums; bfloat16: inputs as stored, one rounding of the output
+        tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=8e-3, rtol=8e-3)
+        torch.testing.assert_close(got.double(), want, **tol)
+
+
+def test_masked_keys_are_never_read_and_a_strided_query_is_taken():
+    torch.manual_seed(0)
+    q = torch.randn(3, 2, 4, 16).transpose(1, 2)[:, :, 0]  # [3 rows, 4 heads, 16]: not contiguous
+    k, v = torch.randn(50, 2, 16), torch.randn(50, 2, 16)
+    k[40:] = float("nan")  # slots only masked positions name
+    v[40:] = float("nan")
+    slots = torch.tensor([[1, 2, 45, 46], [3, 4, 5, 47], [6, 7, 8, 9]])
+    mask = torch.tensor([[True, True, False, False], [True, True, True, False], [True, True, True, True]])
+    got = torch.ops.mm_pipeline.decode_attention(q, k, v, slots, mask, 0.25)
+    assert not got.isnan().any()
+    fine = slots.clamp(max=39)
+    torch.testing.assert_close(got.double(), reference(q, k, v, fine, mask, 0.25), atol=2e-6, rtol=2e-6)
+
+
+def test_shapes_it_does_not_take_are_refused_in_one_message():
+    q, k = torch.randn(2, 36, 64), torch.randn(10, 2, 64)  # 18 query heads per key/value head
+    with pytest.raises(RuntimeError, match="at most 8 query heads per key/value head"):
+        torch.ops.mm_pipeline.decode_attention(q, k, k, torch.zeros(2, 3, dtype=torch.long), None, 1.0)
+    kv = attention.LayerKV(k, k)
+    with matvec.active():
+        assert not attention.native_decode(q.unsqueeze(2), kv)  # the engine keeps SDPA for such a model
+        assert attention.native_decode(torch.randn(2, 16, 1, 64), kv)
+
+
+@pytest.fixture(autouse=True)
+def any_size(monkeypatch):
+    """Every linear wrapped: the tiny models' matrices are below the size the native kernels take,
+    and without a wrapped linear the engine's native kernels stay off (``ModelRunner.native``)."""
+    monkeypatch.setattr(matvec, "MIN_ELEMENTS", 0)
+
+
+def kernel_calls(run) -> tuple[object, int]:
+    """``run()``'s result and how many times the native decode attention ran inside it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = run()
+    return out, sum(e.count for e in prof.key_averages() if e.key == "mm_pipeline::decode_attention")
+
+
+def submit_all(pipe: Pipeline, prompts: list[list[int]], n: int) -> list:
+    handles = [pipe.submit(Request(max_new_tokens=n, ignore_eos=True), ids=p, result=False) for p in prompts]
+    return [pipe.wait(h) for h in handles]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])  # gemma3: sliding-window layers (their mask)
+def test_engine_decode_rows_on_it_match_generate(tiny_dir, family):
+    lm = load_model(str(tiny_dir(family)), dtype="float32")
+    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()})
+    vocab = lm.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 19, 40)]
+    got, calls = kernel_calls(lambda: submit_all(pipe, prompts, 12))
+    assert calls > 0
+    for ids, c in zip(prompts, got):
+        assert list(c.generated) == generate_oracle(lm, torch.tensor([ids]), 12, ignore_eos=True)
+
+
+def test_the_compiled_step_attends_on_it(tiny_dir):
+    lm = load_model(str(tiny_dir("qwen3")), dtype="float32")
+    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=True, compile_backend="aot_eager")},
+                    kv_memory=1 << 20)
+    prompts = [list(range(5, 5 + n)) for n in (6, 13)]
+    got, calls = kernel_calls(lambda: submit_all(pipe, prompts, 6))
+    assert all(c.metrics.info["decode_compiled"] for c in got) and calls > 0
+    for ids, c in zip(prompts, got):
+        assert list(c.generated) == generate_oracle(lm, torch.tensor([ids]), 6, ignore_eos=True)
