@@ -1,10 +1,11 @@
-"""One attention layer over the paged pool: FlexAttention in place against SDPA over gathered keys.
+"""One attention layer over the paged pool: FlexAttention in place against SDPA over gathered keys,
+and on CPU the native decode kernel (``decode_attention.cpp``).
 
 What ``kv.attention`` chooses between (``pipeline.runner.flex``), measured in one run on the same
 pool, rows and scattered block tables, one layer of Qwen2-VL-2B's attention shape by default (12
 query heads, 2 key/value heads, head size 128): decode rows (one query each) and, on CUDA, one
-prefill chunk over cached keys. Both paths are exact (the largest difference is printed); the
-figure is the ratio of their times.
+prefill chunk over cached keys. Every path is exact (the largest difference from the gathered
+path is printed); the figures are the ratios of their times to it.
 
     python benchmarks/paged_attention.py                       # CPU
     python benchmarks/paged_attention.py --device cuda --dtype bfloat16
@@ -20,7 +21,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline.runner import flex  # noqa: E402
+from pipeline.runner import flex, matvec  # noqa: E402
 from pipeline.kv.quantised import LayerKV  # noqa: E402
 from pipeline.runner.batch import key_slots  # noqa: E402
 
@@ -62,10 +63,21 @@ def case(rows: int, context: int, queries: int, args: argparse.Namespace) -> dic
         mask = (torch.arange(slots.shape[1], device=device) < hi.unsqueeze(-1)).unsqueeze(1)
         return torch.nn.functional.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, enable_gqa=True)
 
-    diff = (in_place().float() - gathered().float()).abs().max().item()
+    def native() -> torch.Tensor:  # [rows, heads, dim] as [rows, heads, 1, dim]
+        slots = key_slots(tables, size)
+        mask = torch.arange(slots.shape[1], device=device) < hi
+        return torch.ops.mm_pipeline.decode_attention(q[:, :, 0], k_pool, v_pool, slots, mask,
+                                                      args.head_dim ** -0.5).unsqueeze(2)
+
+    reference = gathered().float()
+    diff = (in_place().float() - reference).abs().max().item()
     f, g = timed(in_place, args.reps, device), timed(gathered, args.reps, device)
-    return dict(rows=rows, context=context, queries=queries, flex_ms=f * 1e3, gather_ms=g * 1e3, ratio=g / f,
-                max_diff=diff)
+    out = dict(rows=rows, context=context, queries=queries, flex_ms=f * 1e3, gather_ms=g * 1e3, ratio=g / f,
+               max_diff=diff)
+    if queries == 1 and device.type == "cpu" and matvec.load() is None:
+        out.update(native_ms=timed(native, args.reps, device) * 1e3,
+                   native_diff=(native().float() - reference).abs().max().item())
+    return out
 
 
 def main() -> None:
@@ -86,9 +98,10 @@ def main() -> None:
           f"blocks of {args.block_size}, pool of {args.pool_blocks} blocks")
     for rows, context, queries in shapes:
         r = case(rows, context, queries, args)
-        print(f"rows {rows:3d} x {queries:4d} queries, context {context:5d}: flex {r['flex_ms']:8.2f} ms  "
-              f"gather+SDPA {r['gather_ms']:8.2f} ms  flex {r['ratio']:.2f}x  (max diff {r['max_diff']:.1e})",
-              flush=True)
+        native = (f"  native {r['native_ms']:8.2f} ms {r['gather_ms'] / r['native_ms']:.2f}x "
+                  f"(max diff {r['native_diff']:.1e})" if "native_ms" in r else "")
+        print(f"rows {rows:3d} x {queries:4d} queries, context {context:5d}: gather+SDPA {r['gather_ms']:8.2f} ms  "
+              f"flex {r['flex_ms']:8.2f} ms {r['ratio']:.2f}x (max diff {r['max_diff']:.1e}){native}", flush=True)
     if flex.KERNEL.broken:
         print(f"note: {flex.KERNEL.broken}")
 

@@ -60,7 +60,7 @@ class MediaSettings:
 @dataclass
 class DecodeSettings:
     compile: bool = False
-    matvec: bool = True  # CPU: one-row linear layers through the native kernel (pipeline.runner.matvec)
+    matvec: bool = True  # CPU: the native kernels (one-row linear layers, decode attention; pipeline.runner.matvec)
     speculative: str = "none"  # none | ngram | draft
     num_draft: int = 4
     ngram_max: int = 3

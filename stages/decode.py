@@ -42,8 +42,9 @@ class DecodeLoop:
     ``compile_backend`` (``inductor``, or e.g. ``aot_eager`` to check graph capture without code
     generation) and ``compile_mode`` go to ``torch.compile``. ``speculative``: a ``Speculative``
     (n-gram lookup or a draft model) whose drafts every decode step verifies: same tokens, fewer
-    target forwards. ``matvec``: on CPU, one sequence's linear layers run the native kernel
-    (``pipeline.runner.matvec``) where it applies; False: PyTorch's kernels.
+    target forwards. ``matvec``: on CPU, the native kernels run where they apply (one sequence's
+    linear layers, ``pipeline.runner.matvec``; decode attention over the pool in place, batched
+    bfloat16 products on prepacked weights); False: PyTorch's kernels.
     """
 
     def __init__(

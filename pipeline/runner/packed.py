@@ -76,7 +76,10 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
     kept = _PACKED.get(weight)
     if kept is not None and kept[0] == key:
         return kept[1]
-    with _LOCK:  # one copy made at a time: two threads' first products count the RAM once each
+    with _LOCK:  # one copy made at a time (two engines' threads on one model: one copy, RAM counted once)
+        kept = _PACKED.get(weight)
+        if kept is not None and kept[0] == key:
+            return kept[1]
         nbytes = weight.numel() * weight.element_size()
         packed = None
         if available_ram() - nbytes >= FLOOR * total_ram():
