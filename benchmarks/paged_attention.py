@@ -51,7 +51,8 @@ def case(rows: int, context: int, queries: int, args: argparse.Namespace) -> dic
     qpos = torch.arange(context - queries, context, device=device).expand(rows, queries)
     hi = qpos + 1
     q = torch.randn(rows, args.heads, queries, args.head_dim, generator=gen).to(device, dtype)
-    extent = flex.extent_blocks(SimpleNamespace(num_blocks=args.pool_blocks), tables.tolist(), device)
+    pool = SimpleNamespace(num_blocks=args.pool_blocks, expose=lambda blocks: None)  # every block written (randn)
+    extent = flex.extent_blocks(pool, tables.tolist(), device)
 
     def in_place() -> torch.Tensor:
         masks = flex.paged_masks(tables, hi, qpos, size, extent, None)
