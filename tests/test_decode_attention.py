@@ -61,6 +61,8 @@ def test_shapes_it_does_not_take_are_refused_in_one_message():
     q, k = torch.randn(2, 36, 64), torch.randn(10, 2, 64)  # 18 query heads per key/value head
     with pytest.raises(RuntimeError, match="at most 8 query heads per key/value head"):
         torch.ops.mm_pipeline.decode_attention(q, k, k, torch.zeros(2, 3, dtype=torch.long), None, 1.0)
+    with pytest.raises(RuntimeError, match="slot 10 outside the pool"):  # never a read past the pool
+        torch.ops.mm_pipeline.decode_attention(q[:, :16], k, k, torch.tensor([[0, 10], [1, 2]]), None, 1.0)
     kv = attention.LayerKV(k, k)
     with matvec.active():
         assert not attention.native_decode(q.unsqueeze(2), kv)  # the engine keeps SDPA for such a model
@@ -78,7 +80,7 @@ def kernel_calls(run) -> tuple[object, int]:
     """``run()``'s result and how many times the native decode attention ran inside it."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:
         out = run()
     return out, sum(e.count for e in prof.key_averages() if e.key == "mm_pipeline::decode_attention")
 

@@ -20,7 +20,6 @@
 #include <cstring>
 #include <limits>
 #include <optional>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -71,7 +70,8 @@ inline void accumulate(const float* p, int64_t stride, const T* value, int64_t d
 
 // exp(x) for x <= 0 (scores less their maximum), vectorisable: 2^(x log2 e) split into an integer
 // power (the exponent bits) and 2^f for f in [-0.5, 0.5] by a degree-6 polynomial (relative error
-// about 2e-7, near float32's own; SDPA's CPU kernel uses a similar one). Below -87 (and for a masked key's -inf) it is 0.
+// about 2e-7, near float32's own; SDPA's CPU kernel uses a similar one). Below -87 (and for a
+// masked key's -inf) it is 0.
 inline float exp_nonpositive(float x) {
   const bool zero = !(x >= -87.f);  // also -inf (a masked key) and NaN
   x = zero ? -87.f : x;
@@ -97,8 +97,7 @@ template <int G, typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
             const bool* mask, double scale, at::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = k.size(1), keys = slots.size(1);
-  constexpr int64_t group = G;
+  const int64_t kv_heads = k.size(1), keys = slots.size(1), pool_slots = k.size(0);
   const T* qp = q.data_ptr<T>();
   const T* kp = k.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
@@ -107,24 +106,26 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), ss0 = slots.stride(0);
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> query(group * dim), scores(group * keys), acc(group * dim);
+    std::vector<float> query(G * dim), scores(G * keys), acc(G * dim);
     for (int64_t task = first; task < last; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = qp + b * qs0 + (h * group + g) * qs1;
+      for (int64_t g = 0; g < G; ++g) {
+        const T* src = qp + b * qs0 + (h * G + g) * qs1;
         for (int64_t i = 0; i < dim; ++i) query[g * dim + i] = to_float(src[i]) * static_cast<float>(scale);
       }
       float top[G], total[G];
       for (int g = 0; g < G; ++g) top[g] = -std::numeric_limits<float>::infinity();
       for (int64_t t = 0; t < keys; ++t) {
         if (mask != nullptr && !mask[b * keys + t]) {
-          for (int64_t g = 0; g < group; ++g) scores[g * keys + t] = -std::numeric_limits<float>::infinity();
+          for (int64_t g = 0; g < G; ++g) scores[g * keys + t] = -std::numeric_limits<float>::infinity();
           continue;
         }
-        scores_of<G>(query.data(), kp + sp[b * ss0 + t] * ks0 + h * ks1, dim, scores.data() + t, keys);
-        for (int64_t g = 0; g < group; ++g) top[g] = std::max(top[g], scores[g * keys + t]);
+        const int64_t slot = sp[b * ss0 + t];
+        TORCH_CHECK(slot >= 0 && slot < pool_slots, "decode_attention: slot ", slot, " outside the pool");
+        scores_of<G>(query.data(), kp + slot * ks0 + h * ks1, dim, scores.data() + t, keys);
+        for (int64_t g = 0; g < G; ++g) top[g] = std::max(top[g], scores[g * keys + t]);
       }
-      for (int64_t g = 0; g < group; ++g) {
+      for (int64_t g = 0; g < G; ++g) {
         float* s = scores.data() + g * keys;
         const float m = top[g];
         float sum = 0.f;
@@ -140,8 +141,8 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         if (mask != nullptr && !mask[b * keys + t]) continue;
         accumulate<G>(scores.data() + t, keys, vp + sp[b * ss0 + t] * vs0 + h * vs1, dim, acc.data());
       }
-      for (int64_t g = 0; g < group; ++g) {
-        T* dst = op + (b * heads + h * group + g) * dim;
+      for (int64_t g = 0; g < G; ++g) {
+        T* dst = op + (b * heads + h * G + g) * dim;
         const float norm = total[g] > 0.f ? 1.f / total[g] : 0.f;  // a row that sees no key: zeros
         for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<T>(acc[g * dim + i] * norm);
       }
