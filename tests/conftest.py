@@ -107,3 +107,20 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None, input:
         input=input,
         timeout=timeout,
     )
+
+
+def kernel_calls(run, op: str = "mm_pipeline::decode_attention") -> tuple[object, int]:
+    """``run()``'s result and how many times ``op`` ran inside it (any thread: the engine's too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:
+        out = run()
+    return out, sum(e.count for e in prof.key_averages() if e.key == op)
+
+
+def submit_all(pipe, prompts: list[list[int]], n: int) -> list:
+    """Every prompt submitted at once (one engine batch), ``n`` greedy tokens each, EOS ignored."""
+    from pipeline import Request
+
+    handles = [pipe.submit(Request(max_new_tokens=n, ignore_eos=True), ids=p, result=False) for p in prompts]
+    return [pipe.wait(h) for h in handles]

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import generate_oracle
-from pipeline import Pipeline, Request, load_model
+from conftest import generate_oracle, kernel_calls, submit_all
+from pipeline import Pipeline, load_model
 from pipeline.runner import attention, matvec
 from stages import DecodeLoop, Prefill
 
@@ -76,20 +76,6 @@ def any_size(monkeypatch):
     monkeypatch.setattr(matvec, "MIN_ELEMENTS", 0)
 
 
-def kernel_calls(run) -> tuple[object, int]:
-    """``run()``'s result and how many times the native decode attention ran inside it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:
-        out = run()
-    return out, sum(e.count for e in prof.key_averages() if e.key == "mm_pipeline::decode_attention")
-
-
-def submit_all(pipe: Pipeline, prompts: list[list[int]], n: int) -> list:
-    handles = [pipe.submit(Request(max_new_tokens=n, ignore_eos=True), ids=p, result=False) for p in prompts]
-    return [pipe.wait(h) for h in handles]
-
-
 @pytest.mark.parametrize("family", ["qwen3", "llama", "gemma3"])  # gemma3: sliding-window layers (their mask)
 def test_engine_decode_rows_on_it_match_generate(tiny_dir, family):
     lm = load_model(str(tiny_dir(family)), dtype="float32")
@@ -103,12 +89,4 @@ def test_engine_decode_rows_on_it_match_generate(tiny_dir, family):
         assert list(c.generated) == generate_oracle(lm, torch.tensor([ids]), 12, ignore_eos=True)
 
 
-def test_the_compiled_step_attends_on_it(tiny_dir):
-    lm = load_model(str(tiny_dir("qwen3")), dtype="float32")
-    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=True, compile_backend="aot_eager")},
-                    kv_memory=1 << 20)
-    prompts = [list(range(5, 5 + n)) for n in (6, 13)]
-    got, calls = kernel_calls(lambda: submit_all(pipe, prompts, 6))
-    assert all(c.metrics.info["decode_compiled"] for c in got) and calls > 0
-    for ids, c in zip(prompts, got):
-        assert list(c.generated) == generate_oracle(lm, torch.tensor([ids]), 6, ignore_eos=True)
+# The compiled step on it (and on packed weights): tests/test_packed.py, one compile for both.

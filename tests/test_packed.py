@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import generate_oracle
+from conftest import generate_oracle, kernel_calls, submit_all
 from pipeline import Pipeline, Request
 from pipeline.runner import matvec, packed
 from stages import DecodeLoop, Prefill
@@ -99,8 +99,9 @@ def test_batched_bfloat16_engine_on_packed_weights_matches_generate(tiny_dir, fa
 
 def test_the_compiled_step_calls_the_packed_product_and_matches_generate(tiny_dir, monkeypatch):
     """Inside a compiled step the packed product is an op of the graph (oneDNN's packed tensors
-    cannot enter one); its batched tokens equal generate()'s. aot_eager: the same graph capture
-    as inductor, no code generation."""
+    cannot enter one), and so is the native decode attention; its batched tokens equal
+    generate()'s. aot_eager: the same graph capture as inductor, no code generation."""
+
     from pipeline import load_model
 
     rows = []
@@ -115,9 +116,8 @@ def test_the_compiled_step_calls_the_packed_product_and_matches_generate(tiny_di
     pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=True, compile_backend="aot_eager")},
                     kv_memory=1 << 20)
     prompts = [list(range(5, 5 + n)) for n in (6, 11, 17)]
-    handles = [pipe.submit(Request(max_new_tokens=6, ignore_eos=True), ids=p, result=False) for p in prompts]
-    got = [pipe.wait(h) for h in handles]
-    assert all(c.metrics.info["decode_compiled"] for c in got)
+    got, attention_calls = kernel_calls(lambda: submit_all(pipe, prompts, 6))
+    assert all(c.metrics.info["decode_compiled"] for c in got) and attention_calls > 0
     assert min(rows) < matvec.MANY_ROWS  # a decode step of 3 rows (bucket 4): only the compiled step packs so few
     for ids, c in zip(prompts, got):
         assert list(c.generated) == generate_oracle(lm, torch.tensor([ids]), 6, ignore_eos=True)
