@@ -7,8 +7,8 @@ decode step) that is about half the product's time. oneDNN also takes the weight
 (``torch.ops.mkldnn._reorder_linear_weight``: the prepacking Inductor's freezing and vLLM's CPU
 build do): 1.4-2.2x at 64-2048 rows (1024x4096, 2 threads; benchmarks/README.md, "Batched decode
 on AMX"). The reordered copy is a second copy of the weight, so a layer gets one at its first such
-product only while the RAM left stays above ``FLOOR`` of the machine's; it is kept with the layer
-and remade when the weight changes. Arithmetic: float32 accumulation, one rounding to bfloat16,
+product only while the RAM left stays above ``FLOOR`` of the machine's; it is kept beside the
+weight (a weak map: it goes when the weight goes) and remade when the weight changes. Arithmetic: float32 accumulation, one rounding to bfloat16,
 as unpacked (the order of the sums may differ, as between any two GEMM kernels).
 """
 from __future__ import annotations
@@ -20,7 +20,6 @@ import threading
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
-
 
 from pipeline.memory import available_ram, total_ram
 
