@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
@@ -226,3 +227,29 @@ def test_every_chat_turn_is_held_to_the_schema_and_undo_composes(load_tiny, tiny
                    "decode.choice=[yes,no]", input="Well?\nAnd now?\n")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() and set(proc.stdout.split()) <= {"yes", "no"}
+
+
+def test_a_compile_that_is_done_at_once_does_not_deadlock(monkeypatch):
+    """A grammar xgrammar has cached compiles before ``add_done_callback`` is reached, which then
+    runs the callback in the calling thread: it must not need the lock that thread holds (this hung
+    the suite once). Forced here: the worker pool hands back an already finished future."""
+    from concurrent.futures import Future
+
+    from pipeline.tiny import make_tokenizer
+
+    tok = make_tokenizer("qwen3")
+    grammars = grammar.Grammars(tok, len(tok), [tok.eos_token_id])
+
+    def done_at_once(fn, *args):
+        future = Future()
+        future.set_result(fn(*args))
+        return future
+
+    monkeypatch.setattr(grammars._pool, "submit", done_at_once)
+    c = grammar.constraint_of(Request(choice=["yes", "no"]), False)
+    out = []
+    worker = threading.Thread(target=lambda: out.append(grammars.compile(c).result()), daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert out and not worker.is_alive()
+    assert c not in grammars._inflight  # forgotten once done: the next request compiles (from the cache)

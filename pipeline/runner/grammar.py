@@ -218,10 +218,12 @@ class Grammars:
         """The compiled grammar of ``c``, as a future."""
         with self._lock:
             future = self._inflight.get(c)
-            if future is None:
-                future = self._inflight[c] = self._pool.submit(self._compile, c)
-                future.add_done_callback(lambda _: self._forget(c))
-            return future
+            if future is not None:
+                return future
+            future = self._inflight[c] = self._pool.submit(self._compile, c)
+        # Outside the lock: a compile already done (xgrammar's cache) runs the callback here, at once.
+        future.add_done_callback(lambda _: self._forget(c))
+        return future
 
     def _forget(self, c: Constraint) -> None:
         with self._lock:
