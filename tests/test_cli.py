@@ -84,6 +84,7 @@ def test_multirun_writes_one_result_per_job(tiny_dir, tmp_path):
     assert lengths == [2, 3]
 
 
+@pytest.mark.slow  # a sampler swapped by an override also runs in test_stage_hooks' CLI case (with both phases)
 def test_custom_stage_swapped_with_one_override(tiny_dir, tmp_path):
     # The chain is config: one override swaps the sampler the decode stage uses for a user class.
     proc = run_cli(f"model.path={tiny_dir('qwen3')}", "prompt=Hi", "max_new_tokens=4", "ignore_eos=true",
