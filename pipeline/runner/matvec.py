@@ -212,7 +212,7 @@ def widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 @functools.cache
 def _native_bf16() -> bool:
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return packed.native_bf16()
 
 
 def run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,

@@ -32,12 +32,17 @@ _PACKED = WeakIdKeyDictionary()
 _LOCK = threading.Lock()
 
 
-def _supported() -> bool:
-    return (bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+def native_bf16() -> bool:
+    """Whether oneDNN's bfloat16 matmuls run on this CPU (AMX / AVX-512 BF16); False where PyTorch
+    was built without oneDNN (read at import: never raises)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
-SUPPORTED = _supported()  # a plain bool: read inside compiled graphs without breaking them
+SUPPORTED = (native_bf16() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")  # a plain bool: read
+             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))  # inside compiled graphs without breaking them
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
