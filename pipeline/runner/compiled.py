@@ -33,7 +33,7 @@ import torch
 from pipeline.kv import BlockPool
 from pipeline.runner import flex
 from pipeline.runner.batch import Chunk
-from pipeline.runner.forward import burst_state, decode_logits, decode_step, greedy_step, greedy_steps
+from pipeline.runner.forward import burst_state, decode_logits, decode_step, greedy_steps
 
 
 class FastPathFallback(UserWarning):
@@ -123,9 +123,8 @@ class CompiledStep:
         def settled() -> Any:
             return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
 
-        return self._run(
-            lambda step: greedy_steps(lm.model, pool, state, steps, step=lambda *a: step(*a)[:3], settled=settled),
-            lambda: greedy_steps(lm.model, pool, state, steps, step=greedy_step), lm, pool)
+        return self._run(lambda step: greedy_steps(lm.model, pool, state, steps, step=step, settled=settled),
+                         lambda: greedy_steps(lm.model, pool, state, steps), lm, pool)
 
     def _run(self, compiled_call: Any, eager_call: Any, lm: Any, pool: BlockPool) -> Any:
         """``compiled_call(compiled decode_step)``; ``eager_call()`` where compiling is impossible or

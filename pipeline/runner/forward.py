@@ -129,22 +129,6 @@ def decode_logits(
     return run_model(model, ids, None, positions, None, PagedBatch(pool, slots, [group]))
 
 
-def greedy_step(
-    model: torch.nn.Module,
-    pool: BlockPool,
-    ids: torch.Tensor,
-    positions: torch.Tensor,
-    lengths: torch.Tensor,
-    tables: torch.Tensor,
-    extent: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One greedy decode token for every row (``decode_logits`` and the argmax in one call): the
-    unit a decode burst repeats with no host work in between (see ``Engine`` and
-    ``pipeline.runner.compiled``). Returns the chosen ids and the next step's positions and
-    lengths."""
-    return decode_step(model, pool, ids, positions, lengths, tables, extent)[:3]
-
-
 def decode_step(
     model: torch.nn.Module,
     pool: BlockPool,
@@ -154,16 +138,19 @@ def decode_step(
     tables: torch.Tensor,
     extent: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``greedy_step``'s outputs and the logits: the one function the compiled step compiles, so
-    that greedy bursts and single steps (sampled rows, requests waiting) share its graphs: half
-    the graphs of ``decode_logits`` and ``greedy_step`` compiled apart (a 187M model's first
-    warm-up on 2 CPU cores: 147 s for four graphs, 97 s for two)."""
+    """One greedy decode token for every row (``decode_logits`` and the argmax in one call): the
+    unit a decode burst repeats with no host work in between (see ``Engine`` and
+    ``pipeline.runner.compiled``). Returns the chosen ids, the next step's positions and lengths,
+    and the logits. The one function the compiled step compiles, so that greedy bursts and single
+    steps (sampled rows, requests waiting) share its graphs: half the graphs of a logits function
+    and a greedy one compiled apart (a 187M model's first warm-up on 2 CPU cores: 147 s for four
+    graphs, 97 s for two)."""
     logits = decode_logits(model, pool, ids, positions, lengths, tables, extent)
     return argmax(logits).view(1, -1), positions + 1, lengths + 1, logits
 
 
 class SingleRowStep:
-    """``greedy_step`` for a burst of one row, eager: the row attends to exactly its own keys, so
+    """``decode_step`` for a burst of one row, eager (without the logits): the row attends to exactly its own keys, so
     no mask is built or applied, and where its blocks are consecutive in the pool
     (``batch.in_place_span``) they are read in place, a slice of the pool with no gather. The
     key count is a Python int, one more each step (counted here: no step reads a tensor back),
@@ -248,11 +235,11 @@ def burst_state(
 def run_burst(lm: Any, pool: BlockPool, state: tuple[torch.Tensor, ...], steps: int, compiled: Any = None,
               step: Any = None) -> list[torch.Tensor]:
     """``greedy_steps`` from ``state``, on ``compiled`` (a ``CompiledStep``) when given, else
-    eagerly with ``step`` (default ``greedy_step``)."""
+    eagerly with ``step`` (default ``decode_step``)."""
     pool.prepare_write()
     if compiled is not None:
         return compiled.greedy_steps(lm, pool, state, steps)
-    return greedy_steps(lm.model, pool, state, steps, step=step or greedy_step)
+    return greedy_steps(lm.model, pool, state, steps, step=step or decode_step)
 
 
 def greedy_steps(
@@ -260,11 +247,11 @@ def greedy_steps(
     pool: BlockPool,
     state: tuple[torch.Tensor, ...],
     steps: int,
-    step: Any = greedy_step,
+    step: Any = decode_step,
     settled: Any = None,
 ) -> list[torch.Tensor]:
     """``steps`` greedy steps, each fed the token the last one chose; the chosen ids [1, B] of
-    each. ``settled``: a context entered for the steps after the second, whose inputs look
+    each. ``step`` returns (ids, positions, lengths) and may add more (``decode_step``'s logits). ``settled``: a context entered for the steps after the second, whose inputs look
     exactly like the second's (the compiled path stops re-checking its guards there)."""
     ids, positions, lengths, *fixed = state  # the tables and extent stay; the rest moves on
     chosen = []
@@ -272,6 +259,6 @@ def greedy_steps(
         for i in range(steps):
             if i == 2 and settled is not None:
                 stack.enter_context(settled())
-            ids, positions, lengths = step(model, pool, ids, positions, lengths, *fixed)
+            ids, positions, lengths, *_ = step(model, pool, ids, positions, lengths, *fixed)
             chosen.append(ids)
     return chosen
