@@ -127,23 +127,23 @@ def cache_devices(lm: Any) -> list[torch.device]:
 
 def available_ram() -> int:
     """Bytes the OS can still give this process without swapping."""
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:  # psutil comes with accelerate; this is only a fallback
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return _ram("available", "SC_AVPHYS_PAGES")
 
 
 @functools.cache
 def total_ram() -> int:
     """Bytes of RAM the machine has."""
+    return _ram("total", "SC_PHYS_PAGES")
+
+
+def _ram(field: str, pages: str) -> int:
+    """psutil's ``virtual_memory().<field>``, else the OS's count of ``pages`` (sysconf)."""
     try:
         import psutil
 
-        return int(psutil.virtual_memory().total)
-    except ImportError:
-        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        return int(getattr(psutil.virtual_memory(), field))
+    except ImportError:  # psutil comes with accelerate; this is only a fallback
+        return int(os.sysconf(pages) * os.sysconf("SC_PAGE_SIZE"))
 
 
 def free_bytes(device: torch.device, lm: Any) -> tuple[int, str]:

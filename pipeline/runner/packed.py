@@ -8,8 +8,9 @@ decode step) that is about half the product's time. oneDNN also takes the weight
 build do): 1.4-2.2x at 64-2048 rows (1024x4096, 2 threads; benchmarks/README.md, "Batched decode
 on AMX"). The reordered copy is a second copy of the weight, so a layer gets one at its first such
 product only while the RAM left stays above ``FLOOR`` of the machine's; it is kept beside the
-weight (a weak map: it goes when the weight goes) and remade when the weight changes. Arithmetic: float32 accumulation, one rounding to bfloat16,
-as unpacked (the order of the sums may differ, as between any two GEMM kernels).
+weight (a weak map: it goes when the weight goes) and remade when the weight changes.
+Arithmetic: float32 accumulation, one rounding to bfloat16, as unpacked (the order of the sums
+may differ, as between any two GEMM kernels).
 """
 from __future__ import annotations
 
@@ -77,9 +78,6 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of ``weight``, remade when it was changed in place (its version counter)
     or its data replaced; None where RAM is short (said once)."""
     key = (weight.data_ptr(), weight._version)
-    kept = _PACKED.get(weight)
-    if kept is not None and kept[0] == key:
-        return kept[1]
     with _LOCK:  # one copy made at a time (two engines' threads on one model: one copy, RAM counted once)
         kept = _PACKED.get(weight)
         if kept is not None and kept[0] == key:
