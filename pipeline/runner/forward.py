@@ -251,8 +251,9 @@ def greedy_steps(
     settled: Any = None,
 ) -> list[torch.Tensor]:
     """``steps`` greedy steps, each fed the token the last one chose; the chosen ids [1, B] of
-    each. ``step`` returns (ids, positions, lengths) and may add more (``decode_step``'s logits). ``settled``: a context entered for the steps after the second, whose inputs look
-    exactly like the second's (the compiled path stops re-checking its guards there)."""
+    each. ``step`` returns (ids, positions, lengths) and may add more (``decode_step``'s logits).
+    ``settled``: a context entered for the steps after the second, whose inputs look exactly like
+    the second's (the compiled path stops re-checking its guards there)."""
     ids, positions, lengths, *fixed = state  # the tables and extent stay; the rest moves on
     chosen = []
     with contextlib.ExitStack() as stack:

@@ -180,7 +180,7 @@ def _weight_replaced(module: torch.nn.Module, name: str, param: Any) -> None:
 def _forward(original: Any, module: torch.nn.Module, reads: list, x: torch.Tensor) -> torch.Tensor:
     """``reads[0]``: what the kernel reads of the layer's weight (``plain_weights``), or None."""
     found = reads[0]
-    if found is not None and getattr(_state, "active", False) and x.dtype in WEIGHT_DTYPES and x.device.type == "cpu":
+    if found is not None and enabled() and x.dtype in WEIGHT_DTYPES and x.device.type == "cpu":
         weight, scale = found
         if scale is None:
             weight = module.weight  # read each call: an assignment to ``.data`` is seen too
@@ -189,7 +189,8 @@ def _forward(original: Any, module: torch.nn.Module, reads: list, x: torch.Tenso
         if scale is not None:
             return original(x)
         if torch.compiler.is_compiling():  # any row count (no guard on it, no graph per side of MANY_ROWS)
-            return torch.ops.mm_pipeline.packed_linear(x, weight, module.bias) if packed.usable(x, weight) else original(x)
+            usable = packed.usable(x, weight)
+            return torch.ops.mm_pipeline.packed_linear(x, weight, module.bias) if usable else original(x)
         if x.numel() >= MANY_ROWS * x.shape[-1]:
             if packed.usable(x, weight):
                 return packed.linear(x, weight, module.bias)
