@@ -118,9 +118,11 @@ def kernel_calls(run, op: str = "mm_pipeline::decode_attention") -> tuple[object
     return out, sum(e.count for e in prof.key_averages() if e.key == op)
 
 
-def submit_all(pipe, prompts: list[list[int]], n: int) -> list:
-    """Every prompt submitted at once (one engine batch), ``n`` greedy tokens each, EOS ignored."""
+def submit_all(pipe, prompts: list[list[int]], n: int, **request) -> list:
+    """Every prompt submitted at once (one engine batch), ``n`` tokens each (greedy unless
+    ``request`` says otherwise), EOS ignored; their contexts."""
     from pipeline import Request
 
-    handles = [pipe.submit(Request(max_new_tokens=n, ignore_eos=True), ids=p, result=False) for p in prompts]
+    handles = [pipe.submit(Request(max_new_tokens=n, ignore_eos=True, **request), ids=p, result=False)
+               for p in prompts]
     return [pipe.wait(h) for h in handles]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import generate_oracle
+from conftest import generate_oracle, submit_all
 from pipeline import Pipeline, Request
 from pipeline.kv import BlockPool
 from pipeline.runner import flex
@@ -20,19 +20,17 @@ def lm(load_tiny):
     return load_tiny("qwen3")
 
 
-def submit_all(pipe: Pipeline, lm, sizes: list[int], new: int, **request) -> list:
+def submit_sizes(pipe: Pipeline, lm, sizes: list[int], new: int, **request) -> list:
     """One request per size (a prompt of that many ordinary tokens), all in flight at once."""
     words = lm.tokenizer(" ".join(["hello world again"] * 800), add_special_tokens=False)["input_ids"]
-    handles = [pipe.submit(Request(max_new_tokens=new, ignore_eos=True, **request), ids=words[i : i + n],
-                           result=False) for i, n in enumerate(sizes)]
-    return [pipe.wait(h) for h in handles]
+    return submit_all(pipe, [words[i : i + n] for i, n in enumerate(sizes)], new, **request)
 
 
 @pytest.mark.parametrize("burst", [8, 1])
 def test_a_greedy_batch_step_waits_for_the_device_once(lm, burst):
     pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=4 << 20)
     pipe.engine.burst = burst
-    ctxs = submit_all(pipe, lm, [5, 9, 40, 17], 20)
+    ctxs = submit_sizes(pipe, lm, [5, 9, 40, 17], 20)
     c = pipe.engine.counters
     assert 1 <= c["blocking_transfers_step_max"] <= 2
     assert c["blocking_transfers"] <= c["steps"]  # one read per step (a burst's steps share one)
@@ -43,7 +41,7 @@ def test_a_greedy_batch_step_waits_for_the_device_once(lm, burst):
 def test_sampled_rows_wait_once_too(lm):
     pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(Sampler(temperature=0.7, seed=3))},
                     kv_memory=4 << 20)
-    submit_all(pipe, lm, [5, 9, 12], 6)
+    submit_sizes(pipe, lm, [5, 9, 12], 6)
     assert pipe.engine.counters["blocking_transfers_step_max"] <= 2
 
 
@@ -83,10 +81,10 @@ def test_no_recompilation_after_warmup_for_any_batch_or_context(lm, request):
     torch._logging.set_logs(recompiles=True)  # a failure's captured log says why dynamo recompiled
     request.addfinalizer(torch._logging.set_logs)
     for sizes in ([3], [4] * 2, [5, 6, 7], [8] * 17, [3] * 64, [2000, 9]):
-        ctxs = submit_all(pipe, lm, sizes, 10)
+        ctxs = submit_sizes(pipe, lm, sizes, 10)
         assert all(len(c.generated) == 10 for c in ctxs)
     # sampled rows take single compiled steps, not bursts: warmed up as well
-    submit_all(pipe, lm, [4] * 5 + [1500], 4, sampler=Sampler(temperature=0.8, seed=1))
+    submit_sizes(pipe, lm, [4] * 5 + [1500], 4, sampler=Sampler(temperature=0.8, seed=1))
     assert counters["stats"]["unique_graphs"] == graphs, f"recompiled (FlexAttention: {flex.KERNEL.broken})"
     # What CUDA graphs are captured for: a few bucketed shapes, not one per batch size and length.
     shapes = pipe.stages["decode"].compiled.shapes
@@ -102,7 +100,7 @@ def test_cuda_greedy_step_synchronises_at_most_twice(load_tiny):
     lm = load_tiny("qwen3")
     pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=8 << 20)
     pipe.engine.burst = 1
-    submit_all(pipe, lm, [5, 9], 2)  # allocate, warm
+    submit_sizes(pipe, lm, [5, 9], 2)  # allocate, warm
     handles = [pipe.submit(Request(max_new_tokens=12, ignore_eos=True), ids=[5, 6, 7, 8 + i], result=False)
                for i in range(4)]
     pipe.engine.step()  # the prefill
@@ -162,7 +160,7 @@ def test_a_step_out_of_device_memory_is_retried_smaller(lm, monkeypatch):
 
     monkeypatch.setattr(engine.runner, "forward", forward)
     sizes = [60, 70, 80]
-    ctxs = submit_all(pipe, lm, sizes, 6)
+    ctxs = submit_sizes(pipe, lm, sizes, 6)
     assert failed and engine.counters["oom_retries"] == 1 and engine.scheduler.max_batch_tokens == 128
     words = lm.tokenizer(" ".join(["hello world again"] * 800), add_special_tokens=False)["input_ids"]
     for i, (ctx, n) in enumerate(zip(ctxs, sizes)):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import generate_oracle, kernel_calls, submit_all
-from pipeline import Pipeline, Request
+from pipeline import Pipeline
 from pipeline.runner import matvec, packed
 from stages import DecodeLoop, Prefill
 
@@ -90,11 +90,10 @@ def test_batched_bfloat16_engine_on_packed_weights_matches_generate(tiny_dir, fa
     vocab = lm.config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (9, 23, 14, 31)]
-    handles = [pipe.submit(Request(max_new_tokens=10, ignore_eos=True), ids=p, result=False) for p in prompts]
-    got = [list(pipe.wait(h).generated) for h in handles]
+    got = submit_all(pipe, prompts, 10)
     assert any((packed._PACKED.get(p) or (0, None))[1] is not None for p in lm.model.parameters())
-    for ids, tokens in zip(prompts, got):
-        assert tokens == generate_oracle(lm, torch.tensor([ids]), 10, ignore_eos=True)
+    for ids, c in zip(prompts, got):
+        assert list(c.generated) == generate_oracle(lm, torch.tensor([ids]), 10, ignore_eos=True)
 
 
 def test_the_compiled_step_calls_the_packed_product_and_matches_generate(tiny_dir, monkeypatch):
