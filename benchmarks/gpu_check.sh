@@ -36,8 +36,8 @@ step_cmd() {
     decode_nf4) decode decode_nf4 --quant nf4 ;;
     decode_int4wo) decode decode_int4wo --quant int4wo --dtype bfloat16 ;;
     # -v: each test's name and outcome as it ends, so a step cut at its limit still says which failed
-    cuda_tests) echo "$PY -m pytest -v --tb=short -p no:cacheprovider --timeout 60 -m 'slow or not slow' tests/test_gpu_path.py tests/test_flex.py tests/test_quant.py tests/test_sampler.py -k '(cuda or gpu_path or flex or quant) and not cli'" ;;
-    engine_tests) echo "$PY -m pytest -v --tb=short -p no:cacheprovider --timeout 60 tests/test_engine.py" ;;
+    cuda_tests) echo "$PY -m pytest -n 0 -v --tb=short -p no:cacheprovider --timeout 60 -m 'slow or not slow' tests/test_gpu_path.py tests/test_flex.py tests/test_quant.py tests/test_sampler.py -k '(cuda or gpu_path or flex or quant) and not cli'" ;;
+    engine_tests) echo "$PY -m pytest -n 0 -v --tb=short -p no:cacheprovider --timeout 60 tests/test_engine.py" ;;
     attention) echo "$PY benchmarks/paged_attention.py --device cuda --dtype bfloat16" ;;
     batch) echo "$PY benchmarks/engine_throughput.py $ARCH --dtype bfloat16 --requests 32 --new-tokens 32 --max-seqs 1,32 --skip-solo --skip-hf --reps 1 --json $OUT/batch.json" ;;
     prefill_16k) echo "$PY benchmarks/decode_vs_generate.py $ARCH --quant none --dtype bfloat16 --prompt-tokens 16384 --new-tokens 8 --reps 1 --json $OUT/prefill_16k.json" ;;

@@ -7,7 +7,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # The suite runs on two workers (pyproject's addopts): one thread each, their subprocesses too
+    # (they inherit it). Two OpenMP teams of two threads spinning on two cores made the parallel
+    # suite slower than the serial one. Kernel tests that split work between threads set their own.
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402  (after the thread setting: OpenMP reads it when torch loads)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +66,16 @@ def fresh_prefix_cache(load_tiny):
         for obj in lm.__dict__.get("_mm_shared", {}).values():
             if isinstance(obj, BlockPool):
                 obj.clear_prefix_cache()
+
+
+@pytest.fixture
+def split_threads():
+    """Three intra-op threads for the test (whatever the worker runs with): the native kernels
+    split rows and heads between threads, and an uneven split is where a partition goes wrong."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield
+    torch.set_num_threads(before)
 
 
 def on_device(lm, **tensors) -> dict:

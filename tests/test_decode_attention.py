@@ -12,7 +12,10 @@ from pipeline import Pipeline, load_model
 from pipeline.runner import attention, matvec
 from stages import DecodeLoop, Prefill
 
-pytestmark = pytest.mark.skipif(matvec.load() is not None, reason=f"native kernels unavailable: {matvec.load()}")
+pytestmark = [
+    pytest.mark.skipif(matvec.load() is not None, reason=f"native kernels unavailable: {matvec.load()}"),
+    pytest.mark.usefixtures("split_threads"),  # the kernel splits (row, head) tasks between threads
+]
 
 
 def reference(q, k, v, slots, mask, scale):

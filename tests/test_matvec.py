@@ -12,7 +12,10 @@ from pipeline import Pipeline, Request
 from pipeline.runner import matvec
 from stages import DecodeLoop, Prefill, Sampler, Tokenize
 
-pytestmark = pytest.mark.skipif(matvec.load() is not None, reason=f"native kernel unavailable: {matvec.load()}")
+pytestmark = [
+    pytest.mark.skipif(matvec.load() is not None, reason=f"native kernel unavailable: {matvec.load()}"),
+    pytest.mark.usefixtures("split_threads"),  # the kernel splits rows between threads
+]
 
 
 @pytest.fixture(autouse=True)
