@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     vllm_tok_s = len(prompts) * gen / seconds
     engine = figures["rows"][0]
     same = sum(a == b for a, b in zip(tokens, figures["tokens"]))
-    print(f"| path | tokens/s | engine vs it | sequences identical to the engine's |")
+    print("| path | tokens/s | engine vs it | sequences identical to the engine's |")
     print("|---|---|---|---|")
     print(f"| vLLM (CPU build) | {vllm_tok_s:.1f} | {engine['throughput_tok_s'] / vllm_tok_s:.2f}x | {same}/{len(prompts)} |")
     print(f"| {engine['path']} (from {args.figures}) | {engine['throughput_tok_s']:.1f} | 1.00x | - |")

@@ -10,15 +10,12 @@ import sys
 from pathlib import Path
 
 import hydra
-import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline import tensor_parallel
-from pipeline.assemble import follow_from_cfg
 from pipeline.errors import UserError
 from pipeline.modes import get_mode
 from pipeline.outputs import remove_failed_run_dir, stderr_to_log
@@ -182,8 +179,31 @@ def release_job() -> None:
     back, the next job starts from what a new process would see.
     """
     gc.collect()
-    if torch.cuda.is_available():
+    torch = sys.modules.get("torch")  # not imported: the job stopped before loading anything
+    if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def run_job(cfg: DictConfig) -> None:
+    """The checked job: rank 0 (or the only process) runs its mode; ranks 1..N-1 follow rank 0's
+    steps on their shard. Imports torch and the library, which --help, --cfg and a bad setting
+    never need (they answer in a second instead of ten)."""
+    from pipeline import tensor_parallel
+    from pipeline.assemble import follow_from_cfg
+
+    tensor_parallel.request(int(cfg.model.tp), str(cfg.mode.name))
+    if tensor_parallel.follower():
+        follow_from_cfg(cfg)
+    else:
+        get_mode(str(cfg.mode.name))(cfg)
+
+
+def leave_group() -> None:
+    """The end of a job: rank 0 tells the other ranks to stop; every rank leaves the group (none
+    was joined where the library was never imported)."""
+    tensor_parallel = sys.modules.get("pipeline.tensor_parallel")
+    if tensor_parallel is not None:
+        tensor_parallel.finish()
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
@@ -192,11 +212,7 @@ def hydra_main(cfg: DictConfig) -> None:
         with stderr_to_log():  # __main__.log holds the run's report, as stderr shows it
             try:
                 check(cfg)  # the rules types cannot say, once, before the mode reads anything
-                tensor_parallel.request(int(cfg.model.tp), str(cfg.mode.name))
-                if tensor_parallel.follower():
-                    follow_from_cfg(cfg)  # ranks 1..N-1: rank 0's steps on this rank's shard
-                else:
-                    get_mode(str(cfg.mode.name))(cfg)
+                run_job(cfg)
             except (UserError, ValueError) as err:  # ValueError: a stage refusing its settings (the Python API's error)
                 fail(str(err))
             except KeyboardInterrupt:
@@ -207,7 +223,7 @@ def hydra_main(cfg: DictConfig) -> None:
             remove_failed_run_dir()
         raise
     finally:
-        tensor_parallel.finish()
+        leave_group()
         release_job()
 
 

@@ -24,13 +24,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.errors import UserError, whole_number
-from pipeline.kv import ATTENTION, kv_memory_setting
-from pipeline.kv.offload import Offload
-from pipeline.kv.quantised import kv_format
-from pipeline.loading import check_device_map, parse_max_memory
-from pipeline.media.video import check_sampling
-from pipeline.quant import SCHEMES, scheme_name
-from pipeline.spec import check_settings
 
 SCHEMA = "mm_pipeline_schema"
 
@@ -218,13 +211,41 @@ def plain(value: Any) -> Any:
 
 def check(cfg: DictConfig) -> None:
     """The rules of the shared settings (types were checked while composing). Raises UserError."""
+    check_numbers(cfg)
+    # Imported here: the schema alone (Hydra's --help, --cfg, a composition error, the rules in
+    # check_numbers) needs no torch or transformers, so those errors come in a second, not ten.
+    from pipeline.kv import ATTENTION, kv_memory_setting
+    from pipeline.kv.offload import Offload
+    from pipeline.kv.quantised import kv_format
+    from pipeline.loading import check_device_map, parse_max_memory
+    from pipeline.media.video import check_sampling
+    from pipeline.quant import SCHEMES, scheme_name
+    from pipeline.spec import check_settings
+
+    check_device_map(plain(cfg.model.device_map))  # devices that exist here, before any file is read
+    parse_max_memory(plain(cfg.model.max_memory))
+    media = cfg.media
+    check_sampling(media.video_fps, media.video_max_frames, error=UserError,
+                   names=("media.video_fps", "media.video_max_frames"))
+    kv_memory_setting(plain(cfg.kv.memory))
+    if cfg.kv.attention not in ATTENTION:
+        raise UserError(f"kv.attention must be one of {', '.join(ATTENTION)} (got {cfg.kv.attention!r})")
+    kv_format(cfg.kv.dtype)
+    Offload.checked(cfg.kv.offload, plain(cfg.kv.offload_bytes), cfg.kv.offload_dir)
+    scheme_name(plain(cfg.quant))
+    d = cfg.decode
+    check_settings(d.speculative, d.num_draft, d.ngram_max, d.ngram_min, has_draft=bool(d.draft_model))
+    if d.draft_quant not in SCHEMES:
+        raise UserError(f"unknown decode.draft_quant {d.draft_quant!r}: choose one of {', '.join(SCHEMES)}")
+
+
+def check_numbers(cfg: DictConfig) -> None:
+    """The rules ``check`` needs no other module for: counts, the prompt, pixel bounds."""
     whole_number("max_new_tokens", cfg.max_new_tokens)
     if cfg.prompt is not None and not str(cfg.prompt).strip():
         raise UserError("the prompt is empty: give prompt=TEXT")
     if cfg.model.name and not cfg.model.path:
         raise UserError(f"model {cfg.model.name!r} has no model.path: set model.path=DIR_OR_HUB_ID")
-    check_device_map(plain(cfg.model.device_map))  # devices that exist here, before any file is read
-    parse_max_memory(plain(cfg.model.max_memory))
     processor = {k: v for k, v in plain(cfg.model.processor).items() if v is not None}
     for key in ("min_pixels", "max_pixels"):
         if key in processor:
@@ -232,25 +253,12 @@ def check(cfg: DictConfig) -> None:
     if processor.get("min_pixels", 0) > processor.get("max_pixels", float("inf")):
         raise UserError(f"model.processor.min_pixels ({processor['min_pixels']}) is above max_pixels "
                         f"({processor['max_pixels']})")
-    media = cfg.media
-    if media.long_audio not in ("split", "error"):
-        raise UserError(f"media.long_audio must be split or error (got {media.long_audio!r})")
-    whole_number("media.max_image_pixels", media.max_image_pixels)
-    check_sampling(media.video_fps, media.video_max_frames, error=UserError,
-                   names=("media.video_fps", "media.video_max_frames"))
+    if cfg.media.long_audio not in ("split", "error"):
+        raise UserError(f"media.long_audio must be split or error (got {cfg.media.long_audio!r})")
+    whole_number("media.max_image_pixels", cfg.media.max_image_pixels)
     whole_number("kv.block_size", cfg.kv.block_size)
     whole_number("kv.state_checkpoint_every", cfg.kv.state_checkpoint_every)
-    kv_memory_setting(plain(cfg.kv.memory))
-    if cfg.kv.attention not in ATTENTION:
-        raise UserError(f"kv.attention must be one of {', '.join(ATTENTION)} (got {cfg.kv.attention!r})")
-    kv_format(cfg.kv.dtype)
-    Offload.checked(cfg.kv.offload, plain(cfg.kv.offload_bytes), cfg.kv.offload_dir)
     for name in ("max_batch_tokens", "burst") + (("max_seqs",) if cfg.engine.max_seqs is not None else ()):
         whole_number(f"engine.{name}", cfg.engine[name])
     if cfg.prefill.chunk_size is not None:
         whole_number("prefill.chunk_size", cfg.prefill.chunk_size)
-    scheme_name(plain(cfg.quant))
-    d = cfg.decode
-    check_settings(d.speculative, d.num_draft, d.ngram_max, d.ngram_min, has_draft=bool(d.draft_model))
-    if d.draft_quant not in SCHEMES:
-        raise UserError(f"unknown decode.draft_quant {d.draft_quant!r}: choose one of {', '.join(SCHEMES)}")

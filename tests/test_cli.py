@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from conftest import generate_oracle, run_cli
+from conftest import ROOT, generate_oracle, run_cli
 
 
 def read_result(folder) -> dict:
@@ -48,13 +51,12 @@ def test_named_model_with_local_path_system_prompt_and_sampler_settings(tiny_dir
     "args, message",
     [
         (["+model=no-such-model"], "unknown model 'no-such-model'"),
-        # settings checked in-process too (test_before_load, test_sampler): their CLI runs are slow cases
+        (["prompt="], "prompt is empty"),  # these four answer before torch loads: a second each
+        (["max_new_tokens=0"], "max_new_tokens must be an integer >= 1"),
+        (["engine.burst=x"], "engine.burst=x: Value 'x' of type 'str' could not be converted to Integer"),
+        (["foo=1"], "Could not override 'foo'"),
+        # checked in-process too (test_before_load, test_sampler); they load the library: slow cases
         pytest.param(["model.path=/no/such/dir"], "does not exist", marks=pytest.mark.slow),
-        pytest.param(["prompt="], "prompt is empty", marks=pytest.mark.slow),
-        pytest.param(["max_new_tokens=0"], "max_new_tokens must be an integer >= 1", marks=pytest.mark.slow),
-        pytest.param(["engine.burst=x"], "engine.burst=x: Value 'x' of type 'str' could not be converted to Integer",
-                     marks=pytest.mark.slow),  # in-process: test_quant's setting of the wrong type
-        pytest.param(["foo=1"], "Could not override 'foo'", marks=pytest.mark.slow),  # test_cli_hygiene: unknown keys
         pytest.param(["sampler.temperature=-1"], "temperature", marks=pytest.mark.slow),
     ],
 )
@@ -68,7 +70,6 @@ def test_bad_input_is_one_line_and_nonzero(tiny_dir, tmp_path, args, message):
     assert not (tmp_path / "result.json").exists()
 
 
-@pytest.mark.slow  # suite time; Hydra's own --cfg; test_help keeps a CLI flag in the default run
 def test_cfg_job_prints_the_composed_config():
     proc = run_cli("+model=qwen3", "--cfg", "job")
     assert proc.returncode == 0, proc.stderr
@@ -100,6 +101,20 @@ def test_help_introduces_the_program():
     assert proc.stdout.startswith("mm-pipeline: multimodal LLM inference")
     assert "python -m pipeline +model=qwen2-vl" in proc.stdout and "== Configuration groups ==" in proc.stdout
     assert "powered by Hydra" not in proc.stdout
+
+
+@pytest.mark.parametrize("args, code", [(["--help"], 0), (["--cfg", "job"], 0), (["max_new_tokens=0"], 2),
+                                        (["foo=1"], 2), (["+model=no-such-model"], 2)])
+def test_help_and_refused_settings_answer_before_torch_loads(args, code):
+    """What needs no model answers without importing torch or transformers (a second, not ten)."""
+    probe = ("import runpy, sys\n"
+             "sys.argv[0], code = 'pipeline', 0\n"
+             "try:\n    runpy.run_module('pipeline', run_name='__main__')\n"
+             "except SystemExit as stop:\n    code = stop.code or 0\n"
+             "print('loaded:', 'torch' in sys.modules, 'transformers' in sys.modules, code, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", probe, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stderr.splitlines()[-1] == f"loaded: False False {code}", proc.stderr
 
 
 def test_a_stage_valueerror_is_one_line(tmp_path):
