@@ -175,7 +175,7 @@ def test_failed_build_falls_back_in_one_line(monkeypatch, capsys):
     from torch.utils import cpp_extension
 
     def broken(**kwargs):
-        raise RuntimeError("Error building extension 'mm_pipeline_matvec'\nno compiler here")
+        raise RuntimeError("Error building extension 'mm_pipeline_kernels'\nno compiler here")
 
     monkeypatch.setattr(cpp_extension, "load", broken)
     monkeypatch.setattr(matvec, "_built", [])  # as in a fresh process
@@ -185,6 +185,26 @@ def test_failed_build_falls_back_in_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.count("\n") == 1
     assert matvec.load() == reason and capsys.readouterr().err == ""  # decided once
     assert not matvec.ready(torch.nn.Linear(64, 64))
+
+
+def test_a_changed_header_or_source_is_a_new_build(tmp_path, monkeypatch):
+    """torch's cache versions a build by its sources only: the shared header is in the name, so
+    an edited header never loads the stale build; another copy (an installed package beside the
+    source tree) has a build of its own instead of rebuilding over this one."""
+    copies = {}
+    for path in matvec.SOURCES + matvec.HEADERS:
+        copies[path.name] = tmp_path / path.name
+        copies[path.name].write_bytes(path.read_bytes())
+    here = matvec.build_name()
+    monkeypatch.setattr(matvec, "SOURCES", [copies[p.name] for p in matvec.SOURCES])
+    monkeypatch.setattr(matvec, "HEADERS", [copies[p.name] for p in matvec.HEADERS])
+    name = matvec.build_name()
+    assert name != here and name == matvec.build_name()
+    for path in copies.values():
+        text = path.read_text()
+        path.write_text(text + "// edited\n")
+        assert matvec.build_name() != name, path.name
+        path.write_text(text)
 
 
 def test_many_bfloat16_rows_widen_to_float32_where_bfloat16_matmuls_are_slow(monkeypatch):

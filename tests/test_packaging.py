@@ -25,7 +25,8 @@ def test_wheel_ships_packages_and_configs_and_runs_from_another_folder(tmp_path)
                      "pipeline/conf/mode/serve.yaml", "pipeline/serve/static/chat.html",
                      "pipeline/tiny/shapes_model/model.safetensors", "pipeline/tiny/shapes_model/config.json",
                      "pipeline/tiny/shapes_model/tokenizer.json", "pipeline/tiny/shapes_model/mm_pipeline_tiny.json",
-                     "pipeline/tiny/shapes_model/example.png", "pipeline/runner/matvec.cpp"):
+                     "pipeline/tiny/shapes_model/example.png", "pipeline/runner/matvec.cpp",
+                     "pipeline/runner/decode_attention.cpp", "pipeline/runner/avx2.h"):
         assert required in names, required
     for package in [*ROOT.glob("pipeline/**/__init__.py"), *ROOT.glob("stages/**/__init__.py")]:
         assert str(package.relative_to(ROOT)) in names, f"{package.parent.name}: add it to pyproject's packages"

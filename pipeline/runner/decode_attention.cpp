@@ -14,6 +14,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "avx2.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,18 +29,8 @@ namespace {
 inline float to_float(float v) { return v; }
 inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
 
-// Eight values widened to float32 (bfloat16 is the top half of a float32: a shift).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
+using mm_pipeline::avx2::hsum;
+using mm_pipeline::avx2::widen;
 
 // score[g * stride] = q[g] . key for the G query heads of one key/value head (q [G, dim] float32,
 // dim a multiple of 8): the key is widened once for all of them; G is a template argument so
@@ -48,7 +40,7 @@ inline void scores_of(const float* q, const T* key, int64_t dim, float* score, i
   __m256 a[G];
   for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
   for (int64_t i = 0; i < dim; i += 8) {
-    const __m256 k = load8(key + i);
+    const __m256 k = widen(key + i);
     for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * dim + i), k, a[g]);
   }
   for (int g = 0; g < G; ++g) score[g * stride] = hsum(a[g]);
@@ -60,7 +52,7 @@ inline void accumulate(const float* p, int64_t stride, const T* value, int64_t d
   __m256 w[G];
   for (int g = 0; g < G; ++g) w[g] = _mm256_set1_ps(p[g * stride]);
   for (int64_t i = 0; i < dim; i += 8) {
-    const __m256 v = load8(value + i);
+    const __m256 v = widen(value + i);
     for (int g = 0; g < G; ++g) {
       float* out = acc + g * dim + i;
       _mm256_storeu_ps(out, _mm256_fmadd_ps(w[g], v, _mm256_loadu_ps(out)));

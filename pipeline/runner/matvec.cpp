@@ -18,6 +18,8 @@
 #include <torch/library.h>
 #include <immintrin.h>
 
+#include "avx2.h"
+
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -27,21 +29,8 @@ namespace {
 
 namespace avx2 {
 
-inline __m256 widen(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 widen(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m256 widen(const at::BFloat16* p) {
-  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
+using mm_pipeline::avx2::hsum;
+using mm_pipeline::avx2::widen;
 
 // The dot product of one weight row with x (k a multiple of 16): eight accumulators (eight
 // independent FMA chains), the row prefetched 1 KiB ahead. Rows one after another keep each

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import sys
 import threading
 import warnings
@@ -32,6 +33,7 @@ from pipeline.runner import packed
 
 SOURCE = Path(__file__).with_name("matvec.cpp")
 SOURCES = [SOURCE, SOURCE.with_name("decode_attention.cpp")]  # one extension: both kernels build and load together
+HEADERS = [SOURCE.with_name("avx2.h")]  # included by both
 # -fopenmp for at::parallel_for's threads (without it the kernel runs on one); the OpenMP symbols
 # resolve to torch's own runtime, so torch.set_num_threads governs the kernel too.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
@@ -71,7 +73,7 @@ def _build() -> str | None:
         from torch.utils import cpp_extension
 
         # built once (about 10 s), then loaded from torch's extensions folder (about 0.3 s)
-        cpp_extension.load(name="mm_pipeline_matvec", sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+        cpp_extension.load(name=build_name(), sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
                            is_python_module=False)
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels run
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
@@ -81,6 +83,20 @@ def _build() -> str | None:
         return reason
     _register_fake()
     return None
+
+
+def build_name() -> str:
+    """The extension's name in torch's cache, with a hash of its files (where they are and what
+    they say) and flags.
+
+    torch versions a build by its sources' text and its flags only: a changed header alone would
+    load the stale build. And ninja rebuilds when a source's path changes, so under one name a
+    source tree and an installed package rebuilt over each other (10-20 s) whenever they
+    alternated: each copy has its own build now."""
+    digest = hashlib.sha256(" ".join(CFLAGS).encode())
+    for path in SOURCES + HEADERS:
+        digest.update(str(path.resolve()).encode() + b"\0" + path.read_bytes())
+    return f"mm_pipeline_kernels_{digest.hexdigest()[:12]}"
 
 
 @functools.cache
