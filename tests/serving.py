@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -18,10 +19,28 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
+PORTS_PER_WORKER = 2000  # below Linux's ephemeral range (32768-60999), so no client's socket takes them
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on. Under pytest-xdist, from a range of this worker's own:
+    between this check and a server's bind (seconds: it imports torch first) another worker
+    could be handed the same port, and its server would answer this worker's health check."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        candidates = [0]  # the kernel picks
+    else:
+        base = 20000 + PORTS_PER_WORKER * int(worker[2:])
+        start = random.randrange(PORTS_PER_WORKER)  # not the port a server just left (TIME_WAIT)
+        candidates = [base + (start + i) % PORTS_PER_WORKER for i in range(PORTS_PER_WORKER)]
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in this worker's range ({worker})")
 
 
 @dataclass

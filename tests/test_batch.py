@@ -4,7 +4,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from conftest import ROOT, logprob_oracle, run_cli
+from serving import free_port
 from pipeline import Pipeline, Request
 from pipeline.errors import UserError
 from pipeline.modes import batch, processes, report
@@ -325,12 +325,6 @@ def test_interrupted_batch_resumes_without_loss_or_duplicates(tmp_path, tiny_dir
 
     run_batch(monkeypatch, out, f"input={p}", model)  # a finished batch re-run changes nothing
     assert lines(out / "results.jsonl") == resumed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

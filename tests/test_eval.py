@@ -207,7 +207,7 @@ def test_mode_eval_without_lm_eval_says_how_to_install(monkeypatch):
 def test_two_process_accelerate_launch_equals_one_process(tiny_dir, tasks, tmp_path):
     """Data parallel as for batch: lm-eval splits the documents over the processes and gathers
     every sample on the first; the results equal one process's."""
-    from test_batch import free_port
+    from serving import free_port
 
     common = ["-m", "pipeline", "mode=eval", f"model.path={tiny_dir('qwen3')}", "eval.tasks=[mm_mc,mm_gen]",
               f"eval.include_path={tasks[0]}", "eval.log_samples=true"]

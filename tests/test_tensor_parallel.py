@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import generate_oracle
+from serving import free_port
 from pipeline import Pipeline, Request, UserError, follow, load_model, tensor_parallel
 from pipeline.kv.sizing import pool_bytes_for
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
@@ -71,9 +71,7 @@ def image_requests() -> list[Request]:
 
 
 def two_ranks(tmp_path: Path, model_dir: Path, vision: bool, kv_tokens: int, kv_dtype: str = "auto") -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = tmp_path / "rank0.json"
     mp.start_processes(_rank, args=(port, str(model_dir), str(out), vision, kv_tokens, kv_dtype), nprocs=2, join=True,
                        start_method="spawn")
