@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from pipeline.runner.sampling import argmax_only
+from pipeline.runner.sampling import argmax, argmax_only
 from pipeline.transfer import read
 
 
@@ -22,7 +22,7 @@ def verify(sampler: Any, logits: torch.Tensor, drafts: list[int], q: torch.Tenso
     frequency penalties; default ``history``).
     """
     if argmax_only(sampler):
-        best = read(logits.argmax(dim=-1))
+        best = read(argmax(logits))
         m = 0
         while m < len(drafts) and drafts[m] == best[m]:
             m += 1
