@@ -75,6 +75,19 @@ def video_sampling(cfg: DictConfig) -> tuple[float, int]:
     return float(cfg.media.video_fps), int(cfg.media.video_max_frames)
 
 
+# Modes that measure the model itself: under quant=auto they keep the checkpoint's weights, so their
+# scores compare with other harnesses' on the same checkpoint (lm-eval's hf model); quant= is honoured.
+MEASURING_MODES = ("eval", "ceval")
+
+
+def auto_keeps(cfg: DictConfig) -> str:
+    """Why quant=auto keeps the checkpoint's weights in this run (``load_model``'s ``auto_keeps``)."""
+    mode = str(cfg.mode.name)
+    if mode not in MEASURING_MODES:
+        return ""
+    return f"mode={mode} (evaluation measures the model; give quant=int8wo to evaluate int8 weights)"
+
+
 def load_from_cfg(cfg: DictConfig) -> LoadedModel:
     quant = quant_from_cfg(cfg)
     m = cfg.model
@@ -94,6 +107,7 @@ def load_from_cfg(cfg: DictConfig) -> LoadedModel:
         processor_kwargs=processor_kwargs(cfg),
         config=config,
         tp=int(m.tp),
+        auto_keeps=auto_keeps(cfg),
     )
 
 

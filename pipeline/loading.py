@@ -257,6 +257,13 @@ def format_placement(placement: dict[str, dict[str, int]]) -> str:
     return "\n".join(lines)
 
 
+def weights_line(lm: LoadedModel) -> str:
+    """The weights line a run prints to stderr: the scheme in force, how quant=auto chose it, and
+    the bytes per device."""
+    note = f" {lm.quant_note}" if lm.quant_note else ""
+    return f"weights (quant={lm.quant}):{note}\n{format_placement(lm.placement)}"
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
@@ -477,15 +484,31 @@ def auto_scheme(path: str, config: Any, dtype: torch.dtype, device_map: Any, bud
                    f"{name}'s {fmt_bytes(total)}")
 
 
+def resolve_auto(path: str, config: Any, dtype: torch.dtype, device_map: Any, budgets: dict, tp: int = 1,
+                 auto_keeps: str = "") -> tuple[str, str]:
+    """``quant=auto`` for this run: ``auto_scheme``'s choice, the same under tensor parallel as in one
+    process (int8wo is sharded over the ranks), except where a run must keep the checkpoint's weights
+    (``auto_keeps``: mode=eval measures the model) or the choice cannot be sharded (bitsandbytes)."""
+    if auto_keeps:
+        return "none", f"quant=auto keeps the checkpoint's weights under {auto_keeps}"
+    scheme, note = auto_scheme(path, config, dtype, device_map, budgets)
+    if tp > 1 and scheme in tensor_parallel.BITSANDBYTES:
+        return "none", (f"quant=auto keeps the checkpoint's weights under model.tp={tp}: it would choose {scheme} "
+                        "in one process, and bitsandbytes weights cannot be sharded")
+    if tp > 1 and scheme != "none":
+        note += f"; sharded over the {tp} tensor-parallel ranks"
+    return scheme, note
+
+
 def _quantization(quant: Any, config: Any, path: str, torch_dtype: Any, device_map: Any, family: Family,
-                  budgets: dict) -> tuple[Any, str]:
-    """quant (a scheme name or the quant config group) -> (BitsAndBytesConfig or None, how
-    ``auto`` decided: empty for an explicit scheme)."""
+                  budgets: dict, tp: int = 1, auto_keeps: str = "") -> tuple[Any, str]:
+    """quant (a scheme name or the quant config group) -> (BitsAndBytesConfig / TorchAoConfig or
+    None, how ``auto`` decided: empty for an explicit scheme)."""
     quant_cfg = {"name": quant} if isinstance(quant, str) else quant
     scheme, note = q.scheme_name(quant_cfg), ""
     if scheme == "auto":
         dtype = torch_dtype if isinstance(torch_dtype, torch.dtype) else torch.bfloat16
-        scheme, note = auto_scheme(path, config, dtype, device_map, budgets)
+        scheme, note = resolve_auto(path, config, dtype, device_map, budgets, tp, auto_keeps)
         quant_cfg = {**quant_cfg, "name": scheme}
     if scheme == "none":
         return None, note
@@ -522,6 +545,7 @@ def load_model(
     processor_kwargs: dict | None = None,
     config: Any = None,
     tp: int = 1,
+    auto_keeps: str = "",
 ) -> LoadedModel:
     """Load weights, tokenizer/processor and the family; bad paths become one-line UserErrors.
 
@@ -531,7 +555,11 @@ def load_model(
     accelerate's placement can honour). The KV guard before prefill also reads it. ``config``:
     the model's config when the caller read it already (``read_config``), not read again.
     ``tp``: shard the weights over this many ranks of a ``torchrun`` launch (transformers'
-    tensor-parallel plan; ``pipeline.tensor_parallel``), refused in one line where it cannot work.
+    tensor-parallel plan; ``pipeline.tensor_parallel``), refused in one line where it cannot work;
+    int8wo is quantised per shard with the rows' scales of the whole weight, so the ranks hold what
+    one process would (``tensor_parallel.quantize_shards``).
+    ``auto_keeps``: why this run keeps the checkpoint's weights under ``quant=auto`` (the weights
+    line says it), e.g. ``"mode=eval"``; empty: ``auto`` picks the fastest exact scheme.
     """
     path = str(path)
     _check_path(path)
@@ -545,9 +573,13 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, device_map)
     quant_note = ""
     if tp > 1:
-        quant, quant_note = _check_tensor_parallel(config, tp, quant, device_map)
+        _check_tensor_parallel(config, tp, quant, device_map)
     if quantization_config is None and quant is not None:
-        quantization_config, quant_note = _quantization(quant, config, path, torch_dtype, device_map, family, budgets)
+        quantization_config, quant_note = _quantization(quant, config, path, torch_dtype, device_map, family, budgets,
+                                                        tp, auto_keeps)
+    shard_quantised = tensor_parallel.quantised_after_sharding(quantization_config) if tp > 1 else None
+    if shard_quantised is not None:
+        quantization_config = None  # loaded in full precision, sharded, then quantised per shard below
     hub: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_files_only(path)}
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "use_safetensors": True, **hub}
     if tp > 1:  # the architecture's own plan, over the launch's ranks
@@ -580,6 +612,8 @@ def load_model(
             model = auto_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load model {path!r}: {_load_error(err)}") from None
+    if shard_quantised is not None:
+        tensor_parallel.quantize_shards(model, shard_quantised, tensor_parallel.current())
     if device_map is None and torch.cuda.is_available() and quantization_config is None and tp == 1:
         model.to("cuda")
     model.eval()
@@ -598,9 +632,8 @@ def load_model(
     )
 
 
-def _check_tensor_parallel(config: Any, tp: int, quant: Any, device_map: Any) -> tuple[Any, str]:
-    """Refuse what cannot be sharded (before any weight loads); returns the quant setting to
-    load with: ``auto`` keeps the checkpoint's weights under tensor parallel."""
+def _check_tensor_parallel(config: Any, tp: int, quant: Any, device_map: Any) -> None:
+    """Refuse what cannot be sharded (before any weight loads), then join the launch's group."""
     tensor_parallel.check_launch(tp)
     if device_map is not None:
         raise UserError(f"model.tp={tp} places the weights itself (one shard per rank): drop model.device_map / "
@@ -609,9 +642,6 @@ def _check_tensor_parallel(config: Any, tp: int, quant: Any, device_map: Any) ->
     scheme = q.scheme_name(quant_cfg) if quant_cfg is not None else "none"
     tensor_parallel.check_model(config, tp, scheme, state_shape(config, torch.float32) is not None)
     tensor_parallel.start(tp)
-    if scheme == "auto":
-        return None, f"quant=auto keeps the checkpoint's weights under model.tp={tp}"
-    return quant, ""
 
 
 def _load_error(err: Exception) -> str:

@@ -149,6 +149,47 @@ def check_model(config: Any, tp: int, quant: str, recurrent: bool) -> None:
                         "or quant=int8wo / int4wo (torchao)")
 
 
+def quantised_after_sharding(quantization_config: Any) -> Any:
+    """The TorchAoConfig that ``quantize_shards`` applies after loading, for int8wo; None for any
+    other config (transformers' own loading quantises those)."""
+    quant_type = getattr(quantization_config, "quant_type", None)
+    return quantization_config if type(quant_type).__name__ == "Int8WeightOnlyConfig" else None
+
+
+def quantize_shards(model: Any, quantization_config: Any, group: Group | None) -> None:
+    """int8wo under tensor parallel, holding on each rank the slice of what one process holds.
+
+    int8wo keeps one scale per output row: the largest weight of the row / 127.5. transformers'
+    loading would quantise each rank's shard alone, so a row split over the ranks (row-wise
+    layers: ``o_proj``, ``down_proj``) got a scale of its half and other int8 values than one
+    process, whose greedy tokens then differed. Here the model loads in full precision, and each
+    split row's scale is the largest of the ranks' (an all-reduce), as the whole row's would be.
+    The layers converted are those transformers' quantiser converts (same skips)."""
+    from torch.distributed.tensor import DTensor
+    from torchao.quantization import PerRow
+    from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skips = [*(quantization_config.modules_to_not_convert or []), *(getattr(model, "_keep_in_fp32_modules", None) or [])]
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or not should_convert_module(f"{name}.weight", skips):
+            continue
+        weight = module.weight
+        local = (weight.to_local() if isinstance(weight, DTensor) else weight).detach()
+        quantised = Int8Tensor.from_hp(local, PerRow())
+        if _splits_rows(weight):
+            scale = quantised.scale.clone()
+            torch.distributed.all_reduce(scale, op=torch.distributed.ReduceOp.MAX, group=group.ranks if group else None)
+            quantised = Int8Tensor.from_hp(local, PerRow(), scale=scale)
+        module.weight = torch.nn.Parameter(quantised, requires_grad=False)
+
+
+def _splits_rows(weight: Any) -> bool:
+    """A weight sharded along its inputs (a row-wise layer): each rank holds part of every row."""
+    placements = getattr(weight, "placements", ())
+    return any(p.is_shard() and p.dim % weight.ndim == weight.ndim - 1 for p in placements)
+
+
 def distributed_config(tp: int) -> Any:
     """transformers' settings for ``tp`` shards on the architecture's own plan."""
     from transformers.distributed import DistributedConfig

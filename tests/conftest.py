@@ -36,6 +36,26 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def held_out_dir(tiny_dir, tmp_path_factory):
+    """held_out_dir(family) -> a copy of the tiny model without the project's marker: it reads as a
+    checkpoint a user brings, so ``quant=auto`` picks what it picks for a real model (int8wo on CPU)."""
+    import shutil
+
+    from pipeline.tiny import MARKER_FILE
+
+    copies: dict[str, Path] = {}
+    base = tmp_path_factory.mktemp("held_out")
+
+    def get(family: str) -> Path:
+        if family not in copies:
+            copies[family] = Path(shutil.copytree(tiny_dir(family), base / family))
+            (copies[family] / MARKER_FILE).unlink()
+        return copies[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def load_tiny(tiny_dir):
     """load_tiny(family, **load_model_kwargs) -> LoadedModel, cached per (family, kwargs).
 

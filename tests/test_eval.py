@@ -150,17 +150,28 @@ def test_unsupported_generation_settings_are_named(load_tiny):
     assert model._generation(0, "Hello", {"do_sample": True, "temperature": 0.5, "seed": 1}).request.sampler.temperature == 0.5
 
 
-def test_mode_eval_writes_results_and_a_table(tiny_dir, tasks, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("quant, scheme", [(None, "none"), ("int8wo", "int8wo")])
+def test_mode_eval_writes_results_and_a_table(held_out_dir, tasks, tmp_path, monkeypatch, capsys, quant, scheme):
+    """On a checkpoint the project did not build, where quant=auto would load int8 weights, eval
+    keeps the checkpoint's (its scores then compare with lm-eval's hf model) and says so; an
+    explicit quant= is honoured and recorded."""
     from pipeline.modes import eval as eval_mode
     from pipeline.modes import processes
 
     monkeypatch.setattr(processes, "run_dir", lambda: tmp_path)
     monkeypatch.setattr(eval_mode, "task_manager", lambda include_path: tasks[1])  # indexed once per module
-    eval_mode.main(make_cfg(f"model.path={tiny_dir('qwen3')}", "eval.tasks=[mm_mc,mm_rolling]",
-                            f"eval.include_path={tasks[0]}", "eval.limit=2", "eval.log_samples=true"))
+    eval_mode.main(make_cfg(f"model.path={held_out_dir('qwen3')}", "eval.tasks=[mm_mc,mm_rolling]",
+                            f"eval.include_path={tasks[0]}", "eval.limit=2", "eval.log_samples=true",
+                            *([f"quant={quant}"] if quant else [])))
     out = capsys.readouterr()
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["results"]["mm_mc"]["sample_len"] == 2 and "word_perplexity,none" in results["results"]["mm_rolling"]
+    assert results["config"]["quant"] == scheme
+    weights = next(line for line in out.err.splitlines() if line.startswith("weights ("))
+    if quant is None:
+        assert weights.startswith("weights (quant=none): quant=auto keeps the checkpoint's weights under mode=eval")
+    else:
+        assert weights == "weights (quant=int8wo):"
     assert "mm_mc" in (tmp_path / "results.md").read_text() and "mm_mc" in out.out
     assert len((tmp_path / "samples_mm_mc.jsonl").read_text().splitlines()) == 2
     assert "loglikelihood" in out.err  # the progress bar

@@ -1,6 +1,7 @@
 """``kv.offload``: full blocks the pool evicts go to a second tier (host memory, or files on disk
 that outlive the process); a later request with that prefix loads them instead of recomputing,
-with the tokens of a recompute. A corrupt or foreign file is refused and recomputed."""
+with the tokens of a recompute. A corrupt or foreign file is refused and recomputed. The tier runs
+on the weights ``quant=auto`` gives a real checkpoint on CPU (int8wo) as on full precision."""
 from __future__ import annotations
 
 import logging
@@ -24,9 +25,9 @@ def model_dir(tiny_dir):
     return tiny_dir("llama")
 
 
-def fresh_lm(model_dir):
+def fresh_lm(model_dir, quant: str = "none"):
     """A model of its own: its pools are shared with no other test (a restart loads it again)."""
-    return load_model(str(model_dir), dtype=torch.float32)
+    return load_model(str(model_dir), dtype=torch.float32, quant=quant)
 
 
 def pipe_for(lm, **kv) -> Pipeline:
@@ -58,6 +59,11 @@ def recomputed(model_dir):
     return ask(pipe_for(fresh_lm(model_dir))).token_ids
 
 
+@pytest.fixture(scope="module")
+def recomputed_int8wo(model_dir):
+    return ask(pipe_for(fresh_lm(model_dir, "int8wo"))).token_ids
+
+
 @pytest.mark.parametrize("kind", ["host", "disk"])
 def test_an_evicted_prefix_is_loaded_back_with_the_tokens_of_a_recompute(model_dir, tmp_path, recomputed, kind):
     pipe = pipe_for(fresh_lm(model_dir), kv_offload=kind, kv_offload_dir=str(tmp_path) if kind == "disk" else None)
@@ -73,14 +79,40 @@ def test_an_evicted_prefix_is_loaded_back_with_the_tokens_of_a_recompute(model_d
     assert stats["kv_tier_bytes_loaded"] == stats["kv_tier_hits"] * pipe.pool.block_bytes and stats["kv_tier_load_s"] > 0
 
 
-def test_a_disk_tier_outlives_the_process_that_wrote_it(model_dir, tmp_path, recomputed):
-    first = pipe_for(fresh_lm(model_dir), kv_offload="disk", kv_offload_dir=str(tmp_path))
+@pytest.mark.parametrize("quant", ["none", "int8wo"])
+def test_a_disk_tier_outlives_the_process_that_wrote_it(model_dir, tmp_path, request, quant):
+    recomputed = request.getfixturevalue("recomputed" if quant == "none" else "recomputed_int8wo")
+    first = pipe_for(fresh_lm(model_dir, quant), kv_offload="disk", kv_offload_dir=str(tmp_path))
     ask(first)
     assert first.pool.spill() > 0  # what a server or chat does as it exits (and a dropped pool)
-    restarted = pipe_for(fresh_lm(model_dir), kv_offload="disk", kv_offload_dir=str(tmp_path))
+    restarted = pipe_for(fresh_lm(model_dir, quant), kv_offload="disk", kv_offload_dir=str(tmp_path))
+    assert restarted.lm.quant == quant
     again = ask(restarted)
     assert again.token_ids == recomputed
     assert again.metrics["kv_reused_tokens"] >= 400 and restarted.engine.stats()["kv_tier_hits"] > 0
+
+
+def test_blocks_of_one_weight_scheme_are_never_read_under_another(model_dir, tmp_path, recomputed_int8wo):
+    """int8 weights compute other keys and values than full precision: a restart with another
+    scheme on the same folder finds nothing there, and recomputes with its own weights."""
+    full = pipe_for(fresh_lm(model_dir), kv_offload="disk", kv_offload_dir=str(tmp_path))
+    ask(full)
+    assert full.pool.spill() > 0
+    quantised = pipe_for(fresh_lm(model_dir, "int8wo"), kv_offload="disk", kv_offload_dir=str(tmp_path))
+    again = ask(quantised)
+    assert again.token_ids == recomputed_int8wo and again.metrics["kv_reused_tokens"] == 0
+    assert quantised.engine.stats()["kv_tier_hits"] == 0
+
+
+def test_quantised_weights_are_fingerprinted_without_reshaping_them(model_dir):
+    """torchao's int8 tensors have no view of their data: the fingerprint reads their int8 data and
+    scales, and two schemes of one checkpoint differ."""
+    from pipeline.kv.offload import weights_digest
+
+    int8 = fresh_lm(model_dir, "int8wo")
+    assert int8.quant == "int8wo"
+    assert weights_digest(int8.model) == weights_digest(fresh_lm(model_dir, "int8wo").model)
+    assert weights_digest(int8.model) != weights_digest(fresh_lm(model_dir).model)
 
 
 def test_corrupt_files_are_refused_in_one_line_and_recomputed(model_dir, tmp_path, recomputed, caplog):

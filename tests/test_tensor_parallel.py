@@ -46,12 +46,13 @@ def run_requests(lm, requests: list[Request], vision: bool, **engine) -> tuple[l
     return done + [h.result(timeout=600).token_ids for h in handles], pipe.engine.stats()
 
 
-def _rank(rank: int, port: int, model_dir: str, out: str, vision: bool, kv_tokens: int, kv_dtype: str) -> None:
+def _rank(rank: int, port: int, model_dir: str, out: str, vision: bool, kv_tokens: int, kv_dtype: str,
+          quant: str) -> None:
     """One rank of a 2-rank launch: rank 0 runs the requests, rank 1 follows."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    lm = load_model(model_dir, dtype="float32", tp=2)
+    lm = load_model(model_dir, dtype="float32", tp=2, quant=quant)
     if rank > 0:
         follow(lm)
         return
@@ -59,7 +60,7 @@ def _rank(rank: int, port: int, model_dir: str, out: str, vision: bool, kv_token
     memory = pool_bytes_for(lm, kv_tokens, 16, 1024, 16, kv_dtype)
     tokens, stats = run_requests(lm, requests, vision, kv_memory=memory, max_seqs=16, max_batch_tokens=96,
                                  kv_dtype=kv_dtype)
-    Path(out).write_text(json.dumps({"tokens": tokens, "stats": stats}))
+    Path(out).write_text(json.dumps({"tokens": tokens, "stats": stats, "quant": lm.quant, "note": lm.quant_note}))
     tensor_parallel.finish()
 
 
@@ -70,24 +71,35 @@ def image_requests() -> list[Request]:
     return [Request(prompt="What is in the image?", images=[p], max_new_tokens=8, ignore_eos=True) for p in pictures]
 
 
-def two_ranks(tmp_path: Path, model_dir: Path, vision: bool, kv_tokens: int, kv_dtype: str = "auto") -> dict:
+def two_ranks(tmp_path: Path, model_dir: Path, vision: bool, kv_tokens: int, kv_dtype: str = "auto",
+              quant: str = "none") -> dict:
     port = free_port()
     out = tmp_path / "rank0.json"
-    mp.start_processes(_rank, args=(port, str(model_dir), str(out), vision, kv_tokens, kv_dtype), nprocs=2, join=True,
-                       start_method="spawn")
+    mp.start_processes(_rank, args=(port, str(model_dir), str(out), vision, kv_tokens, kv_dtype, quant), nprocs=2,
+                       join=True, start_method="spawn")
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", pytest.param("int8", marks=pytest.mark.slow)])  # int8: 9 s more
-def test_two_ranks_equal_one_process_with_prefix_hits_and_preemption(tiny_dir, tmp_path, kv_dtype):
-    """int8 too: scales are per position and head, and each rank holds whole heads, so two ranks
-    store exactly the bytes one process would."""
-    model_dir = tiny_dir("llama")
-    got = two_ranks(tmp_path, model_dir, vision=False, kv_tokens=320, kv_dtype=kv_dtype)  # 20 blocks a rank
+@pytest.mark.parametrize("quant, kv_dtype", [
+    ("none", "auto"),
+    ("auto", "auto"),  # a checkpoint the project did not build: int8wo, sharded as one process holds it
+    pytest.param("none", "int8", marks=pytest.mark.slow),  # 9 s more
+    pytest.param("int8wo", "int8", marks=pytest.mark.slow),
+])
+def test_two_ranks_equal_one_process_with_prefix_hits_and_preemption(tiny_dir, held_out_dir, tmp_path, quant, kv_dtype):
+    """The same settings give the same weights and tokens: under ``quant=auto`` both pick int8wo,
+    and a row split over the ranks keeps the whole row's scale. int8 keys and values too: scales are
+    per position and head, and each rank holds whole heads, so two ranks store exactly the bytes one
+    process would."""
+    model_dir = tiny_dir("llama") if quant == "none" else held_out_dir("llama")
+    got = two_ranks(tmp_path, model_dir, vision=False, kv_tokens=320, kv_dtype=kv_dtype, quant=quant)  # 20 blocks a rank
     stats = got["stats"]
     assert stats["preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0 and stats["tp_ranks"] == 2
     assert 0 < stats["tp_collective_share"] < 1  # gloo's all-reduces, sampled with torch.profiler
-    lm = load_model(str(model_dir), dtype="float32")
+    lm = load_model(str(model_dir), dtype="float32", quant=quant)
+    assert got["quant"] == lm.quant == ("none" if quant == "none" else "int8wo")
+    if quant == "auto":
+        assert got["note"] == lm.quant_note + "; sharded over the 2 tensor-parallel ranks"
     alone, _ = run_requests(lm, text_requests(), False, max_seqs=1, kv_dtype=kv_dtype)
     assert got["tokens"] == alone
     if kv_dtype != "auto":
@@ -99,10 +111,12 @@ def test_two_ranks_equal_one_process_with_prefix_hits_and_preemption(tiny_dir, t
 
 
 @pytest.mark.slow  # suite time: the text-model case above keeps two ranks in the default run
-def test_qwen2_vl_with_images_on_two_ranks(tiny_dir, tmp_path):
-    model_dir = tiny_dir("qwen2-vl")
-    got = two_ranks(tmp_path, model_dir, vision=True, kv_tokens=1024)
-    lm = load_model(str(model_dir), dtype="float32")
+@pytest.mark.parametrize("quant", ["none", "auto"])
+def test_qwen2_vl_with_images_on_two_ranks(tiny_dir, held_out_dir, tmp_path, quant):
+    model_dir = tiny_dir("qwen2-vl") if quant == "none" else held_out_dir("qwen2-vl")
+    got = two_ranks(tmp_path, model_dir, vision=True, kv_tokens=1024, quant=quant)
+    lm = load_model(str(model_dir), dtype="float32", quant=quant)
+    assert got["quant"] == lm.quant
     alone, _ = run_requests(lm, image_requests(), True, max_seqs=1)
     assert got["tokens"] == alone
 

@@ -95,12 +95,31 @@ def fingerprint(pool: BlockPool, lm: Any) -> str:
 
 def weights_digest(model: Any) -> str:
     """A hash of every parameter's name, shape, dtype and first bytes: cheap (no full read of a
-    large model) and different for two checkpoints that share a config."""
+    large model) and different for two checkpoints that share a config. Quantised weights are read
+    through the plain tensors that hold them (``_stored``), never reshaped: a torchao tensor has no
+    view of its data, and its scales are part of what the weights are."""
     h = hashlib.blake2b(digest_size=16)
     for name, p in model.named_parameters() if hasattr(model, "named_parameters") else ():
-        h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
-        if p.device.type != "meta" and p.numel():
-            flat = p.detach().reshape(-1)
-            head = flat[: max(1, _SAMPLE // flat.element_size())]
-            h.update(head.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(f"{name}{tuple(p.shape)}{p.dtype}{type(p.data).__name__}".encode())
+        if p.device.type == "meta":
+            continue
+        for part in _stored(p.detach()):
+            if part.numel():
+                flat = part.reshape(-1)
+                head = flat[: max(1, _SAMPLE // flat.element_size())]
+                h.update(head.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def _stored(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors a weight's bytes live in: a wrapper subclass (torchao's ``Int8Tensor``:
+    int8 data and row scales) through ``__tensor_flatten__``; bitsandbytes' parameters as their own
+    bytes plus their scales (``quant_state.absmax``, ``SCB``)."""
+    if type(tensor) is torch.Tensor:
+        return [tensor]
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return [leaf for n in names if isinstance(getattr(tensor, n), torch.Tensor) for leaf in _stored(getattr(tensor, n))]
+    state = getattr(tensor, "quant_state", None)
+    scales = [getattr(state, "absmax", None), getattr(tensor, "SCB", None)]
+    return [tensor.as_subclass(torch.Tensor), *(s for s in scales if isinstance(s, torch.Tensor))]

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from pipeline import ceval
 from pipeline.assemble import engine_settings, load_from_cfg, stages_from_cfg
 from pipeline.errors import UserError, whole_number
+from pipeline.loading import weights_line
 from pipeline.outputs import run_dir, write_csv, write_json
 from pipeline.pipeline import Pipeline
 
@@ -37,7 +38,8 @@ def main(cfg: DictConfig) -> None:
     thinking = False if cfg.thinking is None else bool(cfg.thinking)
     stages = stages_from_cfg(cfg)  # bad stage settings fail before the model loads too
 
-    lm = load_from_cfg(cfg)
+    lm = load_from_cfg(cfg)  # quant=auto keeps the checkpoint's weights here (assemble.MEASURING_MODES)
+    print(weights_line(lm), file=sys.stderr)
     # No decode warm-up or static cache: C-Eval never decodes, and a dynamic cache crops cheaply.
     pipe = Pipeline(lm, stages, **engine_settings(cfg))  # kv.* and engine.* as every mode
     graded = {"n": 0, "correct": 0}

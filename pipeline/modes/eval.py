@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from pipeline.assemble import load_from_cfg, pipeline_from_cfg, stages_from_cfg
 from pipeline.errors import UserError, whole_number
+from pipeline.loading import weights_line
 from pipeline.modes.processes import place_on_rank, process_state, shared_run_dir
 from pipeline.outputs import write_jsonl, write_text
 from pipeline.settings import plain
@@ -80,7 +81,9 @@ def main(cfg: DictConfig) -> None:
     process = process_state()  # accelerate launch: lm-eval splits the documents over the processes
     out = shared_run_dir(process)
     place_on_rank(cfg, process)
-    lm = load_from_cfg(cfg)
+    lm = load_from_cfg(cfg)  # quant=auto keeps the checkpoint's weights here (assemble.MEASURING_MODES)
+    if process.is_main_process:
+        print(weights_line(lm), file=sys.stderr)
     pipe = pipeline_from_cfg(cfg, lm, stages)
     model = EngineLM(pipe, max_length=max_length, thinking=cfg.thinking, progress=process.is_main_process,
                      process=process)

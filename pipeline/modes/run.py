@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 from pipeline.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg, stages_from_cfg
 from pipeline.engine.intake import check_media
-from pipeline.loading import format_placement
+from pipeline.loading import weights_line
 from pipeline.metrics import format_table
 from pipeline.outputs import run_dir, write_json
 
@@ -22,8 +22,7 @@ def main(cfg: DictConfig) -> None:
     stages = stages_from_cfg(cfg)
     check_media(stages, request)
     lm = load_from_cfg(cfg)
-    note = f" {lm.quant_note}" if lm.quant_note else ""
-    print(f"weights (quant={lm.quant}):{note}\n{format_placement(lm.placement)}", file=sys.stderr)
+    print(weights_line(lm), file=sys.stderr)
     pipe = pipeline_from_cfg(cfg, lm, stages)  # kv.static / decode.compile: warm-up happens here
     print(pipe.pools.describe(), file=sys.stderr)  # the pool's size, and what kv.memory=auto kept free
     result = pipe.run(request, on_text=stdout_writer if cfg.stream else None)
