@@ -51,6 +51,7 @@ from pipeline.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg
 from pipeline.context import Request, Result, TokenLogprob
 from pipeline.engine.output import TokenTexts
 from pipeline.errors import UserError, whole_number
+from pipeline.loading import weights_line
 from pipeline.media import media_kind
 from pipeline.modes.processes import place_on_rank, process_state, shared_run_dir
 from pipeline.outputs import append_jsonl, write_json, write_jsonl
@@ -455,6 +456,8 @@ def main(cfg: DictConfig) -> None:
     if pending:
         place_on_rank(cfg, state)
         lm = load_from_cfg(cfg)
+        if state.is_main_process:
+            print(weights_line(lm), file=sys.stderr)
         pipe = pipeline_from_cfg(cfg, lm)
         exit_after, written, generated = _exit_after(), 0, 0
         desc = "batch" if n == 1 else f"batch (rank 0 of {n})"

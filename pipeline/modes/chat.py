@@ -16,6 +16,7 @@ from pipeline.assemble import (
 )
 from pipeline.chat import ChatSession
 from pipeline.errors import UserError
+from pipeline.loading import weights_line
 from pipeline.metrics import format_table
 from pipeline.outputs import run_dir
 from pipeline.response_format import CLI_FIELDS
@@ -180,6 +181,7 @@ def main(cfg: DictConfig) -> None:
     pixel_guard = max_image_pixels(cfg)
     video_fps, video_max_frames = video_sampling(cfg)
     lm = load_from_cfg(cfg)
+    print(weights_line(lm), file=sys.stderr)
     session = ChatSession(
         pipeline_from_cfg(cfg, lm),
         system_prompt=settings.system_prompt,

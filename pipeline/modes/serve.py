@@ -19,6 +19,7 @@ from pipeline.assemble import (
     load_from_cfg, max_image_pixels, pipeline_from_cfg, request_from_cfg, stages_from_cfg, video_sampling,
 )
 from pipeline.errors import UserError, whole_number
+from pipeline.loading import weights_line
 from pipeline.serve.app import ServeSettings, create_app, log
 from pipeline.serve.media import MediaPolicy
 
@@ -77,6 +78,7 @@ def main(cfg: DictConfig) -> None:
     stages = stages_from_cfg(cfg)
     sock = bind(str(cfg.serve.host), port)
     lm = load_from_cfg(cfg)
+    log(weights_line(lm))
     pipe = pipeline_from_cfg(cfg, lm, stages)  # decode.compile: warmed up here, before the first request
     host, port = sock.getsockname()[:2]
 
