@@ -17,6 +17,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import UserError
+from pipeline.lifetime import end_with_launcher
 from pipeline.modes import get_mode
 from pipeline.outputs import remove_failed_run_dir, stderr_to_log
 from pipeline.settings import check, register
@@ -228,6 +229,7 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    end_with_launcher()  # first: a torchrun rank must not outlive its launcher, even by the seconds below
     check_group_choices(sys.argv[1:])
     check_overrides(sys.argv[1:])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
