@@ -87,6 +87,7 @@ def test_held_out_passages(tok):
     assert train_copy.heldout(tok, 4, "repeat") == train_copy.heldout(tok, 4, "repeat")  # seeded
 
 
+@pytest.mark.slow  # suite time: training the pair takes ~37 s on 2 cores; benchmark scaffolding, not a user path
 def test_models_are_written_whole_and_reused(tiny_pair, monkeypatch):
     import torch
 
@@ -108,6 +109,7 @@ def test_models_are_written_whole_and_reused(tiny_pair, monkeypatch):
     assert train_copy.copy_models(root) == (target, draft)
 
 
+@pytest.mark.slow  # suite time: needs the trained pair (above)
 def test_an_interrupted_model_is_trained_again(tiny_pair, tmp_path, monkeypatch):
     import shutil
 

@@ -36,12 +36,15 @@ class Shape(BaseModel):
 
 # Each family's tool syntax: Qwen3's Hermes JSON (its template renders tools), Qwen3.5's XML (likewise),
 # Gemma 3's and Llama 3.0's (templates without tools: the Hermes / Llama wording in the system message;
-# slow cases for suite time: test_tools renders Gemma 3's fallback through its template).
-@pytest.fixture(scope="module", params=["qwen3", "qwen3.5", pytest.param("gemma3", marks=pytest.mark.slow),
+# slow cases for suite time: test_tools renders every family's format through its template). The
+# Qwen3 server runs a held-out copy with no quant= given: the int8wo weights users get by default.
+@pytest.fixture(scope="module", params=["qwen3", pytest.param("qwen3.5", marks=pytest.mark.slow),
+                                        pytest.param("gemma3", marks=pytest.mark.slow),
                                         pytest.param("llama", marks=pytest.mark.slow)])
-def server(request, tmp_path_factory, tiny_dir):
+def server(request, tmp_path_factory, tiny_dir, held_out_dir):
     family = request.param
-    with serving_tiny(tmp_path_factory.mktemp("serve"), tiny_dir(family), family) as running:
+    path = held_out_dir(family) if family == "qwen3" else tiny_dir(family)
+    with serving_tiny(tmp_path_factory.mktemp("serve"), path, family) as running:
         running.family = family
         yield running
 

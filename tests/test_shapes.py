@@ -275,6 +275,7 @@ def test_stage_api_answers_images_drawn_in_an_unseen_style(shapes_lm, unseen):
     check_answers(answer_all(shapes_lm, unseen), unseen, "unseen style")
 
 
+@pytest.mark.slow  # suite time (19 s of 4-bit CPU decoding): nf4 decodes as generate() does in tests/test_quant.py
 def test_nf4_weights_still_answer(heldout):
     pytest.importorskip("bitsandbytes")
     lm = load_model(str(default_model_dir()), quant="nf4")

@@ -81,8 +81,8 @@ def two_ranks(tmp_path: Path, model_dir: Path, vision: bool, kv_tokens: int, kv_
 
 
 @pytest.mark.parametrize("quant, kv_dtype", [
-    ("none", "auto"),
     ("auto", "auto"),  # a checkpoint the project did not build: int8wo, sharded as one process holds it
+    pytest.param("none", "auto", marks=pytest.mark.slow),  # suite time; full precision: tests/test_tp_launch.py
     pytest.param("none", "int8", marks=pytest.mark.slow),  # 9 s more
     pytest.param("int8wo", "int8", marks=pytest.mark.slow),
 ])
