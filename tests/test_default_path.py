@@ -9,6 +9,7 @@ case of each feature; the same cases on full-precision weights are slow.
 """
 from __future__ import annotations
 
+import io
 import json
 import random
 import re
@@ -30,7 +31,9 @@ from pipeline import KVCache, Pipeline, Request, load_model
 from pipeline.kv import BlockPool
 from pipeline.loading import LoadedModel
 from pipeline.memory import kv_bytes
+from pipeline.chat import ChatSession
 from pipeline.modes import batch
+from pipeline.modes.chat import Repl
 from pipeline.runner import matvec
 from pipeline.spec import Speculative
 from pipeline.tools import call_grammar, parse, tool_format
@@ -365,11 +368,14 @@ def chat_oracle(lm: LoadedModel, messages: list[dict], n: int) -> list[int]:
     return generate_oracle(lm, ids, n)
 
 
-def test_chat_undo_through_the_cli(held_out, models, tmp_path):
+def test_chat_undo_in_the_repl(models, tmp_path):
+    """mode=chat's REPL on the default weights (in this process: the CLI's own import costs ~15 s;
+    tests/test_chat.py runs the REPL through the CLI)."""
     lm = models(TEXT, "int8wo")
-    proc = run_cli("mode=chat", f"model.path={held_out(TEXT)}", f"max_new_tokens={N}", "prompt=Hi there.",
-                   f"hydra.run.dir={tmp_path}", input="/undo\nTell me about the sea.\nAnd the sky?\n")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    chat = ChatSession(text_pipe(lm, kv_memory=8 << 20), max_new_tokens=N, log_path=tmp_path / "chat.jsonl")
+    out = io.StringIO()
+    Repl(chat, stdin=io.StringIO("Hi there.\n/undo\nTell me about the sea.\nAnd the sky?\n"), stdout=out,
+         stderr=io.StringIO()).loop()
     log = turns(tmp_path)
     assert [(r["event"], r["turn"]) for r in log] == [("turn", 1), ("undo", 1), ("turn", 1), ("turn", 2)]
     first, second = log[2:]
@@ -379,6 +385,7 @@ def test_chat_undo_through_the_cli(held_out, models, tmp_path):
     history += [{"role": "assistant", "content": first["text"]}, {"role": "user", "content": "And the sky?"}]
     assert second["token_ids"] == chat_oracle(lm, history, N)
     assert second["metrics"]["kv_reused_tokens"] > 0
+    assert len(out.getvalue().splitlines()) == 3  # three answers streamed, the undone one included
 
 
 def test_an_interrupted_batch_resumes_on_the_default_weights(held_out, models, tmp_path, monkeypatch):

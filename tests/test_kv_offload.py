@@ -106,13 +106,17 @@ def test_blocks_of_one_weight_scheme_are_never_read_under_another(model_dir, tmp
 
 def test_quantised_weights_are_fingerprinted_without_reshaping_them(model_dir):
     """torchao's int8 tensors have no view of their data: the fingerprint reads their int8 data and
-    scales, and two schemes of one checkpoint differ."""
+    scales (bitsandbytes' packed bytes and absmax for nf4), the same for the same weights, and
+    another for each scheme of one checkpoint."""
     from pipeline.kv.offload import weights_digest
 
-    int8 = fresh_lm(model_dir, "int8wo")
-    assert int8.quant == "int8wo"
-    assert weights_digest(int8.model) == weights_digest(fresh_lm(model_dir, "int8wo").model)
-    assert weights_digest(int8.model) != weights_digest(fresh_lm(model_dir).model)
+    digests = {}
+    for scheme in ("none", "int8wo", "nf4"):
+        lm = fresh_lm(model_dir, scheme)
+        assert lm.quant == scheme
+        digests[scheme] = weights_digest(lm.model)
+        assert digests[scheme] == weights_digest(fresh_lm(model_dir, scheme).model)
+    assert len(set(digests.values())) == 3
 
 
 def test_corrupt_files_are_refused_in_one_line_and_recomputed(model_dir, tmp_path, recomputed, caplog):

@@ -7,19 +7,20 @@ tensor-parallel ranks. Every case kills what it started in ``finally``, even whe
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from serving import ROOT, free_port
-from test_tp_launch import descendants, torchrun
+from test_tp_launch import _healthy, descendants, torchrun
 
 LIMIT_S = 10  # what the issue allows a worker after its launcher's death
 
@@ -78,13 +79,24 @@ def gone_within(pids: list[int], seconds: float) -> float | None:
     return None
 
 
-def start_family(env: dict[str, str], patch: str = "") -> tuple[subprocess.Popen, int]:
-    """A parent whose child has called ``end_with_launcher`` under ``env``: (parent, child's pid)."""
+@contextlib.contextmanager
+def orphaned_child(env: dict[str, str], patch: str = "") -> Iterator[int]:
+    """A parent whose child has called ``end_with_launcher`` under ``env``, the parent SIGKILLed
+    (it forwards nothing): yields the child's pid; both are killed at the end, whatever happened."""
     parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD.format(patch=patch)], cwd=ROOT,
                               env={**env, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
-    child = int(parent.stdout.readline())
-    assert parent.stdout.readline().strip() == "bound"
-    return parent, child
+    child = None
+    try:
+        child = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "bound"
+        parent.kill()
+        parent.wait()
+        yield child
+    finally:
+        for pid in (child, parent.pid):
+            if pid:
+                kill(pid)
+        parent.wait()
 
 
 def without_launcher() -> dict[str, str]:
@@ -105,36 +117,15 @@ def test_launched_processes_are_told_by_their_environment():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("patch", ["", NO_PRCTL], ids=["pdeathsig", "watch"])
 def test_a_launched_process_ends_when_its_launcher_is_killed(patch):
-    parent, child = None, None
-    try:
-        parent, child = start_family({**without_launcher(), "TORCHELASTIC_RUN_ID": "none"}, patch)
-        parent.kill()  # SIGKILL: the parent forwards nothing
-        parent.wait()
-        took = gone_within([child], LIMIT_S)
-        assert took is not None, f"the child outlived its parent by {LIMIT_S} s"
-    finally:
-        for pid in (child, parent and parent.pid):
-            if pid:
-                kill(pid)
-        if parent:
-            parent.wait()
+    with orphaned_child({**without_launcher(), "TORCHELASTIC_RUN_ID": "none"}, patch) as child:
+        assert gone_within([child], LIMIT_S) is not None, f"the child outlived its parent by {LIMIT_S} s"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_process_started_by_hand_outlives_its_parent():
     """No launcher variables: ``nohup python -m pipeline ... &`` must survive its shell."""
-    parent, child = None, None
-    try:
-        parent, child = start_family(without_launcher())
-        parent.kill()
-        parent.wait()
+    with orphaned_child(without_launcher()) as child:
         assert gone_within([child], 2) is None
-    finally:
-        for pid in (child, parent and parent.pid):
-            if pid:
-                kill(pid)
-        if parent:
-            parent.wait()
 
 
 def test_a_parent_that_died_while_binding_ends_the_process():
@@ -178,7 +169,7 @@ def test_killing_torchrun_ends_both_serving_ranks_and_frees_the_port(tiny_dir, t
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 240
-        while not healthy(f"http://127.0.0.1:{port}"):
+        while not _healthy(f"http://127.0.0.1:{port}"):
             assert launcher.poll() is None, log.read_text(errors="replace")[-3000:]
             assert time.monotonic() < deadline, "the two-rank server did not start"
             time.sleep(1)
@@ -199,13 +190,6 @@ def test_killing_torchrun_ends_both_serving_ranks_and_frees_the_port(tiny_dir, t
             launcher.wait()
         for pid in ranks:
             kill(pid)
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def cmdline(pid: int) -> str:
