@@ -328,10 +328,11 @@ def test_interrupted_batch_resumes_without_loss_or_duplicates(tmp_path, tiny_dir
 
 
 @pytest.mark.slow
-def test_two_process_accelerate_launch_equals_one_process(tmp_path, tiny_dir, monkeypatch):
-    """On CPU, accelerate needs --multi_gpu to start N processes (--cpu alone starts one)."""
+def test_two_process_accelerate_launch_equals_one_process(tmp_path, held_out_dir, monkeypatch):
+    """On CPU, accelerate needs --multi_gpu to start N processes (--cpu alone starts one). A held-out
+    checkpoint with no quant= given: each process loads the int8wo weights one process loads."""
     p = write_text_prompts(tmp_path / "p.txt")
-    model = f"model.path={tiny_dir('qwen3')}"
+    model = f"model.path={held_out_dir('qwen3')}"
     out = tmp_path / "two"
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
@@ -342,7 +343,8 @@ def test_two_process_accelerate_launch_equals_one_process(tmp_path, tiny_dir, mo
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((out / "summary.json").read_text())["num_processes"] == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and summary["quant"] == "int8wo"
 
     run_batch(monkeypatch, tmp_path / "one", f"input={p}", model, "model.device_map=cpu")
     two = lines(out / "results.jsonl")
