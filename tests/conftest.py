@@ -80,9 +80,14 @@ def load_tiny(tiny_dir):
 def fresh_prefix_cache(load_tiny):
     """Each test starts as a new process would: no prefix-cache blocks left by earlier tests
     (blocks still held by live caches stay), so its ``kv_reused_tokens`` are its own."""
+    clear_prefix_caches(load_tiny.loaded.values())
+
+
+def clear_prefix_caches(models) -> None:
+    """Drop the prefix-cache blocks of these models' shared pools (blocks live caches hold stay)."""
     from pipeline.kv import BlockPool
 
-    for lm in load_tiny.loaded.values():
+    for lm in models:
         for obj in lm.__dict__.get("_mm_shared", {}).values():
             if isinstance(obj, BlockPool):
                 obj.clear_prefix_cache()

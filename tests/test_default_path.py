@@ -23,12 +23,11 @@ import torch
 from openai import OpenAI
 from PIL import Image
 
-from conftest import generate_oracle, logprob_oracle, run_cli
+from conftest import clear_prefix_caches, generate_oracle, logprob_oracle, run_cli
 from serving import serving
 from test_batch import prompt_ids, run_batch
 from test_speculative import REPEATING, Knowing, noisy_copy
 from pipeline import KVCache, Pipeline, Request, load_model
-from pipeline.kv import BlockPool
 from pipeline.loading import LoadedModel
 from pipeline.memory import kv_bytes
 from pipeline.chat import ChatSession
@@ -111,10 +110,7 @@ def scheme(request) -> str:
 @pytest.fixture(autouse=True)
 def no_cached_blocks(models):
     """Each test starts with nothing cached by the others, so its ``kv_reused_tokens`` are its own."""
-    for lm in models.loaded.values():
-        for obj in lm.__dict__.get("_mm_shared", {}).values():
-            if isinstance(obj, BlockPool):
-                obj.clear_prefix_cache()
+    clear_prefix_caches(models.loaded.values())
 
 
 def text_pipe(lm: LoadedModel, chunk: int | None = None, spec: Speculative | None = None, **engine) -> Pipeline:

@@ -4,7 +4,6 @@ job, ``quant=auto`` choosing by the weights' size (a simulated GPU), and ``decod
 under a scheme that cannot compile saying so in one line."""
 from __future__ import annotations
 
-import shutil
 import gc
 import sys
 import weakref
@@ -19,7 +18,6 @@ from pipeline import Pipeline, Request, UserError, load_model
 from pipeline import headroom, loading
 from pipeline.kv import sizing
 from pipeline.spec import Speculative
-from pipeline.tiny import MARKER_FILE
 from pipeline.runner import ModelRunner, matvec
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 
@@ -219,12 +217,9 @@ def test_a_sweep_frees_each_job_before_the_next(monkeypatch, tmp_path):
 # --- quant=auto by the weights' size ----------------------------------------------------------
 
 @pytest.fixture
-def real_model(tiny_dir, tmp_path):
+def real_model(held_out_dir):
     """A tiny model that reads as a real one (no project marker): quant=auto judges its size."""
-    path = tmp_path / "real"
-    shutil.copytree(tiny_dir("qwen3"), path)
-    (path / MARKER_FILE).unlink()
-    return str(path)
+    return str(held_out_dir("qwen3"))
 
 
 def on_gpu_of(monkeypatch, total: int) -> None:
