@@ -6,7 +6,10 @@ clocks and thermals hit both alike, on the same prompt ids and settings (greedy,
 - ``generate``: ``generate(max_new_tokens=1)`` and ``generate(max_new_tokens=N)`` with
   ``eos_token_id=None`` (EOS is kept and generation goes on, exactly what ``ignore_eos`` means
   for the pipeline). TTFT = the first; decode tok/s = (N - 1) / (t_N - t_1).
-- ``plain``: the pipeline's default path (the engine, eager step, metrics on).
+- ``plain``: the pipeline's default path (the engine, eager step, metrics on; on CUDA the step
+  replayed as CUDA graphs, ``decode.cuda_graphs``).
+- ``eager`` (``--eager``): ``decode.cuda_graphs=false``, the step's Python run every token (on CPU
+  the same as ``plain``).
 - ``fast`` (``--fast``): ``decode.compile=true`` (compiled decode steps), warmed up before timing.
 - ``plain-torch`` / ``fast-torch`` (``--torch-kernels``): the same with ``decode.matvec=false``,
   PyTorch's own linear kernels instead of the native one-row kernel (CPU).
@@ -140,15 +143,18 @@ def decode_figures(metrics: dict, n: int) -> tuple[float, float]:
     return (n - 1) / (metrics["total_s"] - metrics["ttft_s"]), metrics["bandwidth_gb_s"] * 1e9 / metrics["decode_tok_s"]
 
 
-def make_pipe(lm: LoadedModel, fast: bool, image: bool, matvec: bool = True) -> Pipeline:
+def make_pipe(lm: LoadedModel, fast: bool, image: bool, matvec: bool = True, cuda_graphs: bool = True,
+              **settings: object) -> Pipeline:
+    """The chain a path times: ``fast`` compiles the decode step; ``settings`` go to ``Pipeline``
+    (e.g. ``kv_attention``)."""
     stages: dict[str, Callable] = {}
     if image:
         from stages import VisionEncoder
 
         stages = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder()}
     stages["prefill"] = Prefill()
-    stages["decode"] = DecodeLoop(compile=fast, matvec=matvec)
-    return Pipeline(lm, stages)
+    stages["decode"] = DecodeLoop(compile=fast, matvec=matvec, cuda_graphs=cuda_graphs)
+    return Pipeline(lm, stages, **settings)
 
 
 def copy_gb_s(mib: int = 256, reps: int = 10) -> float:
@@ -167,6 +173,71 @@ def copy_gb_s(mib: int = 256, reps: int = 10) -> float:
     return 2 * a.numel() * 4 / statistics.median(times[1:]) / 1e9
 
 
+def measure(lm: LoadedModel, prompt: Prompt, paths: dict[str, Pipeline], n: int, reps: int,
+            peak_gb_s: float | None) -> list[dict]:
+    """Every path and ``generate()`` on ``prompt`` (``n`` new tokens), alternated over ``reps``
+    repetitions after one untimed round; one row of medians per path, ratios against generate."""
+    # One untimed round of everything: allocator, kernels and lazy imports warmed alike.
+    time_generate(lm, prompt, 2)
+    for pipe in paths.values():
+        time_pipeline(pipe, prompt, 2)
+
+    samples: dict[str, dict[str, list[float]]] = {k: {"ttft_s": [], "decode_tok_s": [], "bytes_per_token": []}
+                                                  for k in ["generate", *paths]}
+    tokens: dict[str, list[int]] = {}
+    for rep in range(reps):
+        order = ["generate", *paths] if rep % 2 == 0 else [*paths, "generate"]
+        for name in order:
+            if name == "generate":
+                t1, _ = time_generate(lm, prompt, 1)
+                tn, toks = time_generate(lm, prompt, n)
+                samples[name]["ttft_s"].append(t1)
+                samples[name]["decode_tok_s"].append((n - 1) / (tn - t1))
+            else:
+                m, toks = time_pipeline(paths[name], prompt, n)
+                samples[name]["ttft_s"].append(m["ttft_s"])
+                tok_s, per_token = decode_figures(m, n)
+                samples[name]["decode_tok_s"].append(tok_s)
+                samples[name]["bytes_per_token"].append(per_token)
+            tokens.setdefault(name, toks)
+            if toks != tokens[name]:
+                print(f"warning: {name} gave different tokens across repetitions", file=sys.stderr)
+
+    # generate() grows a dynamic cache exactly like the pipeline's paths: same bytes per step.
+    samples["generate"]["bytes_per_token"] = samples[next(iter(paths))]["bytes_per_token"]
+    rows = []
+    base = {k: statistics.median(v) for k, v in samples["generate"].items() if v}
+    for name, figs in samples.items():
+        ttft = statistics.median(figs["ttft_s"])
+        tok_s = statistics.median(figs["decode_tok_s"])
+        bw = statistics.median(figs["bytes_per_token"]) * tok_s / 1e9
+        rows.append({
+            "path": name,
+            "ttft_s": ttft,
+            "prefill_tok_s": prompt.length / ttft,
+            "decode_tok_s": tok_s,
+            "decode_tok_s_stdev": statistics.stdev(figs["decode_tok_s"]) if len(figs["decode_tok_s"]) > 1 else 0.0,
+            "prefill_ratio": base["ttft_s"] / ttft,
+            "decode_ratio": tok_s / base["decode_tok_s"],
+            "bandwidth_gb_s": bw,
+            "roofline_pct": 100 * bw / peak_gb_s if peak_gb_s else None,
+            "tokens_match_generate": tokens[name] == tokens["generate"],
+        })
+    return rows
+
+
+def print_rows(rows: list[dict], peak_gb_s: float | None) -> None:
+    """``measure``'s rows as a Markdown table on stdout."""
+    print(f"\n| path | prefill tok/s (P/TTFT) | decode tok/s | vs generate: prefill | decode | bandwidth GB/s |"
+          f"{' roofline % |' if peak_gb_s else ''} tokens = generate |")
+    print(f"|---|---|---|---|---|---|{'---|' if peak_gb_s else ''}---|")
+    for r in rows:
+        roof = f" {r['roofline_pct']:.1f} |" if peak_gb_s else ""
+        print(f"| {r['path']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} ± {r['decode_tok_s_stdev']:.2f} | "
+              f"{r['prefill_ratio']:.3f} | {r['decode_ratio']:.3f} | {r['bandwidth_gb_s']:.3f} |{roof} "
+              f"{'yes' if r['tokens_match_generate'] else 'NO'} |")
+
+
 # --- main -----------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-modules", help="quant.skip_modules, comma-separated ('' quantises lm_head too)")
     ap.add_argument("--fast", action="store_true", help="also time decode.compile=true")
+    ap.add_argument("--eager", action="store_true", help="also time decode.cuda_graphs=false (CUDA)")
     ap.add_argument("--torch-kernels", action="store_true",
                     help="also time each path with decode.matvec=false (PyTorch's linear kernels, no native kernel)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -199,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     prompt = Prompt(lm, args)
     image = prompt.image is not None
     paths: dict[str, Pipeline] = {"plain": make_pipe(lm, False, image)}
+    if args.eager:
+        paths["eager"] = make_pipe(lm, False, image, cuda_graphs=False)
     if args.torch_kernels:
         paths["plain-torch"] = make_pipe(lm, False, image, matvec=False)
     warmup_s = None
@@ -217,61 +291,8 @@ def main(argv: list[str] | None = None) -> int:
           + (f"  warm-up {warmup_s:.1f} s" if warmup_s is not None else "")
           + f"  roofline {args.peak_gb_s:.1f} GB/s", file=sys.stderr)
 
-    # One untimed round of everything: allocator, kernels and lazy imports warmed alike.
-    time_generate(lm, prompt, 2)
-    for pipe in paths.values():
-        time_pipeline(pipe, prompt, 2)
-
-    samples: dict[str, dict[str, list[float]]] = {k: {"ttft_s": [], "decode_tok_s": [], "bytes_per_token": []}
-                                                  for k in ["generate", *paths]}
-    tokens: dict[str, list[int]] = {}
-    for rep in range(args.reps):
-        order = ["generate", *paths] if rep % 2 == 0 else [*paths, "generate"]
-        for name in order:
-            if name == "generate":
-                t1, _ = time_generate(lm, prompt, 1)
-                tn, toks = time_generate(lm, prompt, n)
-                samples[name]["ttft_s"].append(t1)
-                samples[name]["decode_tok_s"].append((n - 1) / (tn - t1))
-            else:
-                m, toks = time_pipeline(paths[name], prompt, n)
-                samples[name]["ttft_s"].append(m["ttft_s"])
-                tok_s, per_token = decode_figures(m, n)
-                samples[name]["decode_tok_s"].append(tok_s)
-                samples[name]["bytes_per_token"].append(per_token)
-            tokens.setdefault(name, toks)
-            if toks != tokens[name]:
-                print(f"warning: {name} gave different tokens across repetitions", file=sys.stderr)
-
-    # generate() grows a dynamic cache exactly like the plain path: same bytes per step.
-    samples["generate"]["bytes_per_token"] = samples["plain"]["bytes_per_token"]
-    rows = []
-    base = {k: statistics.median(v) for k, v in samples["generate"].items() if v}
-    for name, figs in samples.items():
-        ttft = statistics.median(figs["ttft_s"])
-        tok_s = statistics.median(figs["decode_tok_s"])
-        bw = statistics.median(figs["bytes_per_token"]) * tok_s / 1e9
-        rows.append({
-            "path": name,
-            "ttft_s": ttft,
-            "prefill_tok_s": prompt.length / ttft,
-            "decode_tok_s": tok_s,
-            "decode_tok_s_stdev": statistics.stdev(figs["decode_tok_s"]) if len(figs["decode_tok_s"]) > 1 else 0.0,
-            "prefill_ratio": base["ttft_s"] / ttft,
-            "decode_ratio": tok_s / base["decode_tok_s"],
-            "bandwidth_gb_s": bw,
-            "roofline_pct": 100 * bw / args.peak_gb_s if args.peak_gb_s else None,
-            "tokens_match_generate": tokens[name] == tokens["generate"],
-        })
-
-    print(f"\n| path | prefill tok/s (P/TTFT) | decode tok/s | vs generate: prefill | decode | bandwidth GB/s |"
-          f"{' roofline % |' if args.peak_gb_s else ''} tokens = generate |")
-    print(f"|---|---|---|---|---|---|{'---|' if args.peak_gb_s else ''}---|")
-    for r in rows:
-        roof = f" {r['roofline_pct']:.1f} |" if args.peak_gb_s else ""
-        print(f"| {r['path']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} ± {r['decode_tok_s_stdev']:.2f} | "
-              f"{r['prefill_ratio']:.3f} | {r['decode_ratio']:.3f} | {r['bandwidth_gb_s']:.3f} |{roof} "
-              f"{'yes' if r['tokens_match_generate'] else 'NO'} |")
+    rows = measure(lm, prompt, paths, n, args.reps, args.peak_gb_s)
+    print_rows(rows, args.peak_gb_s)
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "warmup_s": warmup_s, "rows": rows}, indent=2))
     mismatched = [r["path"] for r in rows if not r["tokens_match_generate"]]

@@ -19,7 +19,7 @@ from pipeline.kv.quantised import kv_format
 from pipeline.kv.sizing import Pools, pools_for
 from pipeline.loading import LoadedModel
 from pipeline.metrics import Metrics, decode_weight_bytes, reset_window, synchronize
-from pipeline.runner import CompiledStep, ModelRunner, fork_sampler, mirror
+from pipeline.runner import CompiledStep, GraphedStep, ModelRunner, fork_sampler, mirror
 
 Stage = Callable[[Context], Any]
 ENGINE_STAGES = {"prefill": "stages.Prefill", "decode": "stages.DecodeLoop"}  # run by the engine, through hooks
@@ -48,9 +48,9 @@ def follow(lm: LoadedModel) -> None:
     tensor_parallel.finish()
 
 
-def shared_engine(lm: LoadedModel, pool: BlockPool, compiled: CompiledStep | None = None, *, max_seqs: int = 8,
-                  max_batch_tokens: int = 2048, burst: int = 8, matvec: bool = True) -> Engine:
-    """The engine (and its model runner) for this model, pool, compiled step, limits and kernel
+def shared_engine(lm: LoadedModel, pool: BlockPool, compiled: CompiledStep | GraphedStep | None = None, *,
+                  max_seqs: int = 8, max_batch_tokens: int = 2048, burst: int = 8, matvec: bool = True) -> Engine:
+    """The engine (and its model runner) for this model, pool, fixed-shape step, limits and kernel
     choice (``matvec``: ``ModelRunner``'s ``native``): one per combination, shared by every
     pipeline and hand-driven stage that asks for it."""
     key = ("engine", id(pool), id(compiled), max_seqs, max_batch_tokens, burst, matvec)
@@ -212,7 +212,8 @@ class Pipeline:
         """The engine for this pool and these batch limits (shared like the pool)."""
         if self._engine is None:
             decode = self.stages.get("decode")
-            self._engine = shared_engine(self.lm, self.pool, getattr(decode, "compiled", None), max_seqs=self.max_seqs,
+            step = decode.fixed_step() if hasattr(decode, "fixed_step") else getattr(decode, "compiled", None)
+            self._engine = shared_engine(self.lm, self.pool, step, max_seqs=self.max_seqs,
                                          max_batch_tokens=self.max_batch_tokens, burst=self.burst,
                                          matvec=getattr(decode, "matvec", True))
         return self._engine

@@ -53,6 +53,7 @@ class MediaSettings:
 @dataclass
 class DecodeSettings:
     compile: bool = False
+    cuda_graphs: bool = True  # CUDA: the eager decode step replayed as CUDA graphs (pipeline.runner.graphs)
     matvec: bool = True  # CPU: the native kernels (one-row linear layers, decode attention; pipeline.runner.matvec)
     speculative: str = "none"  # none | ngram | draft
     num_draft: int = 4

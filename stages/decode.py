@@ -26,7 +26,7 @@ from pipeline.context import Context
 from pipeline.engine import Drafting, Phases, Sequence, TextStream
 from pipeline.errors import UserError
 from pipeline.pipeline import shared_engine
-from pipeline.runner import CompiledStep, FastPathFallback, fork_sampler
+from pipeline.runner import CompiledStep, FastPathFallback, GraphedStep, fork_sampler
 from pipeline.spec import Speculative
 from stages.sampler import Sampler
 
@@ -40,7 +40,9 @@ class DecodeLoop:
     ``sampler``: the settings every request starts from (each request draws with its own copy,
     seeded afresh). ``compile``: decode steps run the compiled forward (``pipeline.runner.compiled``);
     ``compile_backend`` (``inductor``, or e.g. ``aot_eager`` to check graph capture without code
-    generation) and ``compile_mode`` go to ``torch.compile``. ``speculative``: a ``Speculative``
+    generation) and ``compile_mode`` go to ``torch.compile``. ``cuda_graphs`` (without ``compile``):
+    on CUDA the eager decode step is captured per shape bucket and replayed as CUDA graphs
+    (``pipeline.runner.graphs``); no effect on CPU. ``speculative``: a ``Speculative``
     (n-gram lookup or a draft model) whose drafts every decode step verifies: same tokens, fewer
     target forwards. ``matvec``: on CPU, the native kernels run where they apply (one sequence's
     linear layers, ``pipeline.runner.matvec``; decode attention over the pool in place, batched
@@ -55,11 +57,15 @@ class DecodeLoop:
         compile_backend: str = "inductor",
         speculative: Speculative | None = None,
         matvec: bool = True,
+        cuda_graphs: bool = True,
     ) -> None:
         self.sampler = sampler if sampler is not None else Sampler()
         self.compile = bool(compile)
         self.matvec = bool(matvec)
+        self.cuda_graphs = bool(cuda_graphs)
         self.compiled = CompiledStep(compile_backend, compile_mode) if self.compile else None
+        # Without compile: CUDA graphs of the eager step (a runner on CPU leaves them out).
+        self.graphed = GraphedStep() if self.cuda_graphs and not self.compile else None
         if speculative is not None and not isinstance(speculative, Speculative):
             raise TypeError(f"speculative must be a stages.Speculative, got {type(speculative).__name__}")
         self.speculative = speculative if speculative is not None and speculative.enabled else None
@@ -75,6 +81,10 @@ class DecodeLoop:
         """Hook: ``token_id`` was just appended to ``ctx.generated`` (and streamed); return True
         to stop the sequence here."""
         return False
+
+    def fixed_step(self) -> CompiledStep | GraphedStep | None:
+        """The fixed-shape decode step the model runner takes: compiled, CUDA graphs, or None."""
+        return self.compiled if self.compiled is not None else self.graphed
 
     def logits_processors(self) -> list:
         """The processors the engine runs on this stage's rows: ``process_logits`` if overridden."""
@@ -109,5 +119,5 @@ class DecodeLoop:
         seq = Sequence(ctx, sampler, Phases(decode=self, processors=self.logits_processors()),
                        spec=self.drafting(sampler))
         seq.pending = ctx.logits
-        shared_engine(ctx.lm, ctx.cache.pool, self.compiled, matvec=self.matvec).run([seq])
+        shared_engine(ctx.lm, ctx.cache.pool, self.fixed_step(), matvec=self.matvec).run([seq])
         return ctx

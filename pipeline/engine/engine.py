@@ -351,6 +351,7 @@ class Engine:
         else:
             m.add_span("decode", out.seconds, 1)
             m.info["decode_compiled"] = out.compiled or bool(m.info.get("decode_compiled"))
+            m.info["decode_cuda_graphs"] = out.graphed or bool(m.info.get("decode_cuda_graphs"))
 
     # --- choosing tokens ----------------------------------------------------------------------
     def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> None:

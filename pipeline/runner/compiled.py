@@ -8,9 +8,9 @@ engine's decode bursts (greedy rows, nobody waiting) repeat it with the chosen t
 back; any other decode-only step (sampled rows, requests waiting) takes its logits.
 
 Fixed shapes: the batch and the block-table width are rounded up to buckets
-(``forward.batch_bucket``, ``width_bucket``) and marked dynamic, so one graph serves every
-bucket from 2 up (dynamo specialises size 1: batch 1 has its own); masks and write slots are
-built inside the graph from tensors. ``Pipeline.warmup`` builds both graphs before the first request;
+(``forward.batch_bucket``, ``width_bucket``) and, on CPU, marked dynamic, so one graph serves every
+bucket from 2 up (dynamo specialises size 1: batch 1 has its own); on CUDA each bucket is a
+static graph (see ``_compile``). Masks and write slots are built inside the graph from tensors. ``Pipeline.warmup`` builds both graphs before the first request;
 after it no batch size or context length recompiles (tests/test_compiled.py counts).
 
 On CUDA the default mode is ``reduce-overhead``: every bucket is captured as a CUDA graph, the
@@ -48,6 +48,8 @@ warnings.filterwarnings("ignore", category=FastPathFallback, append=True)
 class CompiledStep:
     """A compiled ``forward.forward`` for decode-only steps, falling back to eager on failure."""
 
+    kind = "compiled"
+
     def __init__(self, backend: str = "inductor", mode: str | None = None) -> None:
         if not torch.cuda.is_available() and hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
             # What dynamo's fake tensors do on first use where CUDA is absent, done here on the
@@ -61,6 +63,10 @@ class CompiledStep:
         self._warned = False
         self.shapes: set[tuple[int, int]] = set()  # (batch, keys) the compiled step has run at
         self._static: weakref.WeakSet = weakref.WeakSet()  # pools whose tensors CUDA graphs may keep
+
+    def applies(self, device: torch.device) -> bool:
+        """Whether the runner uses this step on ``device``: anywhere (Inductor has CPU and CUDA code)."""
+        return True
 
     def why_not(self, lm: Any) -> str | None:
         """Why this model cannot take the compiled step (None: it can)."""
@@ -152,13 +158,20 @@ class CompiledStep:
         """``fn`` compiled, called with its batch and key dimensions marked dynamic; under CUDA
         graphs, each call a new graph step with its outputs cloned (the next replay reuses their
         memory)."""
-        compiled = torch.compile(_own_code(fn), backend=self.backend, dynamic=None, **self._settings(lm))
+        # On CUDA every bucket is a graph of static shapes (a CUDA graph each under reduce-overhead
+        # anyway): FlexAttention's decoding kernel failed Inductor's lowering under dynamic shapes there.
+        static = lm.device.type == "cuda"
+        if static:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, flex.STATIC_GRAPHS)
+        compiled = torch.compile(_own_code(fn), backend=self.backend, dynamic=False if static else None,
+                                 **self._settings(lm))
         graphs = self.graphs(lm)
 
         def step(model: Any, pool: BlockPool, *inputs: torch.Tensor) -> Any:
             tables = inputs[3]
             self.shapes.add((tables.shape[0], tables.shape[1] * pool.block_size))  # (batch, keys): one CUDA graph each
-            _mark_dynamic(*inputs)
+            if not static:
+                _mark_dynamic(*inputs)
             if not graphs:
                 return compiled(model, pool, *inputs)
             if pool not in self._static:

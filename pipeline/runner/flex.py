@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 import traceback
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -121,7 +122,7 @@ def _block_mask(tables: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor | None,
     # FlexAttention wants an index row as wide as the key tensor's blocks; past ``count`` it is never read.
     indices = torch.cat([listed, listed.new_zeros(rows, blocks, extent)], dim=2).unsqueeze(1)
     owned = torch.zeros(rows, extent, dtype=torch.bool, device=tables.device).scatter_(1, tables, True)
-    owned[:, 0] = False  # the null block (table padding) is never seen
+    owned[:, 0].fill_(False)  # the null block (table padding) is never seen (fill_: no host scalar tensor)
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         block = kv // block_size
@@ -147,10 +148,23 @@ def _per_query_block(values: torch.Tensor, blocks: int, reduce: Any) -> torch.Te
     return reduce(values.view(rows, blocks, Q_BLOCK), dim=-1)
 
 
+STATIC_GRAPHS = 64  # compiled shapes a static-shape function may have (batch buckets x head layouts)
+
+
+def _own_copy(fn: Any) -> Any:
+    """``fn`` with a code object of its own: dynamo keeps graphs (and counts recompiles) per code object."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 class FlexKernel:
     """FlexAttention compiled once for the process (dynamic shapes: every batch, length and pool
     extent on one kernel per head layout); inside an already compiled step, the plain function,
     which that compile inlines. Remembers why it failed, once it did, and says so in one line.
+
+    On CUDA, decode rows (one query each) take a kernel compiled for static shapes instead: their
+    shapes are bucketed (batch, and the pool's whole extent: ``extent_blocks``), so there are few,
+    and Inductor's lowering of FlexAttention's decoding kernel failed under dynamic shapes on an
+    H100 (``LoweringException: AttributeError: 'int' object has no attribute 'free_symbols'``).
 
     ``unfused``: run FlexAttention's reference implementation instead (it applies the mask
     function to every key of the extent, so it checks that the masks alone are exact; slow)."""
@@ -159,7 +173,7 @@ class FlexKernel:
         self.broken: str | None = None
         self.trace = ""  # the failure's whole traceback (the one-line reason is ``broken``)
         self.unfused = False
-        self._compiled: Any = None
+        self._compiled: dict[bool, Any] = {}  # static shapes (CUDA decode rows) or dynamic -> the compiled function
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockMask,
                  scale: float | None, block_size: int) -> torch.Tensor:
@@ -168,9 +182,14 @@ class FlexKernel:
         if torch.compiler.is_compiling() or self.unfused:
             return flex_attention(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa,
                                   kernel_options=options)
-        if self._compiled is None:
-            self._compiled = torch.compile(flex_attention, dynamic=True)
-        return self._compiled(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=options)
+        static = query.is_cuda and query.shape[2] == 1
+        if self._compiled.get(static) is None:
+            if static:  # one graph per bucket: more than dynamo's default of 8 for one function
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, STATIC_GRAPHS)
+            self._compiled[static] = torch.compile(_own_copy(flex_attention) if static else flex_attention,
+                                                   dynamic=not static)
+        return self._compiled[static](query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa,
+                                      kernel_options=options)
 
     def fail(self, err: Exception) -> None:
         self.trace = "".join(traceback.format_exception(err))

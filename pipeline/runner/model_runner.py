@@ -1,10 +1,11 @@
 """The model runner: the model, the pool's device tensors and the step, in one object.
 
 Everything that touches the model during a step goes through here, so this is the one place
-that decides compiled or eager (``decode.compile``: one-token decode steps on the compiled
-step, everything else eager; a model that cannot compile falls back with one warning), and
-the one place a tensor-parallel step is sent to the other ranks (``mirror``; CUDA graphs by
-bucket live in ``compiled``).
+that decides how a one-token decode step runs: compiled (``decode.compile``), replayed as CUDA
+graphs (``decode.cuda_graphs``, on CUDA) or eager; everything else is eager, and a model that
+cannot take the fixed-shape step falls back with one warning. It is also the one place a
+tensor-parallel step is sent to the other ranks (``mirror``; the buckets live in ``compiled``
+and ``graphs``).
 The engine hands it chunks and gets logits (``forward``) or, for a greedy decode burst, the
 chosen tokens (``burst``).
 """
@@ -23,6 +24,7 @@ from pipeline.runner import matvec
 from pipeline.runner.batch import Chunk
 from pipeline.runner.compiled import CompiledStep
 from pipeline.runner.forward import burst_state, forward, run_burst, single_row_step
+from pipeline.runner.graphs import GraphedStep
 from pipeline.runner.mirror import Mirror
 from pipeline.transfer import read
 
@@ -31,7 +33,7 @@ from pipeline.transfer import read
 class StepOutput:
     """What one model step gave back: next-token logits of the chunks that asked for them (in
     chunk order), or a burst's chosen tokens [steps][rows]; the seconds per step and whether
-    the compiled step ran.
+    the compiled step ran (``compiled``) or CUDA graphs replayed it (``graphed``).
 
     A forward's logits may still be computing when it returns (nothing waited for them): its
     ``seconds`` are set by whoever reads its result (``finish_timing``), from ``started``."""
@@ -41,6 +43,7 @@ class StepOutput:
     seconds: float
     compiled: bool
     started: float = 0.0
+    graphed: bool = False
 
     def finish_timing(self) -> None:
         """The step's wall time, once its result has been read back (or waited for)."""
@@ -48,34 +51,54 @@ class StepOutput:
 
 
 class ModelRunner:
-    """Runs packed forwards of one model over one KV pool (``compiled``: a ``CompiledStep`` for
-    one-token decode steps, or None; ``native``: one-row linear layers on the native CPU kernel,
+    """Runs packed forwards of one model over one KV pool (``compiled``: the fixed-shape step for
+    one-token decode steps, a ``CompiledStep`` or a ``GraphedStep`` (used where it ``applies``:
+    CUDA), or None; ``native``: one-row linear layers on the native CPU kernel,
     ``pipeline.runner.matvec``, where it applies)."""
 
-    def __init__(self, lm: Any, pool: BlockPool, compiled: CompiledStep | None = None, native: bool = True) -> None:
+    def __init__(self, lm: Any, pool: BlockPool, compiled: CompiledStep | GraphedStep | None = None,
+                 native: bool = True) -> None:
         self.lm = lm
         self.pool = pool
-        self.compiled = compiled
         self.device = lm.device  # (a property that walks the parameters: read once)
+        self.compiled = compiled if compiled is None or compiled.applies(self.device) else None
         self.native = native and self.device.type == "cpu" and matvec.ready(lm.model)
         # Tensor parallel, on rank 0: every step is sent to the other ranks first (``mirror``).
         group = tensor_parallel.current() if getattr(lm, "tp", 1) > 1 else None
-        self.mirror = Mirror(group, pool, compiled, native) if group is not None and group.driver else None
+        # (Ranks decode a CUDA-graphed step eagerly: ``GraphedStep.why_not``.)
+        compiled_tp = self.compiled if isinstance(self.compiled, CompiledStep) else None
+        self.mirror = Mirror(group, pool, compiled_tp, native) if group is not None and group.driver else None
 
     @property
     def compiles(self) -> bool:
-        """Whether one-token decode steps run compiled (asked for, and this model can)."""
+        """Whether one-token decode steps run the fixed-shape step (asked for, and this model can)."""
         return self.compiled is not None and self.compiled.why_not(self.lm) is None
 
+    def _fixed(self) -> CompiledStep | GraphedStep | None:
+        """The fixed-shape step where this model takes it; else None, having said once why not."""
+        if self.compiled is None:
+            return None
+        reason = self.compiled.why_not(self.lm)
+        if reason is not None:
+            self.compiled.fallback(reason)
+            return None
+        return self.compiled
+
+    def _ran(self, fixed: bool) -> dict:
+        """StepOutput's ``compiled`` and ``graphed`` for a step that did (or not) take the fixed-shape step."""
+        kind = getattr(self.compiled, "kind", "compiled") if fixed and self.compiles else None
+        return {"compiled": kind == "compiled", "graphed": kind == GraphedStep.kind}
+
     def forward(self, chunks: Sequence[Chunk]) -> StepOutput:
-        """One packed forward, launched: compiled when every chunk is a single token (a decode
-        step). Nothing waits here; the caller's read of the logits does (``StepOutput.finish_timing``)."""
+        """One packed forward, launched: on the fixed-shape step when every chunk is a single token
+        (a decode step). Nothing waits here; the caller's read of the logits does
+        (``StepOutput.finish_timing``)."""
         t0 = time.perf_counter()
-        use_compiled = self.compiled is not None and all(c.count == 1 for c in chunks)
-        run = self.compiled if use_compiled else self._eager
+        fixed = self._fixed() if all(c.count == 1 for c in chunks) else None
+        run = fixed or self._eager
         with self._mirrored("forward", chunks), matvec.active(self.native):
             logits = run(self.lm, self.pool, chunks, device=self.device)
-        return StepOutput(logits, None, 0.0, use_compiled and self.compiles, started=t0)
+        return StepOutput(logits, None, 0.0, started=t0, **self._ran(fixed is not None))
 
     def _mirrored(self, kind: str, *args: Any) -> Any:
         """Tensor parallel, on rank 0: the step sent to the other ranks first (``Mirror.step``)."""
@@ -98,10 +121,12 @@ class ModelRunner:
         ``positions``, cache lengths ``starts``, block tables covering every slot written),
         each chosen token fed straight back; one host read at the end."""
         with self._mirrored("burst", fed, positions, starts, tables, steps):
-            state = burst_state(self.pool, fed, positions, starts, tables, steps, self.device, bucketed=self.compiles)
+            fixed = self._fixed()
+            state = burst_state(self.pool, fed, positions, starts, tables, steps, self.device,
+                                bucketed=fixed is not None)
             t0 = time.perf_counter()
-            step = None if self.compiled is not None else single_row_step(self.pool, tables, starts, steps)
+            step = None if fixed is not None else single_row_step(self.pool, tables, starts, steps)
             with matvec.active(self.native):
-                chosen = run_burst(self.lm, self.pool, state, steps, self.compiled, step)
+                chosen = run_burst(self.lm, self.pool, state, steps, fixed, step)
             tokens = read(torch.cat(chosen))  # [steps][rows]: the one host read of the burst
-        return StepOutput(None, tokens, (time.perf_counter() - t0) / steps, self.compiles)
+        return StepOutput(None, tokens, (time.perf_counter() - t0) / steps, **self._ran(fixed is not None))
