@@ -11,7 +11,6 @@ import torch
 
 from conftest import generate_oracle, submit_all
 from pipeline import Pipeline, Request
-from pipeline.kv import BlockPool
 from pipeline.runner.forward import SingleRowStep, batch_bucket, burst_state, greedy_steps, width_bucket
 from pipeline.runner.graphs import GraphedStep, HostRead, cpu_stand_in
 from stages import DecodeLoop, Prefill, Sampler
