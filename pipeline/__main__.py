@@ -230,6 +230,11 @@ def hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     end_with_launcher()  # first: a torchrun rank must not outlive its launcher, even by the seconds below
+    if sys.argv[1:] == ["--list-models"]:
+        from pipeline.families.catalogue import table
+
+        print(table())
+        return
     check_group_choices(sys.argv[1:])
     check_overrides(sys.argv[1:])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -6,6 +6,7 @@ import pkgutil
 from typing import Any
 
 from pipeline.errors import UserError
+from pipeline.families import vision
 from pipeline.families.base import Family, TextFamily
 from pipeline.memory import ATTENTION_KINDS, layer_kinds
 
@@ -30,6 +31,12 @@ def family_for_config(config: Any) -> Family:
     weights load."""
     model_type = getattr(config, "model_type", "")
     families = registry()
+    if model_type not in families and vision.claims(config):
+        reason = vision.refusal(config)
+        if reason is not None:
+            arch = ", ".join(getattr(config, "architectures", None) or [model_type])
+            raise UserError(f"{arch} ({model_type}) is not supported: {reason}")
+        return vision.VisionFamily()
     if model_type not in families:
         # Not even linear attention: only the families that declare it (Qwen3.5's Gated DeltaNet)
         # run it, and transformers names Mamba, lightning and other linear layers the same way.

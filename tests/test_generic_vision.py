@@ -1,0 +1,167 @@
+"""The generic vision family (issue 48): transformers image-text-to-text models no family of the
+project knows, built as users build them (``tests/vlm_models.py``: their own config, model and
+processor classes, ``save_pretrained``), run through the pipeline with greedy output equal to
+``generate()`` on the model's own chat-template rendering."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+import vlm_models
+from pipeline import Pipeline, Request, load_model
+from pipeline.errors import UserError
+from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
+
+ROOT = Path(__file__).resolve().parents[1]
+PHOTO, SHAPES = ROOT / "examples" / "photo.jpg", ROOT / "examples" / "shapes.png"
+# Two placeholder styles run by default (fixed patch runs; tiles framed by text tokens), the rest slow.
+FAST = ["llava", "idefics3"]
+ARCHS = [pytest.param(a, marks=() if a in FAST else pytest.mark.slow) for a in vlm_models.BUILDERS]
+
+
+@pytest.fixture(scope="session")
+def vlm_dir(tmp_path_factory):
+    built: dict[str, Path] = {}
+
+    def get(model_type: str) -> Path:
+        if model_type not in built:
+            built[model_type] = vlm_models.build(model_type, tmp_path_factory.mktemp(model_type))
+        return built[model_type]
+
+    return get
+
+
+def stages() -> dict:
+    return {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(), "decode": DecodeLoop()}
+
+
+def reference(lm, image: Image.Image, prompt: str, n: int) -> list[int]:
+    """``generate()`` on the processor's own chat-template rendering of one user message."""
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": prompt}]}]
+    inputs = lm.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                              return_tensors="pt").to(lm.device)
+    with torch.inference_mode():
+        out = lm.model.generate(**inputs, max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_output_equals_generate(vlm_dir, arch):
+    lm = load_model(str(vlm_dir(arch)), dtype=torch.float32, quant="none")
+    assert lm.family.name == "vision"
+    pipe = Pipeline(lm, stages(), kv_memory=32 << 20)
+    image = Image.open(PHOTO).convert("RGB")
+    got = pipe.run(Request(prompt="What is in the picture?", images=[image], max_new_tokens=10, ignore_eos=True))
+    assert got.token_ids == reference(lm, image, "What is in the picture?", 10)
+    assert got.metrics["image_tokens"] > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_images_batched_equal_their_solo_runs_and_the_cache_knows_them_apart(vlm_dir, arch):
+    lm = load_model(str(vlm_dir(arch)), dtype=torch.float32, quant="none")
+    pipe = Pipeline(lm, stages(), kv_memory=32 << 20)
+    asks = [Request(prompt="Describe it.", images=[Image.open(p).convert("RGB")], max_new_tokens=8, ignore_eos=True)
+            for p in (PHOTO, SHAPES)]
+    solo = [pipe.run(r).token_ids for r in asks]
+    pipe.pool.clear_prefix_cache()
+    handles = [pipe.submit(r) for r in asks]
+    assert [h.result().token_ids for h in handles] == solo
+    again = pipe.run(asks[1])  # same text, other pixels than the first: only the exact image is reused
+    assert again.token_ids == solo[1] and again.metrics["kv_reused_tokens"] > 0
+
+
+def test_two_images_in_one_prompt(vlm_dir):
+    lm = load_model(str(vlm_dir("llava")), dtype=torch.float32, quant="none")
+    images = [Image.open(p).convert("RGB") for p in (PHOTO, SHAPES)]
+    got = Pipeline(lm, stages(), kv_memory=32 << 20).run(
+        Request(prompt="Compare them.", images=images, max_new_tokens=8, ignore_eos=True))
+    messages = [{"role": "user", "content": [{"type": "image", "image": images[0]}, {"type": "image", "image": images[1]},
+                                             {"type": "text", "text": "Compare them."}]}]
+    inputs = lm.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                              return_tensors="pt")
+    with torch.inference_mode():
+        out = lm.model.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert got.token_ids == out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def test_the_cli_with_default_settings_equals_generate_on_the_same_weights(vlm_dir):
+    """``python -m pipeline model.path=DIR input=IMG prompt=TEXT``, nothing else: a held-out checkpoint
+    on CPU loads in int8wo (``quant=auto``); ``generate()`` on those int8wo weights says the same."""
+    path = vlm_dir("idefics3")
+    run = subprocess.run([sys.executable, "-m", "pipeline", f"model.path={path}", f"input={PHOTO}",
+                          "prompt=What is in the picture?", "max_new_tokens=10", "metrics_table=false"],
+                         capture_output=True, cwd=ROOT, timeout=300)  # bytes: a "\r" in the answer stays one
+    stdout, stderr = run.stdout.decode(), run.stderr.decode()
+    assert run.returncode == 0, stderr[-2000:]
+    assert "quant=auto chose int8wo" in stderr
+    from transformers.image_utils import load_image  # as a transformers user loads it: EXIF orientation applied
+
+    lm = load_model(str(path), quant="int8wo")
+    want = reference(lm, load_image(str(PHOTO)), "What is in the picture?", 10)
+    eos = lm.model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    cut = next((i for i, t in enumerate(want) if t in eos), len(want))
+    assert stdout.strip() == lm.tokenizer.decode(want[:cut], skip_special_tokens=True).strip()
+
+
+@pytest.mark.slow  # a server subprocess (~20 s); the CLI case above runs by default
+def test_served_to_the_openai_client_with_an_image_part_answers_as_the_cli(vlm_dir, tmp_path):
+    """``mode=serve`` with default settings: the ``openai`` client's image part (a data URL) gets
+    the CLI's answer for the same image and text."""
+    import base64
+
+    from openai import OpenAI
+    from serving import serving
+
+    path = vlm_dir("mistral3")
+    cli = subprocess.run([sys.executable, "-m", "pipeline", f"model.path={path}", f"input={SHAPES}",
+                          "prompt=Describe this image.", "max_new_tokens=12", "metrics_table=false"],
+                         capture_output=True, cwd=ROOT, timeout=300)
+    assert cli.returncode == 0, cli.stderr.decode()[-2000:]
+    png = "data:image/png;base64," + base64.b64encode(SHAPES.read_bytes()).decode()
+    content = [{"type": "image_url", "image_url": {"url": png}}, {"type": "text", "text": "Describe this image."}]
+    with serving(tmp_path, f"model.path={path}") as server:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = client.chat.completions.create(model=str(path), messages=[{"role": "user", "content": content}],
+                                             max_tokens=12)
+    assert got.choices[0].message.content == cli.stdout.decode().strip()
+    assert got.usage.completion_tokens >= 1
+
+
+def test_the_tested_list_is_what_the_tests_build():
+    from pipeline.families.vision import TESTED
+
+    assert sorted(TESTED) == sorted(vlm_models.BUILDERS)
+
+
+def test_list_models_says_what_runs_through_which_family():
+    run = subprocess.run([sys.executable, "-m", "pipeline", "--list-models"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {line.split("|")[1].strip(" `"): line for line in run.stdout.splitlines() if line.startswith("| `")}
+    assert "runs (tested)" in rows["llava"] and "| vision |" in rows["llava"]
+    assert "a family of its own" in rows["qwen2_vl"] and "video" in rows["qwen2_vl"]
+    assert "refused: its layers cross-attend" in rows["mllama"]
+
+
+@pytest.mark.parametrize("model_type, why", [
+    ("mllama", "cross-attend to the image"),
+    ("florence2", "encoder-decoder"),
+    ("chameleon", "discrete VQ tokens"),
+    ("gemma3n", "per-layer inputs"),
+    ("paligemma", "token_type_ids"),
+    ("glm4v", "get_rope_index"),
+])
+def test_what_cannot_run_is_refused_before_the_weights_load(tmp_path, model_type, why):
+    """A config alone (no weights in the folder): refused in one line naming the reason."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type).save_pretrained(tmp_path)
+    with pytest.raises(UserError, match=why) as err:
+        load_model(str(tmp_path))
+    assert "\n" not in str(err.value) and "is not supported" in str(err.value)

@@ -1,0 +1,317 @@
+"""Tiny vision-language checkpoints of architectures no family of the project knows, built as a
+user's would be: transformers' own config, model and processor classes, saved with
+``save_pretrained`` (issue 48: the generic vision family runs them). Random weights, a tiny
+byte-level tokenizer (the project's, plus the model's image tokens) and the published chat
+template of each architecture's reference checkpoint; images a few patches large.
+
+    build(model_type, dest) -> dest
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+# llava-hf/llava-1.5-7b-hf's chat_template.json
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, initializer_range=0.1,
+            num_key_value_heads=2, max_position_embeddings=2048)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
+def tokenizer(extra: list[str], named: dict[str, str] | None = None):
+    """The project's tiny Llama-3 tokenizer with ``extra`` special tokens added (image tokens) and
+    ``named`` ones as attributes (``tok.boi_token``), as a checkpoint's ``extra_special_tokens`` give them."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from pipeline.tiny.tokenizer import make_tokenizer
+
+    tok = make_tokenizer("llama")
+    tok.add_special_tokens({"additional_special_tokens": extra})
+    if named:
+        with tempfile.TemporaryDirectory() as folder:
+            tok.save_pretrained(folder)
+            tok = AutoTokenizer.from_pretrained(folder, extra_special_tokens=named)
+    return tok
+
+
+def text_config(tok, **more) -> dict:
+    return dict(TEXT, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id, **more)
+
+
+def llava(dest: Path) -> None:
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor)
+
+    tok = tokenizer(["<image>"])
+    vision = CLIPVisionConfig(**VISION, image_size=28, patch_size=14, projection_dim=32)
+    config = LlavaConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)),
+                         image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+                         vision_feature_select_strategy="default")
+    images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaProcessor(images, tok, patch_size=14, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE)
+    save(LlavaForConditionalGeneration(config), processor, dest)
+
+
+# mistralai/Mistral-Small-3.1-24B-Instruct-2503's format: [INST] ... [/INST], an image as [IMG]
+MISTRAL3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST]"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for block in message['content'] %}"
+    "{% if block['type'] == 'text' %}{{ block['text'] }}{% elif block['type'] == 'image' %}[IMG]{% endif %}"
+    "{% endfor %}{% endif %}[/INST]{% elif message['role'] == 'assistant' %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{{ message['content'][0]['text'] }}"
+    "{% endif %}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def mistral3(dest: Path) -> None:
+    """Pixtral's placeholder style: rows of [IMG] ended by [IMG_BREAK], the last by [IMG_END]."""
+    from transformers import (MistralConfig, Mistral3Config, Mistral3ForConditionalGeneration, PixtralImageProcessor,
+                              PixtralProcessor, PixtralVisionConfig)
+
+    tok = tokenizer(["[IMG]", "[IMG_BREAK]", "[IMG_END]", "[INST]", "[/INST]"])
+    vision = PixtralVisionConfig(**VISION, head_dim=16, image_size=56, patch_size=14)
+    config = Mistral3Config(vision_config=vision, text_config=MistralConfig(**text_config(tok), head_dim=16),
+                            image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
+                            vision_feature_layer=-1, tie_word_embeddings=False)
+    images = PixtralImageProcessor(size={"longest_edge": 56}, patch_size={"height": 14, "width": 14})
+    processor = PixtralProcessor(images, tok, patch_size=14, spatial_merge_size=2, chat_template=MISTRAL3_TEMPLATE)
+    save(Mistral3ForConditionalGeneration(config), processor, dest)
+
+
+# HuggingFaceTB/SmolVLM-Instruct's format
+IDEFICS3_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def idefics3(dest: Path) -> None:
+    """Idefics3 / SmolVLM: an image split into tiles plus a global view, each tile's slots framed by
+    ``<fake_token_around_image>`` and a ``<row_r_col_c>`` tag."""
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor,
+                              Idefics3Processor, Idefics3VisionConfig, LlamaConfig)
+
+    tok = tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+                    + [f"<row_{r}_col_{c}>" for r in range(1, 3) for c in range(1, 3)])
+    vision = Idefics3VisionConfig(**VISION, image_size=56, patch_size=14)
+    config = Idefics3Config(vision_config=vision, text_config=LlamaConfig(**text_config(tok)).to_dict(),
+                            image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2)
+    images = Idefics3ImageProcessor(size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
+    processor = Idefics3Processor(images, tok, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE)
+    save(Idefics3ForConditionalGeneration(config), processor, dest)
+
+
+# llava-hf/llava-v1.6-mistral-7b-hf's format ([INST] <image>\ntext [/INST])
+LLAVA_NEXT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}{{ '<<SYS>>\n' + message['content'][0]['text']"
+    " + '\n<</SYS>>\n\n' }}{% elif message['role'] == 'user' %}{{ '[INST] ' }}{# Render all images first #}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{# Render all text next #}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] }}{% endfor %}{{' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{{ ' ' + message['content'][0]['text'] + '</s> '}}{% endif %}{% endfor %}"
+)
+
+
+def llava_next(dest: Path) -> None:
+    """LLaVA-NeXT: "any resolution" tiles chosen by the image's size (``image_sizes``), a newline
+    embedding after each row of the unpadded grid."""
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
+                              LlavaNextImageProcessor, LlavaNextProcessor)
+
+    tok = tokenizer(["<image>"])
+    vision = CLIPVisionConfig(**VISION, image_size=28, patch_size=14, projection_dim=32)
+    pinpoints = [[28, 56], [56, 28], [56, 56]]
+    config = LlavaNextConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)),
+                             image_token_index=tok.convert_tokens_to_ids("<image>"), image_grid_pinpoints=pinpoints,
+                             vision_feature_layer=-2, vision_feature_select_strategy="default")
+    images = LlavaNextImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                     image_grid_pinpoints=pinpoints)
+    processor = LlavaNextProcessor(images, tok, patch_size=14, vision_feature_select_strategy="default",
+                                   num_additional_image_tokens=1, chat_template=LLAVA_NEXT_TEMPLATE)
+    save(LlavaNextForConditionalGeneration(config), processor, dest)
+
+
+# llava-hf/llava-onevision-qwen2-0.5b-ov-hf's format (ChatML)
+LLAVA_ONEVISION_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + ' '}}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ '\n' + content['text'] }}"
+    "{% endfor %}{{'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
+
+
+def llava_onevision(dest: Path) -> None:
+    """LLaVA-OneVision: "anyres_max" tiles, pooled, a newline embedding per row and after the image."""
+    from transformers import (LlamaConfig, LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
+                              LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor,
+                              SiglipVisionConfig)
+
+    tok = tokenizer(["<image>", "<video>"])
+    vision = SiglipVisionConfig(**VISION, image_size=28, patch_size=14)
+    pinpoints = [[28, 56], [56, 28], [56, 56]]
+    config = LlavaOnevisionConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)).to_dict(),
+                                  image_token_index=tok.convert_tokens_to_ids("<image>"),
+                                  video_token_index=tok.convert_tokens_to_ids("<video>"),
+                                  image_grid_pinpoints=pinpoints, vision_feature_layer=-1,
+                                  vision_feature_select_strategy="full")
+    images = LlavaOnevisionImageProcessor(size={"height": 28, "width": 28}, image_grid_pinpoints=pinpoints)
+    videos = LlavaOnevisionVideoProcessor(size={"height": 28, "width": 28})
+    processor = LlavaOnevisionProcessor(images, tok, videos, num_image_tokens=4, vision_feature_select_strategy="full",
+                                        chat_template=LLAVA_ONEVISION_TEMPLATE)
+    save(LlavaOnevisionForConditionalGeneration(config), processor, dest)
+
+
+# CohereLabs/aya-vision-8b's format
+AYA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|START_OF_TURN_TOKEN|>' }}"
+    "{% if message['role'] == 'user' %}{{ '<|USER_TOKEN|>' }}{% else %}{{ '<|CHATBOT_TOKEN|>' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<image>' }}{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|END_OF_TURN_TOKEN|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}{% endif %}"
+)
+
+
+def aya_vision(dest: Path) -> None:
+    """Aya Vision: tiles plus a global view, each a TILE tag and rows of ``<|IMG_PATCH|>`` slots ended
+    by ``<|IMG_LINE_BREAK|>``, framed by ``<|START_OF_IMG|>`` / ``<|END_OF_IMG|>``; a Cohere 2 decoder
+    (logit scale, sliding-window layers)."""
+    from transformers import (AyaVisionConfig, AyaVisionForConditionalGeneration, AyaVisionProcessor, Cohere2Config,
+                              GotOcr2ImageProcessor, SiglipVisionConfig)
+
+    tok = tokenizer(["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>",
+                     "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>"])
+    vision = SiglipVisionConfig(**VISION, image_size=56, patch_size=14)
+    text = Cohere2Config(**text_config(tok), sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    config = AyaVisionConfig(vision_config=vision, text_config=text, downsample_factor=2,
+                             image_token_index=tok.convert_tokens_to_ids("<|IMG_PATCH|>"))
+    images = GotOcr2ImageProcessor(size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1,
+                                   max_patches=4)
+    processor = AyaVisionProcessor(images, tok, patch_size=14, img_size=56, downsample_factor=2,
+                                   chat_template=AYA_TEMPLATE)
+    save(AyaVisionForConditionalGeneration(config), processor, dest)
+
+
+def cohere2_vision(dest: Path) -> None:
+    """Command A Vision: tiles of ``<|IMG_PATCH|>`` slots, each ended by ``<|IMG_LINE_BREAK|>``."""
+    from transformers import (Cohere2Config, Cohere2VisionConfig, Cohere2VisionForConditionalGeneration,
+                              Cohere2VisionImageProcessor, Cohere2VisionProcessor, SiglipVisionConfig)
+
+    named = {"boi_token": "<|START_OF_IMG|>", "eoi_token": "<|END_OF_IMG|>", "image_token": "<|IMG_PATCH|>",
+             "img_line_break_token": "<|IMG_LINE_BREAK|>"}
+    tok = tokenizer([*named.values(), "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>",
+                     "<|CHATBOT_TOKEN|>"], named)
+    vision = SiglipVisionConfig(**VISION, image_size=56, patch_size=14)
+    text = Cohere2Config(**text_config(tok), sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    config = Cohere2VisionConfig(vision_config=vision, text_config=text, downsample_factor=2,
+                                 alignment_intermediate_size=64, image_token_id=tok.image_token_id)
+    images = Cohere2VisionImageProcessor(size={"height": 56, "width": 56}, patch_size=2, crop_to_patches=True,
+                                         max_patches=4)
+    template = AYA_TEMPLATE.replace("'<image>'", "'<|IMG_PATCH|>'")
+    save(Cohere2VisionForConditionalGeneration(config), Cohere2VisionProcessor(images, tok, chat_template=template),
+         dest)
+
+
+# OpenGVLab/InternVL3-1B-hf's format (ChatML, an image as <IMG_CONTEXT>)
+INTERNVL_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "{{ '<IMG_CONTEXT>\n' }}{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}{{'<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def internvl(dest: Path) -> None:
+    """InternVL: tiles plus a thumbnail, pixel-shuffled, their ``<IMG_CONTEXT>`` slots between ``<img>`` and ``</img>``."""
+    from transformers import (GotOcr2ImageProcessor, InternVLConfig, InternVLForConditionalGeneration,
+                              InternVLProcessor, InternVLVideoProcessor, InternVLVisionConfig, Qwen2Config)
+
+    named = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
+             "video_token": "<video>"}
+    tok = tokenizer([*named.values(), "<|im_start|>", "<|im_end|>"], named)
+    vision = InternVLVisionConfig(**VISION, image_size=56, patch_size=14)
+    config = InternVLConfig(vision_config=vision, text_config=Qwen2Config(**text_config(tok)),
+                            image_token_id=tok.context_image_token_id, image_seq_length=4, downsample_ratio=0.5)
+    images = GotOcr2ImageProcessor(size={"height": 56, "width": 56}, crop_to_patches=True, max_patches=4)
+    videos = InternVLVideoProcessor(size={"height": 56, "width": 56})
+    processor = InternVLProcessor(images, tok, videos, image_seq_length=4, chat_template=INTERNVL_TEMPLATE)
+    save(InternVLForConditionalGeneration(config), processor, dest)
+
+
+def vipllava(dest: Path) -> None:
+    """ViP-LLaVA: LLaVA's placeholders, features from five tower layers at once."""
+    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaProcessor, VipLlavaConfig,
+                              VipLlavaForConditionalGeneration)
+
+    tok = tokenizer(["<image>"])
+    vision = CLIPVisionConfig(**VISION, image_size=28, patch_size=14, projection_dim=32)
+    config = VipLlavaConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)),
+                            image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_layers=[-2, -1])
+    images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaProcessor(images, tok, patch_size=14, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE)
+    save(VipLlavaForConditionalGeneration(config), processor, dest)
+
+
+def llava_next_video(dest: Path) -> None:
+    """LLaVA-NeXT-Video, its images: LLaVA-NeXT's tiles beside a video token of its own."""
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextImageProcessor, LlavaNextVideoConfig,
+                              LlavaNextVideoForConditionalGeneration, LlavaNextVideoProcessor,
+                              LlavaNextVideoVideoProcessor)
+
+    tok = tokenizer(["<image>", "<video>"])
+    vision = CLIPVisionConfig(**VISION, image_size=28, patch_size=14, projection_dim=32)
+    pinpoints = [[28, 56], [56, 28], [56, 56]]
+    config = LlavaNextVideoConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)),
+                                  image_token_index=tok.convert_tokens_to_ids("<image>"),
+                                  video_token_index=tok.convert_tokens_to_ids("<video>"), image_grid_pinpoints=pinpoints,
+                                  vision_feature_layer=-2, vision_feature_select_strategy="default")
+    images = LlavaNextImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                     image_grid_pinpoints=pinpoints)
+    videos = LlavaNextVideoVideoProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaNextVideoProcessor(videos, images, tok, patch_size=14, vision_feature_select_strategy="default",
+                                        num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE)
+    save(LlavaNextVideoForConditionalGeneration(config), processor, dest)
+
+
+def save(model: torch.nn.Module, processor, dest: Path) -> None:
+    """Write the checkpoint as ``save_pretrained`` does for any user, generation ending at EOS."""
+    model.eval()
+    model.generation_config.eos_token_id = processor.tokenizer.eos_token_id
+    model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest)
+    processor.save_pretrained(dest)
+
+
+BUILDERS: dict[str, Callable[[Path], None]] = {"llava": llava, "mistral3": mistral3, "idefics3": idefics3,
+                                                   "llava_next": llava_next,
+                                                   "llava_onevision": llava_onevision, "aya_vision": aya_vision,
+                                                   "cohere2_vision": cohere2_vision, "internvl": internvl,
+                                                   "vipllava": vipllava, "llava_next_video": llava_next_video}
+
+
+def build(model_type: str, dest: Path) -> Path:
+    torch.manual_seed(0)
+    BUILDERS[model_type](dest)
+    return dest
