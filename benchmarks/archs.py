@@ -31,7 +31,7 @@ LLAMA_187M = dict(
     num_key_value_heads=4, hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-5,
     initializer_range=0.02, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
-ARCHS = ("qwen2-vl-2b", "llama-187m")
+ARCHS = ("qwen2-vl-2b", "llama-187m", "llava-shapes")
 
 
 def build_qwen2_vl_2b(out_dir: Path, device: str, layers: int | None = None, vision_depth: int | None = None) -> Path:
@@ -108,6 +108,43 @@ def build_llama_187m(out_dir: Path, dtype: torch.dtype = torch.float32, tokenize
     return out_dir
 
 
+def build_llava_shapes(out_dir: Path) -> Path:
+    """A LLaVA (CLIP tower, Qwen2 decoder) whose decoder has exactly the embedded Qwen2-VL's text shape
+    and vocabulary (random weights): the generic vision family against a dedicated family, decode
+    being text-only (issue 48). Its processor is LLaVA's own, with the embedded tokenizer plus ``<image>``."""
+    recipe = {"arch": "llava-shapes", "weights": "random"}
+    marker = out_dir / "mm_pipeline_bench.json"
+    if marker.is_file() and json.loads(marker.read_text()) == recipe:
+        return out_dir
+    from transformers import (AutoConfig, AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlavaConfig,
+                              LlavaForConditionalGeneration, LlavaProcessor, Qwen2Config)
+
+    from pipeline.tiny import default_model_dir
+
+    text = AutoConfig.from_pretrained(default_model_dir()).text_config.to_dict()
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    shape = {k: text[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                  "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings")}
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                       image_size=28, patch_size=14, projection_dim=32),
+        text_config=Qwen2Config(**shape, vocab_size=len(tok), rope_parameters={"rope_type": "default", "rope_theta": 200.0},
+                                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
+        image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+        vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config)
+    images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = LlavaProcessor(images, tok, patch_size=14, vision_feature_select_strategy="default",
+                               num_additional_image_tokens=1, chat_template=tok.chat_template)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    processor.save_pretrained(out_dir)
+    marker.write_text(json.dumps(recipe) + "\n")
+    return out_dir
+
+
 def build_arch(arch: str, root: Path, device: str, dtype: torch.dtype) -> Path:
     """The model a benchmark's ``--arch`` names, under ``root`` (one folder per architecture, and
     per dtype for the Llama shape, so switching dtypes does not rebuild it)."""
@@ -115,6 +152,8 @@ def build_arch(arch: str, root: Path, device: str, dtype: torch.dtype) -> Path:
         return build_qwen2_vl_2b(root / arch, device)
     if arch == "llama-187m":
         return build_llama_187m(root / f"{arch}-{str(dtype).removeprefix('torch.')}", dtype)
+    if arch == "llava-shapes":
+        return build_llava_shapes(root / arch)
     raise ValueError(f"unknown architecture {arch!r}: one of {', '.join(ARCHS)}")
 
 
