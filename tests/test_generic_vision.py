@@ -75,6 +75,35 @@ def test_two_images_batched_equal_their_solo_runs_and_the_cache_knows_them_apart
     assert again.token_ids == solo[1] and again.metrics["kv_reused_tokens"] > 0
 
 
+@pytest.mark.parametrize("arch", ["llava_next_video", pytest.param("llava_onevision", marks=pytest.mark.slow)])
+def test_a_video_through_get_video_features_equals_generate(vlm_dir, arch, tmp_path):
+    """Where the model has ``get_video_features`` the family takes videos: the clip sampled once (the
+    pipeline's own sampling), its frames through the processor, greedy output equal to generate()."""
+    from test_video import drawn, write_clip
+
+    from pipeline.media import load_video
+
+    lm = load_model(str(vlm_dir(arch)), dtype=torch.float32, quant="none")
+    assert lm.family.media == ("image", "video")
+    video = load_video(write_clip(tmp_path / "clip.mp4", drawn(16), 8, "h264"))
+    got = Pipeline(lm, stages(), kv_memory=32 << 20).run(
+        Request(prompt="What happens?", videos=[video], max_new_tokens=10, ignore_eos=True))
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    text = lm.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = lm.processor(text=[text], videos=[video.frames], video_metadata=[video.metadata()], do_sample_frames=False,
+                          return_tensors="pt")
+    with torch.inference_mode():
+        out = lm.model.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=None)
+    assert got.token_ids == out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert got.metrics["video_frames"] == video.num_frames and got.metrics["video_tokens"] > 0
+
+
+def test_models_without_get_video_features_refuse_a_video_in_one_line(vlm_dir):
+    lm = load_model(str(vlm_dir("llava")), dtype=torch.float32, quant="none")
+    with pytest.raises(UserError, match="without a video encoder"):
+        Pipeline(lm, stages(), kv_memory=32 << 20).run(Request(prompt="?", videos=[str(SHAPES)], max_new_tokens=2))
+
+
 def test_two_images_in_one_prompt(vlm_dir):
     lm = load_model(str(vlm_dir("llava")), dtype=torch.float32, quant="none")
     images = [Image.open(p).convert("RGB") for p in (PHOTO, SHAPES)]

@@ -52,6 +52,13 @@ def text_config(tok, **more) -> dict:
                 pad_token_id=tok.pad_token_id, **more)
 
 
+# llava-hf/LLaVA-NeXT-Video-7B-hf's format: LLaVA's, videos rendered after the images
+LLAVA_VIDEO_TEMPLATE = LLAVA_TEMPLATE.replace(
+    "{# Render all text next #}",
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>\n' }}{% endfor %}"
+    "{# Render all text next #}")
+
+
 def llava(dest: Path) -> None:
     from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
@@ -153,7 +160,8 @@ def llava_next(dest: Path) -> None:
 LLAVA_ONEVISION_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + ' '}}"
     "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
-    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}"
+    "{{ '<image>\n' }}{% endfor %}{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}"
+    "{{ '<video>\n' }}{% endfor %}{# Render all text next #}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ '\n' + content['text'] }}"
     "{% endfor %}{{'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
     "{% endif %}"
@@ -290,7 +298,7 @@ def llava_next_video(dest: Path) -> None:
                                      image_grid_pinpoints=pinpoints)
     videos = LlavaNextVideoVideoProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
     processor = LlavaNextVideoProcessor(videos, images, tok, patch_size=14, vision_feature_select_strategy="default",
-                                        num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE)
+                                        num_additional_image_tokens=1, chat_template=LLAVA_VIDEO_TEMPLATE)
     save(LlavaNextVideoForConditionalGeneration(config), processor, dest)
 
 

@@ -36,7 +36,7 @@ def family_for_config(config: Any) -> Family:
         if reason is not None:
             arch = ", ".join(getattr(config, "architectures", None) or [model_type])
             raise UserError(f"{arch} ({model_type}) is not supported: {reason}")
-        return vision.VisionFamily()
+        return vision.VisionFamily(config)
     if model_type not in families:
         # Not even linear attention: only the families that declare it (Qwen3.5's Gated DeltaNet)
         # run it, and transformers names Mamba, lightning and other linear layers the same way.

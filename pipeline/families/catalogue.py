@@ -35,7 +35,8 @@ def rows() -> list[tuple[str, str, str, str]]:
             status = f"refused: {reason}"
         else:
             status = "runs (tested)" if model_type in vision.TESTED else "should run (not tested here)"
-        out[model_type] = (model_type, vision.VisionFamily.name, _inputs(vision.VisionFamily.media), status)
+        media = vision.VisionFamily(config).media if reason is None else vision.VisionFamily.media
+        out[model_type] = (model_type, vision.VisionFamily.name, _inputs(media), status)
     return [out[k] for k in sorted(out)]
 
 

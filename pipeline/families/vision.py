@@ -10,6 +10,8 @@
 - ``get_image_features`` turns an image's inputs into its embeddings (``pooler_output`` or a
   tensor or a list of them), which go into the image slots of its run only: the run's other
   tokens (``[IMG_BREAK]``, ``<row_1_col_1>``) keep their text embeddings.
+- Videos the same way through ``get_video_features``, where the model has it (the clip decoded and
+  sampled once by ``pipeline.media``, its frames given to the processor without a second sampling).
 - Positions are plain 1-D, attention causal. Models this family cannot run are refused before their
   weights load (``REFUSED`` and ``refusal``): cross-attention to the image, encoder-decoders, images
   as discrete tokens, per-layer inputs; and, read off the transformers class, attention that
@@ -21,24 +23,43 @@ deepstack features, Gemma 3's bidirectional image blocks, the Omni and audio mod
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Hashable, Sequence
 
 import torch
 
 from pipeline.errors import UserError
 from pipeline.families.base import Family, media_keys, media_name, prompt_embeds
-from pipeline.families.qwen2_vl import load_images
-from pipeline.media import content_hash
+from pipeline.families.qwen2_vl import load_images, load_videos
+from pipeline.media import Video, content_hash
 from pipeline.memory import ATTENTION_KINDS, layer_kinds
 
 if TYPE_CHECKING:
     from pipeline.context import Context
 
-IMAGES = "vision_images"  # ctx.model_inputs key: per image, its own vision inputs (processor output)
-COUNTS = "vision_image_slots"  # per image, how many image-token slots it fills
-HASHES = "vision_image_hashes"  # per image, a content hash of its vision inputs
 TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What differs between images and videos on this surface: the slot token's config names, the
+    processor's placeholder attribute and argument, the model's features method."""
+
+    name: str
+    token_names: tuple[str, ...]
+    marker: str
+    argument: str
+    features: str
+
+    def key(self, what: str) -> str:
+        """A ``ctx.model_inputs`` key of this kind: its per-item ``inputs``, ``slots`` or ``hashes``."""
+        return f"vision_{self.name}_{what}"
+
+
+IMAGE = Kind("image", ("image_token_id", "image_token_index"), "image_token", "images", "get_image_features")
+VIDEO = Kind("video", ("video_token_id", "video_token_index"), "video_token", "videos", "get_video_features")
 
 # model_type -> why it cannot run here (checked before the weights load).
 REFUSED = {
@@ -63,122 +84,170 @@ TESTED = ("llava", "llava_next", "llava_next_video", "llava_onevision", "vipllav
 
 
 class VisionFamily(Family):
-    """The generic image-text-to-text family (see the module docstring)."""
+    """The generic image-text-to-text family (see the module docstring); videos too where the model
+    has ``get_video_features``."""
 
     name = "vision"
     model_types: tuple[str, ...] = ()  # chosen by ``families.family_for_config`` for mapped types no family claims
     auto_class = "AutoModelForImageTextToText"
-    media = ("image",)
+    media: tuple[str, ...] = ("image",)
     # Vision towers and projectors under the names transformers' models give them.
     encoder_modules = ("vision_tower", "multi_modal_projector", "vision_model", "connector", "mlp1",
                        "vision_projection", "visual", "image_newline")
     uses_processor = True
 
+    def __init__(self, config: Any = None) -> None:
+        cls = model_class(config) if config is not None else None
+        if cls is not None and hasattr(cls, VIDEO.features):
+            self.media = ("image", "video")
+
     # --- tokenize ---------------------------------------------------------------------------
+    def prepare(self, lm: Any, request: Any, long_audio: str = "split") -> Any:
+        """Video paths decoded and sampled once, here (every later stage reads the same clips)."""
+        if not request.videos or all(isinstance(v, Video) for v in request.videos):
+            return request
+        return dataclasses.replace(request, videos=load_videos(list(request.videos)))
+
     def process(self, lm: Any, text: str, request: Any) -> dict:
-        images = load_images(list(request.images))
+        """The processor's outputs for the whole prompt (ids), and per image and per video its own
+        inputs, slot count and content hash, from the processor run on it alone."""
+        items = {IMAGE: load_images(list(request.images)), VIDEO: load_videos(list(request.videos))}
         bos = lm.tokenizer.bos_token
         # As the processor's apply_chat_template: a template that wrote the BOS, the tokenizer must not.
         kwargs = {"add_special_tokens": False} if bos and text.startswith(bos) else {}
-        out = dict(self._run_processor(lm, [text], images, request, **kwargs))
-        slot = image_token_id(lm)
-        alone = [self._run_processor(lm, [image_marker(lm)], [image], request, add_special_tokens=False)
-                 for image in images]
-        counts = [int((a["input_ids"] == slot).sum()) for a in alone]
-        found = int((out["input_ids"] == slot).sum())
-        if found != sum(counts):
-            raise UserError(f"the prompt has {found} image slots but its {len(images)} image(s) fill {sum(counts)}: "
-                            "the chat template wrote a different number of image placeholders")
-        out[IMAGES] = [{k: v for k, v in a.items() if k not in TEXT_KEYS} for a in alone]
-        out[COUNTS] = counts
-        out[HASHES] = [content_hash(_first_tensor(v)) for v in out[IMAGES]]
-        for key in [k for k in out if k not in TEXT_KEYS and k not in (IMAGES, COUNTS, HASHES)]:
-            del out[key]  # the whole prompt's pixels: the per-image inputs above are what is encoded
+        media = {k: v for kind, found in items.items() for k, v in _media_args(kind, found).items()}
+        out = dict(self._run_processor(lm, [text], request, **media, **kwargs))
+        for kind, found in items.items():
+            if not found:
+                continue
+            slot = slot_id(lm, kind)
+            alone = [self._run_processor(lm, [marker(lm, kind)], request, add_special_tokens=False,
+                                         **_media_args(kind, [item])) for item in found]
+            counts = [int((a["input_ids"] == slot).sum()) for a in alone]
+            placed = int((out["input_ids"] == slot).sum())
+            if placed != sum(counts):
+                raise UserError(f"the prompt has {placed} {kind.name} slots but its {len(found)} {kind.name}(s) fill "
+                                f"{sum(counts)}: the chat template wrote a different number of placeholders")
+            out[kind.key("inputs")] = [{k: v for k, v in a.items() if k not in TEXT_KEYS} for a in alone]
+            out[kind.key("slots")] = counts
+            out[kind.key("hashes")] = [content_hash(_first_tensor(v)) for v in out[kind.key("inputs")]]
+        for key in [k for k in out if k not in TEXT_KEYS and not k.startswith("vision_")]:
+            del out[key]  # the whole prompt's pixels: the per-item inputs above are what is encoded
         return out
 
     @staticmethod
-    def _run_processor(lm: Any, text: list[str], images: list, request: Any, **kwargs: Any) -> dict:
+    def _run_processor(lm: Any, text: list[str], request: Any, **kwargs: Any) -> dict:
         try:
-            return lm.processor(text=text, images=images or None, return_tensors="pt", **kwargs)
+            return lm.processor(text=text, return_tensors="pt", **kwargs)
         except ValueError as err:
-            names = ", ".join(media_name(src, "image", i) for i, src in enumerate(request.images))
+            names = ", ".join([media_name(src, "image", i) for i, src in enumerate(request.images)]
+                              + [media_name(src, "video", i) for i, src in enumerate(request.videos)])
             reason = " ".join(str(err).split())
             raise UserError(f"{names or 'the prompt'}: {type(lm.processor).__name__} refused it: {reason}") from None
 
     def token_keys(self, ctx: "Context") -> list[Hashable]:
-        """Token ids, except over each image's run: ``(id, content hash, index)``."""
-        return media_keys(ctx.input_ids[0].tolist(), self.image_spans(ctx), ctx.model_inputs.get(HASHES) or [])
+        """Token ids, except over each image's and video's run: ``(id, content hash, index)``."""
+        spans = self.image_spans(ctx) + self.video_spans(ctx)
+        hashes = (ctx.model_inputs.get(IMAGE.key("hashes")) or []) + (ctx.model_inputs.get(VIDEO.key("hashes")) or [])
+        return media_keys(ctx.input_ids[0].tolist(), spans, hashes)
 
     # --- what the vision stage asks ----------------------------------------------------------
     def image_spans(self, ctx: "Context") -> list[tuple[int, int]]:
-        """[start, end) of each image's run: from its first image slot to its last."""
-        counts = ctx.model_inputs.get(COUNTS) or []
-        slots = (ctx.input_ids[0] == image_token_id(ctx.lm)).nonzero().view(-1).tolist()
-        spans, k = [], 0
-        for n in counts:
-            spans.append((slots[k], slots[k + n - 1] + 1))
-            k += n
-        return spans
+        return _spans(ctx, IMAGE)
+
+    def video_spans(self, ctx: "Context") -> list[tuple[int, int]]:
+        return _spans(ctx, VIDEO)
 
     def encode_images(self, ctx: "Context", items: list[int]) -> tuple[torch.Tensor, float]:
-        """Each run of ``items`` as rows (concatenated): the image's embeddings in its image slots,
-        the prompt's own embeddings elsewhere in the run; and the megapixels the tower saw."""
-        lm = ctx.lm
-        slot = image_token_id(lm)
-        ids = ctx.input_ids[0]
-        current = prompt_embeds(ctx)[0]
-        spans = self.image_spans(ctx)
-        rows, megapixels = [], 0.0
-        for k in items:
-            inputs = ctx.model_inputs[IMAGES][k]
-            features = image_features(lm.model, inputs)
-            start, end = spans[k]
-            run = current[start:end].clone()
-            where = (ids[start:end] == slot).to(run.device)
-            if int(where.sum()) != features.shape[0]:
-                raise ValueError(f"image {k + 1}: {int(where.sum())} image slots but {features.shape[0]} embeddings")
-            run[where] = features.to(run.device, run.dtype)
-            rows.append(run)
-            pixels = _first_tensor(inputs)  # [..., channels, height, width]
-            megapixels += pixels.numel() / pixels.shape[-3] / 1e6
-        return torch.cat(rows), megapixels
+        return _encode(ctx, IMAGE, items)
+
+    def encode_videos(self, ctx: "Context", items: list[int]) -> tuple[torch.Tensor, float]:
+        return _encode(ctx, VIDEO, items)
 
 
-def image_token_id(lm: Any) -> int:
-    """The id of an image slot: the config's, else the processor's."""
-    config = lm.config
-    for name in ("image_token_id", "image_token_index"):
-        value = getattr(config, name, None)
+def _media_args(kind: Kind, found: list) -> dict:
+    """The processor's keyword arguments for these items of one kind: clips as their sampled frames
+    (no second sampling), with their timing."""
+    if not found:
+        return {}
+    if kind is VIDEO:
+        return {"videos": [v.frames for v in found], "video_metadata": [v.metadata() for v in found],
+                "do_sample_frames": False}
+    return {kind.argument: found}
+
+
+def _spans(ctx: "Context", kind: Kind) -> list[tuple[int, int]]:
+    """[start, end) of each item's run: from its first slot to its last."""
+    counts = ctx.model_inputs.get(kind.key("slots")) or []
+    if not counts:
+        return []
+    slots = (ctx.input_ids[0] == slot_id(ctx.lm, kind)).nonzero().view(-1).tolist()
+    spans, k = [], 0
+    for n in counts:
+        spans.append((slots[k], slots[k + n - 1] + 1))
+        k += n
+    return spans
+
+
+def _encode(ctx: "Context", kind: Kind, items: list[int]) -> tuple[torch.Tensor, float]:
+    """Each run of ``items`` as rows (concatenated): the item's embeddings in its slots, the
+    prompt's own embeddings elsewhere in the run; and the megapixels the tower saw."""
+    lm = ctx.lm
+    slot = slot_id(lm, kind)
+    ids = ctx.input_ids[0]
+    current = prompt_embeds(ctx)[0]
+    spans = _spans(ctx, kind)
+    rows, megapixels = [], 0.0
+    for k in items:
+        inputs = ctx.model_inputs[kind.key("inputs")][k]
+        features = media_features(lm.model, kind, inputs)
+        start, end = spans[k]
+        run = current[start:end].clone()
+        where = (ids[start:end] == slot).to(run.device)
+        if int(where.sum()) != features.shape[0]:
+            raise ValueError(f"{kind.name} {k + 1}: {int(where.sum())} slots but {features.shape[0]} embeddings")
+        run[where] = features.to(run.device, run.dtype)
+        rows.append(run)
+        pixels = _first_tensor(inputs)  # [..., channels, height, width]
+        megapixels += pixels.numel() / pixels.shape[-3] / 1e6
+    return torch.cat(rows), megapixels
+
+
+def slot_id(lm: Any, kind: Kind = IMAGE) -> int:
+    """The id of one of ``kind``'s slots: the config's, else the processor's."""
+    for name in kind.token_names:
+        value = getattr(lm.config, name, None)
         if value is not None:
             return int(value)
-    value = getattr(lm.processor, "image_token_id", None)
+    value = getattr(lm.processor, f"{kind.name}_token_id", None)
     if value is None:
-        raise UserError(f"{lm.path}: neither its config nor its processor names the image token")
+        raise UserError(f"{lm.path}: neither its config nor its processor names the {kind.name} token")
     return int(value)
 
 
-def image_marker(lm: Any) -> str:
-    """The placeholder text a prompt holds for one image, before the processor expands it."""
-    marker = getattr(lm.processor, "image_token", None) or getattr(lm.tokenizer, "image_token", None)
-    if not marker:
-        raise UserError(f"{lm.path}: its processor names no image token")
-    return str(marker)
+def marker(lm: Any, kind: Kind = IMAGE) -> str:
+    """The placeholder text a prompt holds for one item of ``kind``, before the processor expands it."""
+    text = getattr(lm.processor, kind.marker, None) or getattr(lm.tokenizer, kind.marker, None)
+    if not text:
+        raise UserError(f"{lm.path}: its processor names no {kind.name} token")
+    return str(text)
 
 
-def image_features(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
-    """One image's embeddings [slots, hidden] from ``get_image_features`` (its processor inputs on
-    the tower's device, pixels in its dtype; only the inputs the method takes)."""
+def media_features(model: torch.nn.Module, kind: Kind, inputs: dict) -> torch.Tensor:
+    """One item's embeddings [slots, hidden] from ``get_image_features`` / ``get_video_features``
+    (its processor inputs on the tower's device, pixels in its dtype; only the inputs the method takes)."""
     tower = next(m for name in VisionFamily.encoder_modules if (m := _find(model, name)) is not None)
     param = next(tower.parameters())
-    params = inspect.signature(model.get_image_features).parameters
+    method = getattr(model, kind.features)
+    params = inspect.signature(method).parameters
     open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     args = {}
     for key, value in inputs.items():
-        if key in params or (open_kwargs and key.startswith(("pixel_", "image_"))):
+        if key in params or (open_kwargs and key.startswith(("pixel_", "image_", "video_"))):
             if isinstance(value, torch.Tensor):
                 value = value.to(param.device, param.dtype if value.is_floating_point() else None)
             args[key] = value
-    out = model.get_image_features(**args)
+    out = method(**args)
     pooled = getattr(out, "pooler_output", None)
     out = pooled if pooled is not None else out[0] if hasattr(out, "to_tuple") else out
     parts: Sequence[torch.Tensor] = out if isinstance(out, (list, tuple)) else [out]
@@ -205,15 +274,21 @@ def claims(config: Any) -> bool:
     return model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES or model_type in REFUSED
 
 
-def refusal(config: Any) -> str | None:
-    """Why an image-text-to-text model cannot run through this family (None: it can)."""
+def model_class(config: Any) -> type | None:
+    """The transformers class ``AutoModelForImageTextToText`` loads for ``config`` (None: unmapped)."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
+    return getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(getattr(config, "model_type", ""), ""),
+                   None)
+
+
+def refusal(config: Any) -> str | None:
+    """Why an image-text-to-text model cannot run through this family (None: it can)."""
     model_type = getattr(config, "model_type", "")
     if model_type in REFUSED:
         return REFUSED[model_type]
-    cls = getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(model_type, ""), None)
+    cls = model_class(config)
     if cls is None or not hasattr(cls, "get_image_features"):
         return "its transformers class has no get_image_features (the surface this family runs models through)"
     if "token_type_ids" in inspect.signature(cls.forward).parameters:
