@@ -104,6 +104,35 @@ def test_models_without_get_video_features_refuse_a_video_in_one_line(vlm_dir):
         Pipeline(lm, stages(), kv_memory=32 << 20).run(Request(prompt="?", videos=[str(SHAPES)], max_new_tokens=2))
 
 
+def test_engine_features_on_a_generic_model(vlm_dir):
+    """What the engine does for any family, on a generic one: a prefill in chunks that cut the image's
+    run, log-probabilities equal to generate()'s scores, a JSON schema honoured."""
+    import json
+
+    lm = load_model(str(vlm_dir("mistral3")), dtype=torch.float32, quant="none")
+    image = Image.open(PHOTO).convert("RGB")
+    want = reference(lm, image, "What is in the picture?", 6)
+    chunked = {**stages(), "prefill": Prefill(chunk_size=5)}
+    got = Pipeline(lm, chunked, kv_memory=32 << 20).run(
+        Request(prompt="What is in the picture?", images=[image], max_new_tokens=6, ignore_eos=True, logprobs=2))
+    assert got.token_ids == want
+    messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "What is in the picture?"}]}]
+    inputs = lm.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                              return_tensors="pt")
+    with torch.inference_mode():
+        out = lm.model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=None, output_scores=True,
+                                return_dict_in_generate=True)
+    for step, (token, scores) in enumerate(zip(got.logprobs, out.scores)):
+        expected = torch.log_softmax(scores[0].float(), -1)
+        assert abs(token.logprob - float(expected[want[step]])) < 1e-4
+        assert [t for t, _ in token.top] == expected.topk(2).indices.tolist()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    shaped = Pipeline(lm, stages(), kv_memory=32 << 20).run(
+        Request(prompt="How many?", images=[image], max_new_tokens=40, json_schema=schema))
+    assert isinstance(json.loads(shaped.text)["n"], int)
+
+
 def test_two_images_in_one_prompt(vlm_dir):
     lm = load_model(str(vlm_dir("llava")), dtype=torch.float32, quant="none")
     images = [Image.open(p).convert("RGB") for p in (PHOTO, SHAPES)]

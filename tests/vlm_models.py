@@ -1,8 +1,9 @@
 """Tiny vision-language checkpoints of architectures no family of the project knows, built as a
 user's would be: transformers' own config, model and processor classes, saved with
 ``save_pretrained`` (issue 48: the generic vision family runs them). Random weights, a tiny
-byte-level tokenizer (the project's, plus the model's image tokens) and the published chat
-template of each architecture's reference checkpoint; images a few patches large.
+byte-level tokenizer (the project's, plus the model's image tokens), a chat template in the
+format of each architecture's reference checkpoint (LLaVA's and LLaVA-NeXT's verbatim, the
+others reduced to what one user turn renders); images a few patches large.
 
     build(model_type, dest) -> dest
 """
