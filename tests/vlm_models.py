@@ -303,6 +303,33 @@ def llava_next_video(dest: Path) -> None:
     save(LlavaNextVideoForConditionalGeneration(config), processor, dest)
 
 
+# HuggingFaceM4/idefics2-8b's format
+IDEFICS2_TEMPLATE = (
+    "{% for message in messages %}{{message['role'].capitalize()}}{% if message['content'][0]['type'] == 'image' %}"
+    "{{':'}}{% else %}{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] == 'text' %}"
+    "{{line['text']}}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def idefics2(dest: Path) -> None:
+    """Idefics2: a perceiver resampler to a fixed number of ``<image>`` slots, framed by
+    ``<fake_token_around_image>``."""
+    from transformers import (Idefics2Config, Idefics2ForConditionalGeneration, Idefics2ImageProcessor,
+                              Idefics2Processor, Idefics2VisionConfig, MistralConfig)
+
+    tok = tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>"])
+    vision = Idefics2VisionConfig(**VISION, image_size=56, patch_size=14)
+    perceiver = dict(hidden_size=TEXT["hidden_size"], resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2,
+                     resampler_head_dim=16, num_key_value_heads=1)
+    config = Idefics2Config(vision_config=vision.to_dict(), perceiver_config=perceiver,
+                            text_config=MistralConfig(**text_config(tok)).to_dict(),
+                            image_token_id=tok.convert_tokens_to_ids("<image>"))
+    images = Idefics2ImageProcessor(size={"shortest_edge": 56, "longest_edge": 56})
+    processor = Idefics2Processor(images, tok, image_seq_len=4, chat_template=IDEFICS2_TEMPLATE)
+    save(Idefics2ForConditionalGeneration(config), processor, dest)
+
+
 def save(model: torch.nn.Module, processor, dest: Path) -> None:
     """Write the checkpoint as ``save_pretrained`` does for any user, generation ending at EOS."""
     model.eval()
@@ -317,7 +344,8 @@ BUILDERS: dict[str, Callable[[Path], None]] = {"llava": llava, "mistral3": mistr
                                                    "llava_next": llava_next,
                                                    "llava_onevision": llava_onevision, "aya_vision": aya_vision,
                                                    "cohere2_vision": cohere2_vision, "internvl": internvl,
-                                                   "vipllava": vipllava, "llava_next_video": llava_next_video}
+                                                   "vipllava": vipllava, "llava_next_video": llava_next_video,
+                                                   "idefics2": idefics2}
 
 
 def build(model_type: str, dest: Path) -> Path:

@@ -79,8 +79,8 @@ REFUSED = {
 
 # Checked token for token against generate() by tests/test_generic_vision.py (tiny checkpoints built with
 # each architecture's own config, model and processor classes): what ``--list-models`` calls tested.
-TESTED = ("llava", "llava_next", "llava_next_video", "llava_onevision", "vipllava", "mistral3", "idefics3",
-          "internvl", "aya_vision", "cohere2_vision")
+TESTED = ("llava", "llava_next", "llava_next_video", "llava_onevision", "vipllava", "mistral3", "idefics2",
+          "idefics3", "internvl", "aya_vision", "cohere2_vision")
 
 
 class VisionFamily(Family):
