@@ -213,7 +213,7 @@ def test_list_models_says_what_runs_through_which_family():
     ("chameleon", "discrete VQ tokens"),
     ("gemma3n", "per-layer inputs"),
     ("paligemma", "token_type_ids"),
-    ("glm4v", "get_rope_index"),
+    ("llama4", "chunked_attention"),
 ])
 def test_what_cannot_run_is_refused_before_the_weights_load(tmp_path, model_type, why):
     """A config alone (no weights in the folder): refused in one line naming the reason."""

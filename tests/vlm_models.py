@@ -330,6 +330,41 @@ def idefics2(dest: Path) -> None:
     save(Idefics2ForConditionalGeneration(config), processor, dest)
 
 
+# zai-org/GLM-4.1V-9B-Thinking's format (an image as <|begin_of_image|><|image|><|end_of_image|>)
+GLM4V_TEMPLATE = (
+    "[gMASK]<sop>{% for msg in messages %}{{ '<|' + msg['role'] + '|>' }}\n{% if msg['content'] is string %}"
+    "{{ msg['content'] }}{% else %}{% for item in msg['content'] %}{% if item['type'] == 'image' %}"
+    "<|begin_of_image|><|image|><|end_of_image|>{% elif item['type'] == 'video' %}"
+    "<|begin_of_video|><|video|><|end_of_video|>{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def glm4v(dest: Path) -> None:
+    """GLM-4V: Qwen2-VL-like patch merging and M-RoPE positions from the model's ``get_rope_index``."""
+    from transformers import (Glm4vConfig, Glm4vForConditionalGeneration, Glm4vImageProcessor, Glm4vProcessor,
+                              Glm4vTextConfig, Glm4vVideoProcessor, Glm4vVisionConfig)
+
+    tokens = ["[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|begin_of_image|>", "<|end_of_image|>", "<|image|>",
+              "<|begin_of_video|>", "<|end_of_video|>", "<|video|>"]
+    tok = tokenizer(tokens)
+    ids = tok.convert_tokens_to_ids
+    vision = Glm4vVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, image_size=56,
+                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                               out_hidden_size=TEXT["hidden_size"])
+    text = Glm4vTextConfig(**text_config(tok), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                "mrope_section": [1, 1, 2], "partial_rotary_factor": 0.5})
+    config = Glm4vConfig(vision_config=vision, text_config=text, image_token_id=ids("<|image|>"),
+                         video_token_id=ids("<|video|>"), image_start_token_id=ids("<|begin_of_image|>"),
+                         image_end_token_id=ids("<|end_of_image|>"), video_start_token_id=ids("<|begin_of_video|>"),
+                         video_end_token_id=ids("<|end_of_video|>"))
+    pixels = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
+    images = Glm4vImageProcessor(size=pixels, patch_size=14, merge_size=2, temporal_patch_size=2)
+    videos = Glm4vVideoProcessor(size=pixels, patch_size=14, merge_size=2, temporal_patch_size=2)
+    processor = Glm4vProcessor(images, tok, videos, chat_template=GLM4V_TEMPLATE)
+    save(Glm4vForConditionalGeneration(config), processor, dest)
+
+
 def save(model: torch.nn.Module, processor, dest: Path) -> None:
     """Write the checkpoint as ``save_pretrained`` does for any user, generation ending at EOS."""
     model.eval()
@@ -345,7 +380,7 @@ BUILDERS: dict[str, Callable[[Path], None]] = {"llava": llava, "mistral3": mistr
                                                    "llava_onevision": llava_onevision, "aya_vision": aya_vision,
                                                    "cohere2_vision": cohere2_vision, "internvl": internvl,
                                                    "vipllava": vipllava, "llava_next_video": llava_next_video,
-                                                   "idefics2": idefics2}
+                                                   "idefics2": idefics2, "glm4v": glm4v}
 
 
 def build(model_type: str, dest: Path) -> Path:

@@ -12,11 +12,12 @@
   tokens (``[IMG_BREAK]``, ``<row_1_col_1>``) keep their text embeddings.
 - Videos the same way through ``get_video_features``, where the model has it (the clip decoded and
   sampled once by ``pipeline.media``, its frames given to the processor without a second sampling).
-- Positions are plain 1-D, attention causal. Models this family cannot run are refused before their
-  weights load (``REFUSED`` and ``refusal``): cross-attention to the image, encoder-decoders, images
-  as discrete tokens, per-layer inputs; and, read off the transformers class, attention that
-  depends on ``token_type_ids`` (PaliGemma's prefix) and positions from ``get_rope_index`` (GLM-4V's
-  M-RoPE), which a family of their own would have to compute.
+- Positions are plain 1-D, or, where the model has a ``get_rope_index`` taking ids, token types and
+  grids (GLM-4V; M-RoPE), its three rows after the text row, their offset after the media kept
+  for decoding. Attention is causal. Models this family cannot run are refused before their weights
+  load (``REFUSED`` and ``refusal``): cross-attention to the image, encoder-decoders, images as
+  discrete tokens, per-layer inputs; and, read off the transformers class, attention that depends
+  on ``token_type_ids`` (PaliGemma's prefix) and a ``get_rope_index`` that wants other inputs.
 
 Families with knowledge this one lacks keep their own plug-ins (Qwen2-VL's 3-D positions, Qwen3-VL's
 deepstack features, Gemma 3's bidirectional image blocks, the Omni and audio models).
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from pipeline.context import Context
 
 TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
+ROPE_DELTAS = "rope_deltas"  # KVCache.state key: M-RoPE's offset after the media, for decode positions
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ REFUSED = {
 # Checked token for token against generate() by tests/test_generic_vision.py (tiny checkpoints built with
 # each architecture's own config, model and processor classes): what ``--list-models`` calls tested.
 TESTED = ("llava", "llava_next", "llava_next_video", "llava_onevision", "vipllava", "mistral3", "idefics2",
-          "idefics3", "internvl", "aya_vision", "cohere2_vision")
+          "idefics3", "internvl", "aya_vision", "cohere2_vision", "glm4v")
 
 
 class VisionFamily(Family):
@@ -100,6 +102,11 @@ class VisionFamily(Family):
         cls = model_class(config) if config is not None else None
         if cls is not None and hasattr(cls, VIDEO.features):
             self.media = ("image", "video")
+        # M-RoPE: the model's own get_rope_index gives 3 rows; the text position goes first (4 rows, as
+        # transformers' text models take them).
+        self.rope = cls is not None and rope_index_class(cls) is not None
+        if self.rope:
+            self.position_rows = 4
 
     # --- tokenize ---------------------------------------------------------------------------
     def prepare(self, lm: Any, request: Any, long_audio: str = "split") -> Any:
@@ -124,6 +131,9 @@ class VisionFamily(Family):
             alone = [self._run_processor(lm, [marker(lm, kind)], request, add_special_tokens=False,
                                          **_media_args(kind, [item])) for item in found]
             counts = [int((a["input_ids"] == slot).sum()) for a in alone]
+            if 0 in counts:
+                raise UserError(f"{lm.path}: its processor writes no {kind.name} slot for a {kind.name} (it expands "
+                                f"it into other tokens): the generic vision family cannot place its {kind.name}s")
             placed = int((out["input_ids"] == slot).sum())
             if placed != sum(counts):
                 raise UserError(f"the prompt has {placed} {kind.name} slots but its {len(found)} {kind.name}(s) fill "
@@ -131,8 +141,8 @@ class VisionFamily(Family):
             out[kind.key("inputs")] = [{k: v for k, v in a.items() if k not in TEXT_KEYS} for a in alone]
             out[kind.key("slots")] = counts
             out[kind.key("hashes")] = [content_hash(_first_tensor(v)) for v in out[kind.key("inputs")]]
-        for key in [k for k in out if k not in TEXT_KEYS and not k.startswith("vision_")]:
-            del out[key]  # the whole prompt's pixels: the per-item inputs above are what is encoded
+        for key in [k for k in out if k not in TEXT_KEYS and not k.startswith("vision_") and not k.endswith("_grid_thw")]:
+            del out[key]  # the whole prompt's pixels: the per-item inputs above are what is encoded (grids: positions)
         return out
 
     @staticmethod
@@ -150,6 +160,35 @@ class VisionFamily(Family):
         spans = self.image_spans(ctx) + self.video_spans(ctx)
         hashes = (ctx.model_inputs.get(IMAGE.key("hashes")) or []) + (ctx.model_inputs.get(VIDEO.key("hashes")) or [])
         return media_keys(ctx.input_ids[0].tolist(), spans, hashes)
+
+    # --- positions ----------------------------------------------------------------------------
+    def prompt_positions(self, ctx: "Context", start: int) -> torch.Tensor:
+        """Plain positions; with M-RoPE [4, 1, L - start]: the text row, then ``get_rope_index``'s three
+        (their offset after the media, ``rope_deltas``, kept in the cache state for decoding)."""
+        if not self.rope:
+            return super().prompt_positions(ctx, start)
+        ids = ctx.input_ids
+        length = ids.shape[1]
+        text = torch.arange(length, device=ids.device).view(1, 1, -1)
+        types = torch.zeros_like(ids, dtype=torch.int32)  # text 0, image 1, video 2 (transformers' convention)
+        for value, kind in ((1, IMAGE), (2, VIDEO)):
+            if ctx.model_inputs.get(kind.key("slots")):
+                types[ids == slot_id(ctx.lm, kind)] = value
+        grids = {k: v.to(ids.device) for k, v in ctx.model_inputs.items() if k.endswith("_grid_thw") and v is not None}
+        if grids and bool(types.any()):
+            rope, deltas = _rope_model(ctx.lm.model).get_rope_index(ids, mm_token_type_ids=types, **grids)
+            rope, delta = rope.to(ids.device), int(deltas.view(-1)[0])
+        else:
+            rope, delta = text.expand(3, 1, length), 0
+        ctx.cache.state[ROPE_DELTAS] = delta
+        return torch.cat([text, rope], dim=0)[..., start:]
+
+    def decode_positions(self, ctx: "Context", position: int) -> torch.Tensor:
+        """With M-RoPE [4, 1, 1]: the text position, then three copies of it plus ``rope_deltas``."""
+        if not self.rope:
+            return super().decode_positions(ctx, position)
+        delta = int(ctx.cache.state.get(ROPE_DELTAS, 0))
+        return torch.tensor([position] + [position + delta] * 3, device=ctx.input_ids.device).view(4, 1, 1)
 
     # --- what the vision stage asks ----------------------------------------------------------
     def image_spans(self, ctx: "Context") -> list[tuple[int, int]]:
@@ -208,9 +247,21 @@ def _encode(ctx: "Context", kind: Kind, items: list[int]) -> tuple[torch.Tensor,
             raise ValueError(f"{kind.name} {k + 1}: {int(where.sum())} slots but {features.shape[0]} embeddings")
         run[where] = features.to(run.device, run.dtype)
         rows.append(run)
-        pixels = _first_tensor(inputs)  # [..., channels, height, width]
-        megapixels += pixels.numel() / pixels.shape[-3] / 1e6
+        megapixels += _megapixels(lm, inputs)
     return torch.cat(rows), megapixels
+
+
+def _megapixels(lm: Any, inputs: dict) -> float:
+    """Pixels one item's inputs hold: [..., channels, height, width] tensors, or flattened patches
+    counted by their grid (``*_grid_thw``: patches of the processor's ``patch_size``)."""
+    pixels = _first_tensor(inputs)
+    if pixels.dim() >= 3:
+        return pixels.numel() / pixels.shape[-3] / 1e6
+    grid = next((v for k, v in inputs.items() if k.endswith("_grid_thw")), None)
+    side = getattr(getattr(lm.processor, "image_processor", None), "patch_size", None)
+    if grid is None or not isinstance(side, int):
+        return 0.0
+    return float(grid.prod(dim=-1).sum()) * side * side / 1e6
 
 
 def slot_id(lm: Any, kind: Kind = IMAGE) -> int:
@@ -283,6 +334,26 @@ def model_class(config: Any) -> type | None:
                    None)
 
 
+def rope_index_class(cls: type) -> type | None:
+    """The class in ``cls``'s module whose ``get_rope_index`` this family calls: one taking the ids,
+    ``mm_token_type_ids`` and the ``*_grid_thw`` grids (GLM-4V's and the Qwen models' shape), or None."""
+    module = inspect.getmodule(cls)
+    for c in vars(module).values():
+        method = getattr(c, "get_rope_index", None) if isinstance(c, type) else None
+        if method is None:
+            continue
+        params = set(inspect.signature(method).parameters) - {"self", "kwargs", "attention_mask"}
+        if "mm_token_type_ids" in params and params <= {"input_ids", "mm_token_type_ids", "image_grid_thw",
+                                                        "video_grid_thw"}:
+            return c
+    return None
+
+
+def _rope_model(model: torch.nn.Module) -> Any:
+    """The module of ``model`` that has ``get_rope_index`` (the inner model, or the model itself)."""
+    return model.model if hasattr(getattr(model, "model", None), "get_rope_index") else model
+
+
 def refusal(config: Any) -> str | None:
     """Why an image-text-to-text model cannot run through this family (None: it can)."""
     model_type = getattr(config, "model_type", "")
@@ -295,8 +366,9 @@ def refusal(config: Any) -> str | None:
         return ("its attention depends on token_type_ids (image or prefix blocks attended both ways), "
                 "which only a family of its own applies here (as Gemma 3's does)")
     module = inspect.getmodule(cls)
-    if any(isinstance(c, type) and hasattr(c, "get_rope_index") for c in vars(module).values()):
-        return "its positions come from get_rope_index (M-RoPE), which only the Qwen families compute here"
+    if rope_index_class(cls) is None and any(isinstance(c, type) and hasattr(c, "get_rope_index")
+                                             for c in vars(module).values()):
+        return "its get_rope_index (M-RoPE positions) takes other inputs than ids, token types and grids"
     other = set(layer_kinds(config)) - ATTENTION_KINDS
     if other:
         return (f"its language model has {', '.join(sorted(other))} layers; the paged KV cache holds full and "
