@@ -359,6 +359,8 @@ def refusal(config: Any) -> str | None:
     model_type = getattr(config, "model_type", "")
     if model_type in REFUSED:
         return REFUSED[model_type]
+    if getattr(getattr(config, "vision_config", None), "deepstack_visual_indexes", None):
+        return "its vision features are also added inside the decoder (deepstack), which only the qwen3-vl family applies"
     cls = model_class(config)
     if cls is None or not hasattr(cls, "get_image_features"):
         return "its transformers class has no get_image_features (the surface this family runs models through)"
