@@ -16,8 +16,9 @@
   grids (GLM-4V; M-RoPE), its three rows after the text row, their offset after the media kept
   for decoding. Attention is causal. Models this family cannot run are refused before their weights
   load (``REFUSED`` and ``refusal``): cross-attention to the image, encoder-decoders, images as
-  discrete tokens, per-layer inputs; and, read off the transformers class, attention that depends
-  on ``token_type_ids`` (PaliGemma's prefix) and a ``get_rope_index`` that wants other inputs.
+  discrete tokens, per-layer inputs; and, read off the config and the transformers class, deepstack
+  features (Qwen3-VL-MoE), attention that depends on ``token_type_ids`` (PaliGemma's prefix), a
+  ``get_rope_index`` that wants other inputs, and text layers the KV pool cannot page.
 
 Families with knowledge this one lacks keep their own plug-ins (Qwen2-VL's 3-D positions, Qwen3-VL's
 deepstack features, Gemma 3's bidirectional image blocks, the Omni and audio models).
