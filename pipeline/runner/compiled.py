@@ -23,7 +23,6 @@ eager: the tokens are the same either way.
 from __future__ import annotations
 
 import sys
-import types
 import warnings
 import weakref
 from typing import Any, Sequence
@@ -163,7 +162,7 @@ class CompiledStep:
         static = lm.device.type == "cuda"
         if static:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, flex.STATIC_GRAPHS)
-        compiled = torch.compile(_own_code(fn), backend=self.backend, dynamic=False if static else None,
+        compiled = torch.compile(flex.own_code(fn), backend=self.backend, dynamic=False if static else None,
                                  **self._settings(lm))
         graphs = self.graphs(lm)
 
@@ -183,15 +182,6 @@ class CompiledStep:
             return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
         return step
-
-
-def _own_code(fn: Any) -> Any:
-    """``fn`` with a code object of its own. Dynamo keeps compiled graphs per code object: without
-    this every model in the process (a draft beside its target, several pipelines) shares one
-    cache of ``decode_logits`` graphs, a call may check other models' guards before its own, and
-    dynamo's recompile limit (8 graphs a code object) counts all of them together, past which
-    a model would run eagerly."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _mark_dynamic(ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, tables: torch.Tensor,

@@ -151,8 +151,10 @@ def _per_query_block(values: torch.Tensor, blocks: int, reduce: Any) -> torch.Te
 STATIC_GRAPHS = 64  # compiled shapes a static-shape function may have (batch buckets x head layouts)
 
 
-def _own_copy(fn: Any) -> Any:
-    """``fn`` with a code object of its own: dynamo keeps graphs (and counts recompiles) per code object."""
+def own_code(fn: Any) -> Any:
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs (and counts recompiles, 8
+    by default) per code object: without this every model in the process (a draft beside its
+    target, several pipelines) or every use of one function would share one cache and one limit."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
@@ -186,7 +188,7 @@ class FlexKernel:
         if self._compiled.get(static) is None:
             if static:  # one graph per bucket: more than dynamo's default of 8 for one function
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, STATIC_GRAPHS)
-            self._compiled[static] = torch.compile(_own_copy(flex_attention) if static else flex_attention,
+            self._compiled[static] = torch.compile(own_code(flex_attention) if static else flex_attention,
                                                    dynamic=not static)
         return self._compiled[static](query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa,
                                       kernel_options=options)
