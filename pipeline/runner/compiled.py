@@ -32,7 +32,7 @@ import torch
 from pipeline.kv import BlockPool
 from pipeline.runner import flex
 from pipeline.runner.batch import Chunk
-from pipeline.runner.forward import burst_state, decode_logits, decode_step, greedy_steps
+from pipeline.runner.forward import chunks_state, decode_logits, decode_step, greedy_steps
 
 
 class FastPathFallback(UserWarning):
@@ -42,6 +42,13 @@ class FastPathFallback(UserWarning):
 # Shown by ``CompiledStep.fallback`` as one clean line; appended, so a user's own filter for it
 # (``error``, ``always``, a ``catch_warnings`` record) still comes first.
 warnings.filterwarnings("ignore", category=FastPathFallback, append=True)
+
+
+def say_fallback(message: str) -> None:
+    """A fast path's fallback, said once by its caller: one line on stderr, and a
+    ``FastPathFallback`` warning (filters and ``catch_warnings`` see it; Python does not print it)."""
+    warnings.warn(message, FastPathFallback, stacklevel=3)
+    print(f"mm-pipeline: {message}", file=sys.stderr)
 
 
 class CompiledStep:
@@ -101,16 +108,12 @@ class CompiledStep:
         would repeat the line) but filters and ``catch_warnings`` still see."""
         if not self._warned:
             self._warned = True
-            message = f"decode.compile: {reason}; decoding uncompiled"
-            warnings.warn(message, FastPathFallback, stacklevel=2)
-            print(f"mm-pipeline: {message}", file=sys.stderr)
+            say_fallback(f"decode.compile: {reason}; decoding uncompiled")
 
     def __call__(self, lm: Any, pool: BlockPool, chunks: Sequence[Chunk], device: torch.device | None = None) -> torch.Tensor:
         """Next-token logits [rows, V] of decode rows (one token each), compiled, at bucketed shapes."""
         device = device if device is not None else lm.device
-        positions = [[c.positions[r][0] for c in chunks] for r in range(len(chunks[0].positions))]
-        state = burst_state(pool, [c.ids[0] for c in chunks], positions, [c.start for c in chunks],
-                            [c.table for c in chunks], 1, device, bucketed=self.why_not(lm) is None)
+        state = chunks_state(pool, chunks, device, bucketed=self.why_not(lm) is None)
         pool.prepare_write()
         logits = self._run(lambda step: step(lm.model, pool, *state)[3], lambda: decode_logits(lm.model, pool, *state),
                            lm, pool)

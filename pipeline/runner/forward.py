@@ -232,6 +232,14 @@ def burst_state(
     )
 
 
+def chunks_state(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device, bucketed: bool) -> tuple[torch.Tensor, ...]:
+    """``burst_state`` for one step of decode ``chunks`` (one token each): what the fixed-shape
+    steps (``compiled``, ``graphs``) run a single decode step from."""
+    positions = [[c.positions[r][0] for c in chunks] for r in range(len(chunks[0].positions))]
+    return burst_state(pool, [c.ids[0] for c in chunks], positions, [c.start for c in chunks],
+                       [c.table for c in chunks], 1, device, bucketed=bucketed)
+
+
 def run_burst(lm: Any, pool: BlockPool, state: tuple[torch.Tensor, ...], steps: int, compiled: Any = None,
               step: Any = None) -> list[torch.Tensor]:
     """``greedy_steps`` from ``state``, on ``compiled`` (a ``CompiledStep``) when given, else

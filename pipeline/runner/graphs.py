@@ -25,8 +25,6 @@ step that would go wrong under capture goes wrong on CPU too (tests/test_cuda_gr
 """
 from __future__ import annotations
 
-import sys
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -36,8 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.kv import NULL_BLOCK, BlockPool
 from pipeline.runner.batch import Chunk
-from pipeline.runner.compiled import FastPathFallback
-from pipeline.runner.forward import burst_state, decode_logits, decode_step, greedy_steps
+from pipeline.runner.compiled import say_fallback
+from pipeline.runner.forward import chunks_state, decode_logits, decode_step, greedy_steps
 
 Capture = Callable[[Callable[[], torch.Tensor], Any], tuple[Any, torch.Tensor]]
 
@@ -109,16 +107,12 @@ class GraphedStep:
         """Say once, in one line on stderr, why decoding is not replayed (also a ``FastPathFallback``)."""
         if not self._warned:
             self._warned = True
-            message = f"decode.cuda_graphs: {reason}; decoding eagerly"
-            warnings.warn(message, FastPathFallback, stacklevel=2)
-            print(f"mm-pipeline: {message}", file=sys.stderr)
+            say_fallback(f"decode.cuda_graphs: {reason}; decoding eagerly")
 
     def __call__(self, lm: Any, pool: BlockPool, chunks: Sequence[Chunk], device: torch.device | None = None) -> torch.Tensor:
         """Next-token logits [rows, V] of decode rows (one token each), replayed at their bucket."""
         device = device if device is not None else lm.device
-        positions = [[c.positions[r][0] for c in chunks] for r in range(len(chunks[0].positions))]
-        state = burst_state(pool, [c.ids[0] for c in chunks], positions, [c.start for c in chunks],
-                            [c.table for c in chunks], 1, device, bucketed=True)
+        state = chunks_state(pool, chunks, device, bucketed=True)
         pool.prepare_write()
         bucket = self._bucket(lm, pool, state)
         if bucket is None:

@@ -69,11 +69,6 @@ class ModelRunner:
         compiled_tp = self.compiled if isinstance(self.compiled, CompiledStep) else None
         self.mirror = Mirror(group, pool, compiled_tp, native) if group is not None and group.driver else None
 
-    @property
-    def compiles(self) -> bool:
-        """Whether one-token decode steps run the fixed-shape step (asked for, and this model can)."""
-        return self.compiled is not None and self.compiled.why_not(self.lm) is None
-
     def _fixed(self) -> CompiledStep | GraphedStep | None:
         """The fixed-shape step where this model takes it; else None, having said once why not."""
         if self.compiled is None:
@@ -84,10 +79,11 @@ class ModelRunner:
             return None
         return self.compiled
 
-    def _ran(self, fixed: bool) -> dict:
-        """StepOutput's ``compiled`` and ``graphed`` for a step that did (or not) take the fixed-shape step."""
-        kind = getattr(self.compiled, "kind", "compiled") if fixed and self.compiles else None
-        return {"compiled": kind == "compiled", "graphed": kind == GraphedStep.kind}
+    def _ran(self, fixed: CompiledStep | GraphedStep | None) -> dict:
+        """StepOutput's ``compiled`` and ``graphed``: the fixed-shape step taken, if it did not fail
+        during the step (a failed compile or capture ran eagerly)."""
+        kind = fixed.kind if fixed is not None and fixed.why_not(self.lm) is None else None
+        return {"compiled": kind == CompiledStep.kind, "graphed": kind == GraphedStep.kind}
 
     def forward(self, chunks: Sequence[Chunk]) -> StepOutput:
         """One packed forward, launched: on the fixed-shape step when every chunk is a single token
@@ -98,7 +94,7 @@ class ModelRunner:
         run = fixed or self._eager
         with self._mirrored("forward", chunks), matvec.active(self.native):
             logits = run(self.lm, self.pool, chunks, device=self.device)
-        return StepOutput(logits, None, 0.0, started=t0, **self._ran(fixed is not None))
+        return StepOutput(logits, None, 0.0, started=t0, **self._ran(fixed))
 
     def _mirrored(self, kind: str, *args: Any) -> Any:
         """Tensor parallel, on rank 0: the step sent to the other ranks first (``Mirror.step``)."""
@@ -129,4 +125,4 @@ class ModelRunner:
             with matvec.active(self.native):
                 chosen = run_burst(self.lm, self.pool, state, steps, fixed, step)
             tokens = read(torch.cat(chosen))  # [steps][rows]: the one host read of the burst
-        return StepOutput(None, tokens, (time.perf_counter() - t0) / steps, **self._ran(fixed is not None))
+        return StepOutput(None, tokens, (time.perf_counter() - t0) / steps, **self._ran(fixed))
