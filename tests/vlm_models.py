@@ -30,6 +30,19 @@ TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 
 
+# What the LLaVA-style builders share: a CLIP tower of 2x2 patches (+ CLS), its image sizes, LLaVA's processor
+# settings, LLaVA-NeXT's grid of tile shapes.
+CLIP_SIZES = dict(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+LLAVA_PROCESSING = dict(patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1)
+PINPOINTS = [[28, 56], [56, 28], [56, 56]]
+
+
+def clip_tower():
+    from transformers import CLIPVisionConfig
+
+    return CLIPVisionConfig(**VISION, image_size=28, patch_size=14, projection_dim=32)
+
+
 def tokenizer(extra: list[str], named: dict[str, str] | None = None):
     """The project's tiny Llama-3 tokenizer with ``extra`` special tokens added (image tokens) and
     ``named`` ones as attributes (``tok.boi_token``), as a checkpoint's ``extra_special_tokens`` give them."""
@@ -61,17 +74,16 @@ LLAVA_VIDEO_TEMPLATE = LLAVA_TEMPLATE.replace(
 
 
 def llava(dest: Path) -> None:
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
+    from transformers import (CLIPImageProcessor, LlamaConfig, LlavaConfig,
                               LlavaForConditionalGeneration, LlavaProcessor)
 
     tok = tokenizer(["<image>"])
-    vision = CLIPVisionConfig(**VISION, image_size=28, patch_size=14, projection_dim=32)
+    vision = clip_tower()
     config = LlavaConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)),
                          image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
                          vision_feature_select_strategy="default")
-    images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-    processor = LlavaProcessor(images, tok, patch_size=14, vision_feature_select_strategy="default",
-                               num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE)
+    images = CLIPImageProcessor(**CLIP_SIZES)
+    processor = LlavaProcessor(images, tok, **LLAVA_PROCESSING, chat_template=LLAVA_TEMPLATE)
     save(LlavaForConditionalGeneration(config), processor, dest)
 
 
@@ -141,19 +153,16 @@ LLAVA_NEXT_TEMPLATE = (
 def llava_next(dest: Path) -> None:
     """LLaVA-NeXT: "any resolution" tiles chosen by the image's size (``image_sizes``), a newline
     embedding after each row of the unpadded grid."""
-    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
+    from transformers import (LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
                               LlavaNextImageProcessor, LlavaNextProcessor)
 
     tok = tokenizer(["<image>"])
-    vision = CLIPVisionConfig(**VISION, image_size=28, patch_size=14, projection_dim=32)
-    pinpoints = [[28, 56], [56, 28], [56, 56]]
+    vision = clip_tower()
     config = LlavaNextConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)),
-                             image_token_index=tok.convert_tokens_to_ids("<image>"), image_grid_pinpoints=pinpoints,
+                             image_token_index=tok.convert_tokens_to_ids("<image>"), image_grid_pinpoints=PINPOINTS,
                              vision_feature_layer=-2, vision_feature_select_strategy="default")
-    images = LlavaNextImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
-                                     image_grid_pinpoints=pinpoints)
-    processor = LlavaNextProcessor(images, tok, patch_size=14, vision_feature_select_strategy="default",
-                                   num_additional_image_tokens=1, chat_template=LLAVA_NEXT_TEMPLATE)
+    images = LlavaNextImageProcessor(**CLIP_SIZES, image_grid_pinpoints=PINPOINTS)
+    processor = LlavaNextProcessor(images, tok, **LLAVA_PROCESSING, chat_template=LLAVA_NEXT_TEMPLATE)
     save(LlavaNextForConditionalGeneration(config), processor, dest)
 
 
@@ -177,13 +186,12 @@ def llava_onevision(dest: Path) -> None:
 
     tok = tokenizer(["<image>", "<video>"])
     vision = SiglipVisionConfig(**VISION, image_size=28, patch_size=14)
-    pinpoints = [[28, 56], [56, 28], [56, 56]]
     config = LlavaOnevisionConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)).to_dict(),
                                   image_token_index=tok.convert_tokens_to_ids("<image>"),
                                   video_token_index=tok.convert_tokens_to_ids("<video>"),
-                                  image_grid_pinpoints=pinpoints, vision_feature_layer=-1,
+                                  image_grid_pinpoints=PINPOINTS, vision_feature_layer=-1,
                                   vision_feature_select_strategy="full")
-    images = LlavaOnevisionImageProcessor(size={"height": 28, "width": 28}, image_grid_pinpoints=pinpoints)
+    images = LlavaOnevisionImageProcessor(size={"height": 28, "width": 28}, image_grid_pinpoints=PINPOINTS)
     videos = LlavaOnevisionVideoProcessor(size={"height": 28, "width": 28})
     processor = LlavaOnevisionProcessor(images, tok, videos, num_image_tokens=4, vision_feature_select_strategy="full",
                                         chat_template=LLAVA_ONEVISION_TEMPLATE)
@@ -269,37 +277,33 @@ def internvl(dest: Path) -> None:
 
 def vipllava(dest: Path) -> None:
     """ViP-LLaVA: LLaVA's placeholders, features from five tower layers at once."""
-    from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaProcessor, VipLlavaConfig,
+    from transformers import (CLIPImageProcessor, LlamaConfig, LlavaProcessor, VipLlavaConfig,
                               VipLlavaForConditionalGeneration)
 
     tok = tokenizer(["<image>"])
-    vision = CLIPVisionConfig(**VISION, image_size=28, patch_size=14, projection_dim=32)
+    vision = clip_tower()
     config = VipLlavaConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)),
                             image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_layers=[-2, -1])
-    images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-    processor = LlavaProcessor(images, tok, patch_size=14, vision_feature_select_strategy="default",
-                               num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE)
+    images = CLIPImageProcessor(**CLIP_SIZES)
+    processor = LlavaProcessor(images, tok, **LLAVA_PROCESSING, chat_template=LLAVA_TEMPLATE)
     save(VipLlavaForConditionalGeneration(config), processor, dest)
 
 
 def llava_next_video(dest: Path) -> None:
     """LLaVA-NeXT-Video, its images: LLaVA-NeXT's tiles beside a video token of its own."""
-    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaNextImageProcessor, LlavaNextVideoConfig,
+    from transformers import (LlamaConfig, LlavaNextImageProcessor, LlavaNextVideoConfig,
                               LlavaNextVideoForConditionalGeneration, LlavaNextVideoProcessor,
                               LlavaNextVideoVideoProcessor)
 
     tok = tokenizer(["<image>", "<video>"])
-    vision = CLIPVisionConfig(**VISION, image_size=28, patch_size=14, projection_dim=32)
-    pinpoints = [[28, 56], [56, 28], [56, 56]]
+    vision = clip_tower()
     config = LlavaNextVideoConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)),
                                   image_token_index=tok.convert_tokens_to_ids("<image>"),
-                                  video_token_index=tok.convert_tokens_to_ids("<video>"), image_grid_pinpoints=pinpoints,
+                                  video_token_index=tok.convert_tokens_to_ids("<video>"), image_grid_pinpoints=PINPOINTS,
                                   vision_feature_layer=-2, vision_feature_select_strategy="default")
-    images = LlavaNextImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
-                                     image_grid_pinpoints=pinpoints)
-    videos = LlavaNextVideoVideoProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-    processor = LlavaNextVideoProcessor(videos, images, tok, patch_size=14, vision_feature_select_strategy="default",
-                                        num_additional_image_tokens=1, chat_template=LLAVA_VIDEO_TEMPLATE)
+    images = LlavaNextImageProcessor(**CLIP_SIZES, image_grid_pinpoints=PINPOINTS)
+    videos = LlavaNextVideoVideoProcessor(**CLIP_SIZES)
+    processor = LlavaNextVideoProcessor(videos, images, tok, **LLAVA_PROCESSING, chat_template=LLAVA_VIDEO_TEMPLATE)
     save(LlavaNextVideoForConditionalGeneration(config), processor, dest)
 
 
