@@ -583,7 +583,8 @@ def load_model(
     hub: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_files_only(path)}
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "use_safetensors": True, **hub}
     if tp > 1:  # the architecture's own plan, over the launch's ranks
-        kwargs.update(distributed_config=tensor_parallel.distributed_config(tp), config=tensor_parallel.plan_config(config))
+        kwargs.update(distributed_config=tensor_parallel.distributed_config(tp, config),
+                      config=tensor_parallel.plan_config(config))
     if device_map is not None:
         kwargs["device_map"] = device_map
     elif quantization_config is not None and tp == 1 and torch.cuda.is_available():

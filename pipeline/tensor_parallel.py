@@ -190,11 +190,15 @@ def _splits_rows(weight: Any) -> bool:
     return any(p.is_shard() and p.dim % weight.ndim == weight.ndim - 1 for p in placements)
 
 
-def distributed_config(tp: int) -> Any:
-    """transformers' settings for ``tp`` shards on the architecture's own plan."""
+def distributed_config(tp: int, config: Any) -> Any:
+    """transformers' settings for ``tp`` shards on the architecture's own plan. Where the output layer
+    is the input embeddings' matrix (tied: Gemma, PaliGemma, Llama 3.2 1B/3B) it is replicated like
+    them (``plan_config``): one parameter cannot be whole for the embedding and split for the logits,
+    and split it gave every rank wrong embeddings."""
     from transformers.distributed import DistributedConfig
 
-    return DistributedConfig(tp_size=tp)
+    tied = any(getattr(c, "tie_word_embeddings", False) for c in (config, text_config(config)))
+    return DistributedConfig(tp_size=tp, tp_plan={"lm_head": "replicate"} if tied else None)
 
 
 @contextlib.contextmanager

@@ -147,6 +147,44 @@ def test_two_images_in_one_prompt(vlm_dir):
     assert got.token_ids == out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
+def test_a_prompt_attended_both_ways_is_computed_whole_and_reused_only_whole(vlm_dir):
+    """PaliGemma attends its whole prompt both ways (its own mask from token_type_ids): a prefill in small
+    chunks still computes it whole, and a prompt sharing only its start (the image, ``What is in the``)
+    with a cached one reuses none of it: those tokens' keys depend on the words after them."""
+    from pipeline.families.model_rules import position_offset
+
+    lm = load_model(str(vlm_dir("paligemma")), dtype=torch.float32, quant="none")
+    assert lm.family.name == "vision" and position_offset(lm.model) == 1  # its positions count from 1
+    image = Image.open(PHOTO).convert("RGB")
+    pipe = Pipeline(lm, {**stages(), "prefill": Prefill(chunk_size=5)}, kv_memory=32 << 20)
+    for prompt in ("What is in the picture?", "What is in the box?"):
+        got = pipe.run(Request(prompt=prompt, images=[image], max_new_tokens=8, ignore_eos=True))
+        assert got.token_ids == reference(lm, image, prompt, 8)
+        assert got.metrics["kv_reused_tokens"] == 0
+    again = pipe.run(Request(prompt="What is in the box?", images=[image], max_new_tokens=8, ignore_eos=True))
+    assert again.token_ids == got.token_ids and again.metrics["kv_reused_tokens"] > 0
+
+
+def test_blocks_read_off_a_models_own_mask(tmp_path):
+    """The rule that reads PaliGemma's prefix gives Gemma 3's image blocks exactly (what its own family
+    writes by hand), and a mask that is not causal plus square blocks is refused, not approximated."""
+    from pipeline.families.gemma3 import runs
+    from pipeline.families.model_rules import attention_blocks, blocks_of
+    from pipeline.tiny.build import build_tiny
+
+    lm = load_model(str(build_tiny("gemma3", tmp_path / "gemma3")), dtype=torch.float32, quant="none")
+    content = [{"type": "image"}, {"type": "text", "text": "a"}, {"type": "image"}, {"type": "text", "text": "b"}]
+    text = lm.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                            tokenize=False)
+    types = lm.processor(text=[text], images=[Image.open(p).convert("RGB") for p in (PHOTO, SHAPES)],
+                         return_tensors="pt")["token_type_ids"]
+    assert attention_blocks(lm.model, types) == runs((types[0] == 1).tolist()) and len(runs(types[0].tolist())) == 2
+    sideways = torch.ones(4, 4, dtype=torch.bool).tril()
+    sideways[0, 2] = True  # a token seeing one later token but not the one between
+    with pytest.raises(UserError, match="not causal plus blocks"):
+        blocks_of(sideways)
+
+
 def test_the_cli_with_default_settings_equals_generate_on_the_same_weights(vlm_dir):
     """``python -m pipeline model.path=DIR input=IMG prompt=TEXT``, nothing else: a held-out checkpoint
     on CPU loads in int8wo (``quant=auto``); ``generate()`` on those int8wo weights says the same."""
@@ -218,7 +256,6 @@ def test_list_models_says_what_runs_through_which_family():
     ("florence2", "encoder-decoder"),
     ("chameleon", "discrete VQ tokens"),
     ("gemma3n", "per-layer inputs"),
-    ("paligemma", "token_type_ids"),
     ("llama4", "chunked_attention"),
     ("qwen3_vl_moe", "deepstack"),
 ])

@@ -121,6 +121,21 @@ def test_qwen2_vl_with_images_on_two_ranks(tiny_dir, held_out_dir, tmp_path, qua
     assert got["tokens"] == alone
 
 
+@pytest.mark.slow  # suite time: two ranks of a generic vision model (the text case above runs by default)
+@pytest.mark.parametrize("arch", ["llava", "paligemma"])
+def test_a_generic_vision_model_on_two_ranks(tmp_path, arch):
+    """A checkpoint no family knows (LLaVA's patch runs; PaliGemma's prefix attended both ways), sharded by
+    its architecture's own plan under the default quant: the single process's tokens."""
+    import vlm_models
+
+    model_dir = vlm_models.build(arch, tmp_path / arch)
+    got = two_ranks(tmp_path, model_dir, vision=True, kv_tokens=1024, quant="auto")
+    lm = load_model(str(model_dir), dtype="float32", quant="auto")
+    assert lm.family.name == "vision" and got["quant"] == lm.quant == "int8wo"
+    alone, _ = run_requests(lm, image_requests(), True, max_seqs=1)
+    assert got["tokens"] == alone
+
+
 def test_kv_pool_holds_a_rank_s_share_of_the_heads(tiny_dir):
     from pipeline.kv import BlockPool
 

@@ -139,6 +139,23 @@ def idefics3(dest: Path) -> None:
     save(Idefics3ForConditionalGeneration(config), processor, dest)
 
 
+def smolvlm(dest: Path) -> None:
+    """SmolVLM (2): Idefics3's tiles under its own classes, with a video processor (the model has no
+    get_video_features: images only)."""
+    from transformers import (LlamaConfig, SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessor,
+                              SmolVLMProcessor, SmolVLMVideoProcessor, SmolVLMVisionConfig)
+
+    tok = tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", "<video>"]
+                    + [f"<row_{r}_col_{c}>" for r in range(1, 3) for c in range(1, 3)])
+    vision = SmolVLMVisionConfig(**VISION, image_size=56, patch_size=14)
+    config = SmolVLMConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)).to_dict(),
+                           image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2)
+    images = SmolVLMImageProcessor(size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
+    videos = SmolVLMVideoProcessor(size={"longest_edge": 56}, max_image_size={"longest_edge": 56})
+    processor = SmolVLMProcessor(images, tok, videos, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE)
+    save(SmolVLMForConditionalGeneration(config), processor, dest)
+
+
 # llava-hf/llava-v1.6-mistral-7b-hf's format ([INST] <image>\ntext [/INST])
 LLAVA_NEXT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'system' %}{{ '<<SYS>>\n' + message['content'][0]['text']"
@@ -369,6 +386,35 @@ def glm4v(dest: Path) -> None:
     save(Glm4vForConditionalGeneration(config), processor, dest)
 
 
+# google/paligemma2-3b-mix-224 has no chat template (prompts go to the processor bare): this one
+# renders one user turn as such a prompt, the images first
+PALIGEMMA_TEMPLATE = (
+    "{% for message in messages %}{% for item in message['content'] %}{% if item['type'] == 'image' %}<image>"
+    "{% endif %}{% endfor %}{% for item in message['content'] %}{% if item['type'] == 'text' %}{{ item['text'] }}"
+    "{% endif %}{% endfor %}{% endfor %}"
+)
+
+
+def paligemma(dest: Path) -> None:
+    """PaliGemma: its whole prompt (image, BOS, text, newline) attended both ways (``token_type_ids``),
+    positions from 1."""
+    from transformers import (GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration, PaliGemmaProcessor,
+                              SiglipImageProcessor, SiglipVisionConfig)
+
+    tok = tokenizer(["<image>"])
+    vision = SiglipVisionConfig(**VISION, image_size=56, patch_size=14)
+    text = GemmaConfig(**{**text_config(tok), "initializer_range": 0.2}, head_dim=16)
+    config = PaliGemmaConfig(vision_config=vision, text_config=text.to_dict(), projection_dim=TEXT["hidden_size"],
+                             image_token_index=tok.convert_tokens_to_ids("<image>"))
+    images = SiglipImageProcessor(size={"height": 56, "width": 56})
+    images.image_seq_length = 16  # (56 / 14) ** 2 patches
+    processor = PaliGemmaProcessor(images, tok, chat_template=PALIGEMMA_TEMPLATE)
+    model = PaliGemmaForConditionalGeneration(config)
+    with torch.no_grad():  # Gemma scales embeddings by sqrt(hidden): at the other weights' size, outputs vary
+        model.get_input_embeddings().weight.mul_(0.1)
+    save(model, processor, dest)
+
+
 def save(model: torch.nn.Module, processor, dest: Path) -> None:
     """Write the checkpoint as ``save_pretrained`` does for any user, generation ending at EOS."""
     model.eval()
@@ -384,7 +430,8 @@ BUILDERS: dict[str, Callable[[Path], None]] = {"llava": llava, "mistral3": mistr
                                                    "llava_onevision": llava_onevision, "aya_vision": aya_vision,
                                                    "cohere2_vision": cohere2_vision, "internvl": internvl,
                                                    "vipllava": vipllava, "llava_next_video": llava_next_video,
-                                                   "idefics2": idefics2, "glm4v": glm4v}
+                                                   "idefics2": idefics2, "glm4v": glm4v, "paligemma": paligemma,
+                                                   "smolvlm": smolvlm}
 
 
 def build(model_type: str, dest: Path) -> Path:

@@ -12,20 +12,26 @@
   tokens (``[IMG_BREAK]``, ``<row_1_col_1>``) keep their text embeddings.
 - Videos the same way through ``get_video_features``, where the model has it (the clip decoded and
   sampled once by ``pipeline.media``, its frames given to the processor without a second sampling).
-- Positions are plain 1-D, or, where the model has a ``get_rope_index`` taking ids, token types and
-  grids (GLM-4V; M-RoPE), its three rows after the text row, their offset after the media kept
-  for decoding. Attention is causal. Models this family cannot run are refused before their weights
-  load (``REFUSED`` and ``refusal``): cross-attention to the image, encoder-decoders, images as
-  discrete tokens, per-layer inputs; and, read off the config and the transformers class, deepstack
-  features (Qwen3-VL-MoE), attention that depends on ``token_type_ids`` (PaliGemma's prefix), a
-  ``get_rope_index`` that wants other inputs, and text layers the KV pool cannot page.
+- Positions are plain 1-D (shifted as the model's own ``prepare_inputs_for_generation`` shifts
+  them: PaliGemma's count from 1), or, where the model has a ``get_rope_index`` taking ids, token
+  types and grids (GLM-4V; M-RoPE), its three rows after the text row, their offset after the media
+  kept for decoding. Attention is causal, plus the spans the model's own ``create_masks_for_generate``
+  attends both ways from ``token_type_ids`` (PaliGemma's prompt; ``model_rules``): their cache keys
+  carry the whole span's digest, so the prefix cache reuses a span whole or not at all.
+- Models this family cannot run are refused before their weights load (``REFUSED`` and
+  ``refusal``): cross-attention to the image, encoder-decoders, images as discrete tokens, per-layer
+  inputs; and, read off the config and the transformers class, deepstack features (Qwen3-VL-MoE),
+  ``token_type_ids`` the model's mask builder does not take, a ``get_rope_index`` that wants other
+  inputs, and text layers the KV pool cannot page.
 
 Families with knowledge this one lacks keep their own plug-ins (Qwen2-VL's 3-D positions, Qwen3-VL's
-deepstack features, Gemma 3's bidirectional image blocks, the Omni and audio models).
+deepstack features, the Omni and audio models). Gemma 3 keeps its family too, though this one's
+mask rule reads the same image blocks off its model (a test checks it): not folded yet.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Hashable, Sequence
@@ -34,6 +40,7 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.families.base import Family, media_keys, media_name, prompt_embeds
+from pipeline.families.model_rules import attention_blocks, position_offset, takes_token_types
 from pipeline.families.qwen2_vl import load_images, load_videos
 from pipeline.media import Video, content_hash
 from pipeline.memory import ATTENTION_KINDS, layer_kinds
@@ -43,6 +50,7 @@ if TYPE_CHECKING:
 
 TEXT_KEYS = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}
 ROPE_DELTAS = "rope_deltas"  # KVCache.state key: M-RoPE's offset after the media, for decode positions
+BLOCKS = "vision_blocks"  # ctx.model_inputs key: the prompt's spans attended both ways (token_type_ids models)
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,8 @@ REFUSED = {
 # Checked token for token against generate() by tests/test_generic_vision.py (tiny checkpoints built with
 # each architecture's own config, model and processor classes): what ``--list-models`` calls tested.
 TESTED = ("llava", "llava_next", "llava_next_video", "llava_onevision", "vipllava", "mistral3", "idefics2",
-          "idefics3", "internvl", "aya_vision", "cohere2_vision", "glm4v")
+          "idefics3", "internvl", "aya_vision", "cohere2_vision", "glm4v", "paligemma",
+          "smolvlm")
 
 
 class VisionFamily(Family):
@@ -108,6 +117,8 @@ class VisionFamily(Family):
         self.rope = cls is not None and rope_index_class(cls) is not None
         if self.rope:
             self.position_rows = 4
+        self.token_types = cls is not None and takes_token_types(cls)  # PaliGemma: its prefix seen both ways
+        self.offset: int | None = None  # where positions start, asked of the model on first use
 
     # --- tokenize ---------------------------------------------------------------------------
     def prepare(self, lm: Any, request: Any, long_audio: str = "split") -> Any:
@@ -144,6 +155,8 @@ class VisionFamily(Family):
             out[kind.key("hashes")] = [content_hash(_first_tensor(v)) for v in out[kind.key("inputs")]]
         for key in [k for k in out if k not in TEXT_KEYS and not k.startswith("vision_") and not k.endswith("_grid_thw")]:
             del out[key]  # the whole prompt's pixels: the per-item inputs above are what is encoded (grids: positions)
+        types = out.get("token_type_ids")
+        out[BLOCKS] = attention_blocks(lm.model, types) if self.token_types and types is not None else []
         return out
 
     @staticmethod
@@ -157,17 +170,27 @@ class VisionFamily(Family):
             raise UserError(f"{names or 'the prompt'}: {type(lm.processor).__name__} refused it: {reason}") from None
 
     def token_keys(self, ctx: "Context") -> list[Hashable]:
-        """Token ids, except over each image's and video's run: ``(id, content hash, index)``."""
+        """Token ids, except over each image's and video's run: ``(id, content hash, index)``; inside a
+        span attended both ways each key also carries the whole span's digest (a token's KV there depends
+        on the tokens after it: a prompt sharing only the span's start must not reuse it)."""
         spans = self.image_spans(ctx) + self.video_spans(ctx)
         hashes = (ctx.model_inputs.get(IMAGE.key("hashes")) or []) + (ctx.model_inputs.get(VIDEO.key("hashes")) or [])
-        return media_keys(ctx.input_ids[0].tolist(), spans, hashes)
+        keys = media_keys(ctx.input_ids[0].tolist(), spans, hashes)
+        for start, end in self.bidirectional_spans(ctx):
+            digest = hashlib.sha256(repr(keys[start:end]).encode()).hexdigest()
+            keys[start:end] = [(key, digest) for key in keys[start:end]]
+        return keys
+
+    def bidirectional_spans(self, ctx: "Context") -> list[tuple[int, int]]:
+        """The spans the model's own prefill mask attends both ways (from ``token_type_ids``)."""
+        return list(ctx.model_inputs.get(BLOCKS) or [])
 
     # --- positions ----------------------------------------------------------------------------
     def prompt_positions(self, ctx: "Context", start: int) -> torch.Tensor:
         """Plain positions; with M-RoPE [4, 1, L - start]: the text row, then ``get_rope_index``'s three
         (their offset after the media, ``rope_deltas``, kept in the cache state for decoding)."""
         if not self.rope:
-            return super().prompt_positions(ctx, start)
+            return super().prompt_positions(ctx, start) + self._offset(ctx)
         ids = ctx.input_ids
         length = ids.shape[1]
         text = torch.arange(length, device=ids.device).view(1, 1, -1)
@@ -187,9 +210,14 @@ class VisionFamily(Family):
     def decode_positions(self, ctx: "Context", position: int) -> torch.Tensor:
         """With M-RoPE [4, 1, 1]: the text position, then three copies of it plus ``rope_deltas``."""
         if not self.rope:
-            return super().decode_positions(ctx, position)
+            return super().decode_positions(ctx, position) + self._offset(ctx)
         delta = int(ctx.cache.state.get(ROPE_DELTAS, 0))
         return torch.tensor([position] + [position + delta] * 3, device=ctx.input_ids.device).view(4, 1, 1)
+
+    def _offset(self, ctx: "Context") -> int:
+        if self.offset is None:
+            self.offset = position_offset(ctx.lm.model)
+        return self.offset
 
     # --- what the vision stage asks ----------------------------------------------------------
     def image_spans(self, ctx: "Context") -> list[tuple[int, int]]:
@@ -365,9 +393,9 @@ def refusal(config: Any) -> str | None:
     cls = model_class(config)
     if cls is None or not hasattr(cls, "get_image_features"):
         return "its transformers class has no get_image_features (the surface this family runs models through)"
-    if "token_type_ids" in inspect.signature(cls.forward).parameters:
-        return ("its attention depends on token_type_ids (image or prefix blocks attended both ways), "
-                "which only a family of its own applies here (as Gemma 3's does)")
+    if "token_type_ids" in inspect.signature(cls.forward).parameters and not takes_token_types(cls):
+        return ("its attention depends on token_type_ids in a way its create_masks_for_generate does not say "
+                "(the generic family reads image or prefix blocks attended both ways from it)")
     module = inspect.getmodule(cls)
     if rope_index_class(cls) is None and any(isinstance(c, type) and hasattr(c, "get_rope_index")
                                              for c in vars(module).values()):

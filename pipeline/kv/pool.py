@@ -57,7 +57,9 @@ class BlockPool:
         if other:
             raise UserError(f"the paged KV cache handles full, sliding-window and linear attention layers only; this "
                             f"model also has {sorted(other)}")
-        if getattr(text_config(config), "use_bidirectional_attention", False):
+        # A text model's own flag (EmbeddingGemma). Inside a multimodal config it is the outer model that builds
+        # the mask (PaliGemma sets it on its Gemma and attends causally past the prompt): the family says how.
+        if text_config(config) is config and getattr(config, "use_bidirectional_attention", False):
             raise UserError("this model attends both ways over all its text (an encoder or embedding model, e.g. "
                             "EmbeddingGemma): the paged KV cache decodes causal models only")
         if num_blocks < 2:
@@ -115,7 +117,7 @@ class BlockPool:
         self.spill_on_close = False  # a tier that outlives the process (disk): the prefix cache goes there at the end
 
     def __del__(self) -> None:
-        if self.spill_on_close:
+        if getattr(self, "spill_on_close", False):  # False too when __init__ refused the model
             try:
                 self.spill()
             except Exception:  # interpreter shutdown: the tier's modules may be gone already
