@@ -39,9 +39,12 @@ class AudioEncoder:
         m.count("audio_seconds", float(sum(_seconds(*ctx.request.audios[j]) for j in todo)))
         if not todo:
             return ctx
-        features = ctx.model_inputs["input_features"][todo]
-        feature_mask = ctx.model_inputs["feature_attention_mask"][todo]
-        embeds = family.encode_audio(lm, features, feature_mask, batch_size=self.batch_size)
+        if hasattr(family, "encode_audios"):  # the generic family: each clip's own processor inputs, as for images
+            embeds = family.encode_audios(ctx, todo)
+        else:
+            features = ctx.model_inputs["input_features"][todo]
+            feature_mask = ctx.model_inputs["feature_attention_mask"][todo]
+            embeds = family.encode_audio(lm, features, feature_mask, batch_size=self.batch_size)
         merge_media(ctx, spans, todo, embeds)
         return ctx
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -96,6 +97,38 @@ def test_a_video_through_get_video_features_equals_generate(vlm_dir, arch, tmp_p
         out = lm.model.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=None)
     assert got.token_ids == out[0, inputs["input_ids"].shape[1]:].tolist()
     assert got.metrics["video_frames"] == video.num_frames and got.metrics["video_tokens"] > 0
+
+
+def chirp(seconds: float = 1.0, rate: int = 24_000) -> np.ndarray:
+    """A rising tone: codec codes that change along the clip (a steady tone gives one code throughout)."""
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.5 * np.sin(2 * np.pi * (110 + 400 * t) * t)).astype(np.float32)
+
+
+def test_audio_through_get_audio_features_equals_generate(vlm_dir):
+    """Where the model has ``get_audio_features`` the family takes audio clips (Apertus 1.5: codec codes
+    embedded by its text embeddings): each clip through the processor alone, its run filled, greedy output
+    equal to generate(); with an image in the same prompt too."""
+    from stages import AudioEncoder
+
+    lm = load_model(str(vlm_dir("apertus1p5")), dtype=torch.float32, quant="none")
+    assert lm.family.media == ("image", "audio")
+    chain = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "audio_encoder": AudioEncoder(),
+             "prefill": Prefill(), "decode": DecodeLoop()}
+    pipe = Pipeline(lm, chain, kv_memory=32 << 20)
+    wave, image = chirp(), Image.open(PHOTO).convert("RGB")
+    for with_image in (False, True):
+        got = pipe.run(Request(prompt="What do you hear?", audios=[(torch.from_numpy(wave), 24_000)],
+                               images=[image] if with_image else [], max_new_tokens=10, ignore_eos=True))
+        content = [{"type": "image"}] * with_image + [{"type": "audio"}, {"type": "text", "text": "What do you hear?"}]
+        text = lm.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                tokenize=False)
+        inputs = lm.processor(text=[text], audio=[wave], sampling_rate=24_000, images=[image] if with_image else None,
+                              add_special_tokens=False, return_tensors="pt")  # as apply_chat_template: BOS once
+        with torch.inference_mode():
+            out = lm.model.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=None)
+        assert got.token_ids == out[0, inputs["input_ids"].shape[1]:].tolist()
+        assert got.metrics["audio_tokens"] == 40  # one code per 600 samples
 
 
 def test_models_without_get_video_features_refuse_a_video_in_one_line(vlm_dir):
@@ -206,7 +239,8 @@ def test_the_cli_with_default_settings_equals_generate_on_the_same_weights(vlm_d
 
 
 @pytest.mark.slow  # a server subprocess (~20 s); the CLI case above runs by default
-def test_served_to_the_openai_client_with_an_image_part_answers_as_the_cli(vlm_dir, tmp_path):
+@pytest.mark.parametrize("arch", ["mistral3", "paligemma"])
+def test_served_to_the_openai_client_with_an_image_part_answers_as_the_cli(vlm_dir, tmp_path, arch):
     """``mode=serve`` with default settings: the ``openai`` client's image part (a data URL) gets
     the CLI's answer for the same image and text."""
     import base64
@@ -214,7 +248,7 @@ def test_served_to_the_openai_client_with_an_image_part_answers_as_the_cli(vlm_d
     from openai import OpenAI
     from serving import serving
 
-    path = vlm_dir("mistral3")
+    path = vlm_dir(arch)
     cli = subprocess.run([sys.executable, "-m", "pipeline", f"model.path={path}", f"input={SHAPES}",
                           "prompt=Describe this image.", "max_new_tokens=12", "metrics_table=false"],
                          capture_output=True, cwd=ROOT, timeout=300)

@@ -415,6 +415,85 @@ def paligemma(dest: Path) -> None:
     save(model, processor, dest)
 
 
+# swiss-ai/Apertus (v1)'s chat format (v1.5's was not at hand), reduced to what one user turn renders (no system / developer
+# blocks): <|user_start|>...<|user_end|><|assistant_start|>; media items become the processor's
+# placeholders, in the order given
+APERTUS1P5_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '<|user_start|>' }}"
+    "{% elif message['role'] == 'assistant' %}{{ '<|assistant_start|>' }}{% else %}{{ '<|system_start|>' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<|image|>' }}{% elif item['type'] == 'audio' %}{{ '<|audio|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '<|user_end|>' }}{% elif message['role'] == 'assistant' %}"
+    "{{ '<|assistant_end|>' }}{% else %}{{ '<|system_end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant_start|>' }}{% endif %}"
+)
+
+# The processor's structure tokens (EMU3.5's image framing: "<boi>H*W<wrapper>rows joined by <eol><eoi>")
+APERTUS1P5_TOKENS = {"image_token": "<|image|>", "audio_token": "<|audio|>", "boi_token": "<|image start|>",
+                     "eoi_token": "<|image end|>", "image_wrapper_token": "<|image token|>",
+                     "eol_token": "<|extra_200|>", "boa_token": "<|audio start|>", "eoa_token": "<|audio end|>"}
+
+
+def apertus1p5(dest: Path) -> None:
+    """Apertus 1.5: discrete image and audio codes in the text vocabulary. The vision tokenizer
+    (32 channels, GroupNorm's 32 groups being the floor) downsamples by 4 over 3 stages; images are resized
+    to at most 16x16 pixels (examples/photo.jpg, 240x320: 12x16, a grid of 4 rows of 3). The audio
+    tokenizer keeps WavTokenizer's hop of 600 samples (40 codes a second at 24 kHz) with 4 base filters.
+    Both codebooks hold 16 codes; the LM head is pruned to the tokenizer's own ids, as the released
+    checkpoints' is."""
+    from transformers import (Apertus1p5Config, Apertus1p5ForConditionalGeneration, Apertus1p5ImageProcessor,
+                              Apertus1p5Processor, Apertus1p5TextConfig, Apertus1p5VisionTokenizerConfig,
+                              WavTokenizerEncoderConfig, WavTokenizerFeatureExtractor)
+
+    named = APERTUS1P5_TOKENS
+    tok = tokenizer([*named.values(), "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
+                     "<|system_start|>", "<|system_end|>"], named)
+    vision = Apertus1p5VisionTokenizerConfig(codebook_size=16, embed_dim=16, latent_channels=16, base_channels=32,
+                                             channel_multiplier=(1, 1, 1), num_res_blocks=1, attn_resolutions=(),
+                                             resolution=16)
+    audio = WavTokenizerEncoderConfig(num_filters=4, upsampling_ratios=(6, 5, 5, 4), num_lstm_layers=1, hidden_size=16,
+                                      codebook_size=16, codebook_dim=16, decoder_hidden_size=16,
+                                      decoder_intermediate_size=32, decoder_num_layers=1,
+                                      decoder_attention_num_groups=4)
+    image_offset = len(tok)  # codes follow the tokenizer's own ids
+    audio_offset = image_offset + vision.codebook_size
+    rope = {"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # Apertus' scaling, within 2048
+    text = Apertus1p5TextConfig(**text_config(tok, output_vocab_size=image_offset, rope_parameters=rope)
+                                | {"vocab_size": audio_offset + audio.codebook_size})
+    config = Apertus1p5Config(text_config=text, vision_config=vision, audio_config=audio,
+                              image_token_id=tok.convert_tokens_to_ids(named["image_token"]),
+                              audio_token_id=tok.convert_tokens_to_ids(named["audio_token"]),
+                              image_token_offset=image_offset, audio_token_offset=audio_offset)
+    images = Apertus1p5ImageProcessor(size={"min_pixels": 8 * 8, "max_pixels": 16 * 16},
+                                      spatial_factor=vision.spatial_scale_factor)
+    sounds = WavTokenizerFeatureExtractor(sampling_rate=24000, hop_length=audio.hop_length, normalize_audio=True)
+    processor = Apertus1p5Processor(images, sounds, tok, chat_template=APERTUS1P5_TEMPLATE)
+    model = Apertus1p5ForConditionalGeneration(config)
+    audio_codebook(model.model.audio_tokenizer, sounds.sampling_rate)
+    with torch.no_grad():  # at the other weights' size greedy decoding falls into a loop of 2 tokens
+        model.get_input_embeddings().weight.mul_(3.0)
+    save(model, processor, dest)
+
+
+def audio_codebook(codec, sampling_rate: int) -> None:
+    """WavTokenizer's codebook is initialised to zeros (every frame would be code 0), and random vectors
+    lie far from what a random encoder emits (frames differ by a few percent): as a trained codebook
+    holds centroids of the encoder's outputs, take one mid-clip frame of each of 16 tones (4 octaves,
+    4 loudnesses), so that changing sound changes codes."""
+    import numpy as np
+
+    times = np.arange(sampling_rate) / sampling_rate
+    size = codec.config.codebook_size
+    tones = [(0.1 + 0.8 * (k % 4) / 3) * np.sin(2 * np.pi * 110 * 2 ** (4 * k / size) * times) for k in range(size)]
+    with torch.no_grad():
+        frames = codec.encoder(torch.tensor(np.stack(tones), dtype=torch.float32)[:, None])
+        codebook = codec.quantizer.codebook
+        codebook.embed.copy_(frames[:, :, frames.shape[-1] // 2])
+        codebook.embed_avg.copy_(codebook.embed)
+
+
 def save(model: torch.nn.Module, processor, dest: Path) -> None:
     """Write the checkpoint as ``save_pretrained`` does for any user, generation ending at EOS."""
     model.eval()
@@ -431,7 +510,7 @@ BUILDERS: dict[str, Callable[[Path], None]] = {"llava": llava, "mistral3": mistr
                                                    "cohere2_vision": cohere2_vision, "internvl": internvl,
                                                    "vipllava": vipllava, "llava_next_video": llava_next_video,
                                                    "idefics2": idefics2, "glm4v": glm4v, "paligemma": paligemma,
-                                                   "smolvlm": smolvlm}
+                                                   "smolvlm": smolvlm, "apertus1p5": apertus1p5}
 
 
 def build(model_type: str, dest: Path) -> Path:

@@ -82,7 +82,7 @@ class Qwen2AudioFamily(Family):
         audios: list[tuple[torch.Tensor, int]] = []
         chunks_per_item: list[int] = []
         for i, item in enumerate(request.audios):
-            wave, label = _waveform(item, rate, i)
+            wave, label = waveform(item, rate, i)
             parts = [wave]
             if wave.numel() > window:
                 seconds = wave.numel() / rate
@@ -178,7 +178,7 @@ class Qwen2AudioFamily(Family):
         return torch.cat(out, dim=0)
 
 
-def _waveform(item: Any, rate: int, i: int) -> tuple[torch.Tensor, str]:
+def waveform(item: Any, rate: int, i: int) -> tuple[torch.Tensor, str]:
     """One audio input (path or ``(wave, rate)``) as a 1-D float32 CPU tensor at ``rate``, and its label."""
     if isinstance(item, (str, os.PathLike)):
         wave, _ = load_audio(item, rate)

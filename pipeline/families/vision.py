@@ -11,7 +11,8 @@
   tensor or a list of them), which go into the image slots of its run only: the run's other
   tokens (``[IMG_BREAK]``, ``<row_1_col_1>``) keep their text embeddings.
 - Videos the same way through ``get_video_features``, where the model has it (the clip decoded and
-  sampled once by ``pipeline.media``, its frames given to the processor without a second sampling).
+  sampled once by ``pipeline.media``, its frames given to the processor without a second sampling);
+  audio clips through ``get_audio_features`` (resampled once to the feature extractor's rate).
 - Positions are plain 1-D (shifted as the model's own ``prepare_inputs_for_generation`` shifts
   them: PaliGemma's count from 1), or, where the model has a ``get_rope_index`` taking ids, token
   types and grids (GLM-4V; M-RoPE), its three rows after the text row, their offset after the media
@@ -25,8 +26,9 @@
   inputs, and text layers the KV pool cannot page.
 
 Families with knowledge this one lacks keep their own plug-ins (Qwen2-VL's 3-D positions, Qwen3-VL's
-deepstack features, the Omni and audio models). Gemma 3 keeps its family too, though this one's
-mask rule reads the same image blocks off its model (a test checks it): not folded yet.
+deepstack features, Qwen2-Audio's long clips split at the encoder window, the Omni models' audio inside
+video). Gemma 3 keeps its family too, though this one's mask rule reads the same image blocks off its
+model (a test checks it): not folded yet.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ import torch
 from pipeline.errors import UserError
 from pipeline.families.base import Family, media_keys, media_name, prompt_embeds
 from pipeline.families.model_rules import attention_blocks, position_offset, takes_token_types
+from pipeline.families.qwen2_audio import waveform
 from pipeline.families.qwen2_vl import load_images, load_videos
 from pipeline.media import Video, content_hash
 from pipeline.memory import ATTENTION_KINDS, layer_kinds
@@ -63,14 +66,22 @@ class Kind:
     marker: str
     argument: str
     features: str
+    towers: tuple[str, ...]  # module names its encoder goes by in transformers' models
 
     def key(self, what: str) -> str:
         """A ``ctx.model_inputs`` key of this kind: its per-item ``inputs``, ``slots`` or ``hashes``."""
         return f"vision_{self.name}_{what}"
 
 
-IMAGE = Kind("image", ("image_token_id", "image_token_index"), "image_token", "images", "get_image_features")
-VIDEO = Kind("video", ("video_token_id", "video_token_index"), "video_token", "videos", "get_video_features")
+VISION_TOWERS = ("vision_tower", "multi_modal_projector", "vision_model", "connector", "mlp1", "vision_projection",
+                 "visual", "image_newline", "vision_tokenizer")
+AUDIO_TOWERS = ("audio_tower", "audio_model", "audio_encoder", "audio_tokenizer", "audio_projector")
+IMAGE = Kind("image", ("image_token_id", "image_token_index"), "image_token", "images", "get_image_features",
+             VISION_TOWERS)
+VIDEO = Kind("video", ("video_token_id", "video_token_index"), "video_token", "videos", "get_video_features",
+             VISION_TOWERS)
+AUDIO = Kind("audio", ("audio_token_id", "audio_token_index"), "audio_token", "audio", "get_audio_features",
+             AUDIO_TOWERS)
 
 # model_type -> why it cannot run here (checked before the weights load).
 REFUSED = {
@@ -92,7 +103,7 @@ REFUSED = {
 # each architecture's own config, model and processor classes): what ``--list-models`` calls tested.
 TESTED = ("llava", "llava_next", "llava_next_video", "llava_onevision", "vipllava", "mistral3", "idefics2",
           "idefics3", "internvl", "aya_vision", "cohere2_vision", "glm4v", "paligemma",
-          "smolvlm")
+          "smolvlm", "apertus1p5")
 
 
 class VisionFamily(Family):
@@ -103,15 +114,14 @@ class VisionFamily(Family):
     model_types: tuple[str, ...] = ()  # chosen by ``families.family_for_config`` for mapped types no family claims
     auto_class = "AutoModelForImageTextToText"
     media: tuple[str, ...] = ("image",)
-    # Vision towers and projectors under the names transformers' models give them.
-    encoder_modules = ("vision_tower", "multi_modal_projector", "vision_model", "connector", "mlp1",
-                       "vision_projection", "visual", "image_newline")
+    # Vision and audio towers and projectors under the names transformers' models give them.
+    encoder_modules = VISION_TOWERS + AUDIO_TOWERS
     uses_processor = True
 
     def __init__(self, config: Any = None) -> None:
         cls = model_class(config) if config is not None else None
-        if cls is not None and hasattr(cls, VIDEO.features):
-            self.media = ("image", "video")
+        if cls is not None:
+            self.media = tuple(kind.name for kind in (IMAGE, VIDEO, AUDIO) if hasattr(cls, kind.features))
         # M-RoPE: the model's own get_rope_index gives 3 rows; the text position goes first (4 rows, as
         # transformers' text models take them).
         self.rope = cls is not None and rope_index_class(cls) is not None
@@ -122,15 +132,21 @@ class VisionFamily(Family):
 
     # --- tokenize ---------------------------------------------------------------------------
     def prepare(self, lm: Any, request: Any, long_audio: str = "split") -> Any:
-        """Video paths decoded and sampled once, here (every later stage reads the same clips)."""
-        if not request.videos or all(isinstance(v, Video) for v in request.videos):
-            return request
-        return dataclasses.replace(request, videos=load_videos(list(request.videos)))
+        """Video paths decoded and sampled once, here (every later stage reads the same clips); audio as
+        ``(wave, rate)`` at the feature extractor's rate."""
+        if request.videos and not all(isinstance(v, Video) for v in request.videos):
+            request = dataclasses.replace(request, videos=load_videos(list(request.videos)))
+        if request.audios:
+            rate = self.audio_rate(lm)
+            request = dataclasses.replace(request, audios=[(waveform(a, rate, i)[0], rate)
+                                                           for i, a in enumerate(request.audios)])
+        return request
 
     def process(self, lm: Any, text: str, request: Any) -> dict:
         """The processor's outputs for the whole prompt (ids), and per image and per video its own
         inputs, slot count and content hash, from the processor run on it alone."""
-        items = {IMAGE: load_images(list(request.images)), VIDEO: load_videos(list(request.videos))}
+        items = {IMAGE: load_images(list(request.images)), VIDEO: load_videos(list(request.videos)),
+                 AUDIO: list(request.audios)}
         bos = lm.tokenizer.bos_token
         # As the processor's apply_chat_template: a template that wrote the BOS, the tokenizer must not.
         kwargs = {"add_special_tokens": False} if bos and text.startswith(bos) else {}
@@ -165,16 +181,17 @@ class VisionFamily(Family):
             return lm.processor(text=text, return_tensors="pt", **kwargs)
         except ValueError as err:
             names = ", ".join([media_name(src, "image", i) for i, src in enumerate(request.images)]
-                              + [media_name(src, "video", i) for i, src in enumerate(request.videos)])
+                              + [media_name(src, "video", i) for i, src in enumerate(request.videos)]
+                              + [media_name(src, "audio", i) for i, src in enumerate(request.audios)])
             reason = " ".join(str(err).split())
             raise UserError(f"{names or 'the prompt'}: {type(lm.processor).__name__} refused it: {reason}") from None
 
     def token_keys(self, ctx: "Context") -> list[Hashable]:
-        """Token ids, except over each image's and video's run: ``(id, content hash, index)``; inside a
+        """Token ids, except over each image's, video's and clip's run: ``(id, content hash, index)``; inside a
         span attended both ways each key also carries the whole span's digest (a token's KV there depends
         on the tokens after it: a prompt sharing only the span's start must not reuse it)."""
-        spans = self.image_spans(ctx) + self.video_spans(ctx)
-        hashes = (ctx.model_inputs.get(IMAGE.key("hashes")) or []) + (ctx.model_inputs.get(VIDEO.key("hashes")) or [])
+        spans = [span for kind in (IMAGE, VIDEO, AUDIO) for span in _spans(ctx, kind)]
+        hashes = [h for kind in (IMAGE, VIDEO, AUDIO) for h in ctx.model_inputs.get(kind.key("hashes")) or []]
         keys = media_keys(ctx.input_ids[0].tolist(), spans, hashes)
         for start, end in self.bidirectional_spans(ctx):
             digest = hashlib.sha256(repr(keys[start:end]).encode()).hexdigest()
@@ -232,6 +249,13 @@ class VisionFamily(Family):
     def encode_videos(self, ctx: "Context", items: list[int]) -> tuple[torch.Tensor, float]:
         return _encode(ctx, VIDEO, items)
 
+    def audio_spans(self, ctx: "Context") -> list[tuple[int, int]]:
+        return _spans(ctx, AUDIO)
+
+    def encode_audios(self, ctx: "Context", items: list[int]) -> torch.Tensor:
+        """The runs of clips ``items`` through ``get_audio_features`` (the AudioEncoder stage asks)."""
+        return _encode(ctx, AUDIO, items)[0]
+
 
 def _media_args(kind: Kind, found: list) -> dict:
     """The processor's keyword arguments for these items of one kind: clips as their sampled frames
@@ -241,6 +265,8 @@ def _media_args(kind: Kind, found: list) -> dict:
     if kind is VIDEO:
         return {"videos": [v.frames for v in found], "video_metadata": [v.metadata() for v in found],
                 "do_sample_frames": False}
+    if kind is AUDIO:  # (wave, rate) pairs, all at the feature extractor's rate (prepare)
+        return {"audio": [wave.numpy() for wave, _ in found], "sampling_rate": found[0][1]}
     return {kind.argument: found}
 
 
@@ -314,16 +340,17 @@ def marker(lm: Any, kind: Kind = IMAGE) -> str:
 
 
 def media_features(model: torch.nn.Module, kind: Kind, inputs: dict) -> torch.Tensor:
-    """One item's embeddings [slots, hidden] from ``get_image_features`` / ``get_video_features``
-    (its processor inputs on the tower's device, pixels in its dtype; only the inputs the method takes)."""
-    tower = next(m for name in VisionFamily.encoder_modules if (m := _find(model, name)) is not None)
+    """One item's embeddings [slots, hidden] from ``get_image_features`` / ``get_video_features`` /
+    ``get_audio_features`` (its processor inputs on the tower's device, floats in its dtype; only the inputs
+    the method takes)."""
+    tower = next(m for name in kind.towers if (m := _find(model, name)) is not None)
     param = next(tower.parameters())
     method = getattr(model, kind.features)
     params = inspect.signature(method).parameters
     open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     args = {}
     for key, value in inputs.items():
-        if key in params or (open_kwargs and key.startswith(("pixel_", "image_", "video_"))):
+        if key in params or (open_kwargs and key.startswith(("pixel_", "image_", "video_", "audio_", "input_"))):
             if isinstance(value, torch.Tensor):
                 value = value.to(param.device, param.dtype if value.is_floating_point() else None)
             args[key] = value
