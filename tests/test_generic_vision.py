@@ -166,6 +166,21 @@ def test_engine_features_on_a_generic_model(vlm_dir):
     assert isinstance(json.loads(shaped.text)["n"], int)
 
 
+def test_an_image_the_model_cannot_encode_fails_alone_in_one_line(vlm_dir):
+    """Mistral 3 cannot encode a 1x1 image (one patch, merged 2x2): its request ends with one line naming
+    the image; a request beside it in the engine gets its solo answer."""
+    lm = load_model(str(vlm_dir("mistral3")), dtype=torch.float32, quant="none")
+    pipe = Pipeline(lm, stages(), kv_memory=32 << 20)
+    good = Request(prompt="Describe it.", images=[Image.open(SHAPES).convert("RGB")], max_new_tokens=6, ignore_eos=True)
+    alone = pipe.run(good).token_ids
+    pipe.pool.clear_prefix_cache()
+    dot = Image.new("RGB", (1, 1), (255, 0, 0))
+    handles = [pipe.submit(Request(prompt="Describe it.", images=[dot], max_new_tokens=6)), pipe.submit(good)]
+    with pytest.raises(UserError, match=r"^image 1: Mistral3ForConditionalGeneration.get_image_features could not"):
+        handles[0].result()
+    assert handles[1].result().token_ids == alone
+
+
 def test_two_images_in_one_prompt(vlm_dir):
     lm = load_model(str(vlm_dir("llava")), dtype=torch.float32, quant="none")
     images = [Image.open(p).convert("RGB") for p in (PHOTO, SHAPES)]

@@ -160,8 +160,9 @@ class VisionFamily(Family):
                                          **_media_args(kind, [item])) for item in found]
             counts = [int((a["input_ids"] == slot).sum()) for a in alone]
             if 0 in counts:
-                raise UserError(f"{lm.path}: its processor writes no {kind.name} slot for a {kind.name} (it expands "
-                                f"it into other tokens): the generic vision family cannot place its {kind.name}s")
+                article = "an" if kind.name[0] in "aeiou" else "a"
+                raise UserError(f"{lm.path}: its processor writes no {kind.name} slot for {article} {kind.name} (it "
+                                f"expands it into other tokens): the generic vision family cannot place its {kind.name}s")
             placed = int((out["input_ids"] == slot).sum())
             if placed != sum(counts):
                 raise UserError(f"the prompt has {placed} {kind.name} slots but its {len(found)} {kind.name}(s) fill "
@@ -294,7 +295,12 @@ def _encode(ctx: "Context", kind: Kind, items: list[int]) -> tuple[torch.Tensor,
     rows, megapixels = [], 0.0
     for k in items:
         inputs = ctx.model_inputs[kind.key("inputs")][k]
-        features = media_features(lm.model, kind, inputs)
+        try:
+            features = media_features(lm.model, kind, inputs)
+        except (RuntimeError, ValueError, IndexError) as err:  # e.g. Mistral 3 on an image under one merged patch
+            name = media_name(getattr(ctx.request, f"{kind.name}s")[k], kind.name, k)
+            reason = " ".join(str(err).split())[:300]
+            raise UserError(f"{name}: {type(lm.model).__name__}.{kind.features} could not encode it: {reason}") from None
         start, end = spans[k]
         run = current[start:end].clone()
         where = (ids[start:end] == slot).to(run.device)
