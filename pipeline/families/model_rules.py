@@ -41,12 +41,14 @@ def attention_blocks(model: torch.nn.Module, types: torch.Tensor) -> list[tuple[
 
 
 def blocks_of(mask: torch.Tensor) -> list[tuple[int, int]]:
-    """The square blocks that, or-ed with the causal mask, make ``mask`` [L, L] (True: attends)."""
+    """The square blocks that, or-ed with the causal mask, make ``mask`` [L, L] (True: attends).
+    Lean on memory (a prompt's mask is L x L): two more L x L temporaries at most."""
     length = mask.shape[0]
-    causal = torch.ones(length, length, dtype=torch.bool).tril()
-    ahead = mask & ~causal
-    rows = torch.arange(length)
-    last = torch.where(ahead.any(1), length - 1 - ahead.flip(1).to(torch.int8).argmax(1), rows).tolist()
+    if int(mask.tril().sum()) != length * (length + 1) // 2:
+        raise UserError("this model's prefill mask hides earlier tokens, which the paged attention does not")
+    ahead = mask.triu(1)
+    seen = ahead.any(1)
+    last = torch.where(seen, length - 1 - ahead.flip(1).to(torch.int8).argmax(1), torch.arange(length)).tolist()
     blocks, q = [], 0
     while q < length:
         if last[q] > q:
@@ -54,10 +56,9 @@ def blocks_of(mask: torch.Tensor) -> list[tuple[int, int]]:
             q = last[q] + 1
         else:
             q += 1
-    expected = causal
-    for start, end in blocks:
-        expected[start:end, start:end] = True
-    if not torch.equal(expected, mask):
+    # causal plus exactly these blocks: each block's upper triangle full, nothing ahead outside them
+    full = all(bool(ahead[a:b, a:b].triu(1).sum() == (b - a) * (b - a - 1) // 2) for a, b in blocks)
+    if not full or int(ahead.sum()) != sum((b - a) * (b - a - 1) // 2 for a, b in blocks):
         raise UserError("this model's prefill mask is not causal plus blocks attended both ways, which is what the "
                         "paged attention applies")
     return blocks

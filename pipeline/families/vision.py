@@ -143,8 +143,9 @@ class VisionFamily(Family):
         return request
 
     def process(self, lm: Any, text: str, request: Any) -> dict:
-        """The processor's outputs for the whole prompt (ids), and per image and per video its own
-        inputs, slot count and content hash, from the processor run on it alone."""
+        """The processor's outputs for the whole prompt (ids; the spans its mask attends both ways), and
+        per image, video and audio clip its own inputs, slot count and content hash, from the processor
+        run on it alone."""
         items = {IMAGE: load_images(list(request.images)), VIDEO: load_videos(list(request.videos)),
                  AUDIO: list(request.audios)}
         bos = lm.tokenizer.bos_token
