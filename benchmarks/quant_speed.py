@@ -1,5 +1,5 @@
 """Single-stream decode speed of each weight scheme on this device, one process run: the figures
-behind ``quant=auto`` and the README's "which scheme where".
+behind ``quant=auto`` and the scheme table in docs/quantisation.md.
 
 The 187M-parameter Llama shape (random weights, ``archs.build_llama_187m``) is loaded once per
 scheme; each is timed on the same prompt ids (greedy, EOS ignored), schemes alternated every

@@ -335,7 +335,7 @@ def _check_budget_devices(budgets: dict) -> None:
 
     Why: accelerate places layers on a GPU index it is given whether or not CUDA exists, and
     the load then dies deep in transformers (``Found no NVIDIA driver``, a traceback) after the
-    processor and part of the weights were read; the README's ``{0: 10GiB, cpu: 30GiB}`` on a
+    processor and part of the weights were read; docs/quantisation.md's ``{0: 10GiB, cpu: 30GiB}`` on a
     machine without CUDA must be one line naming the fix.
     """
     gpus = sorted(k for k in budgets if isinstance(k, int))

@@ -1,6 +1,6 @@
 """Settings refused before anything heavy loads (issue 25): one ``error:`` line, exit status 2.
 
-- ``model.max_memory`` naming a CUDA device that is not here (the README's ``{0: 10GiB, cpu: 30GiB}``
+- ``model.max_memory`` naming a CUDA device that is not here (the docs' ``{0: 10GiB, cpu: 30GiB}``
   on a machine without CUDA) is refused where the configuration enters, not by a traceback from
   deep in transformers;
 - a hub id the hub cannot be asked about (no network) and that is not cached is one line at

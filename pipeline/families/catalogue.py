@@ -2,7 +2,7 @@
 
 Generated from the code (the family registry, the generic vision family's rules, transformers'
 own image-text-to-text mapping), so the answer to "does it run my model?" cannot drift from what
-the loader does. The README's list is this command's output.
+the loader does. docs/models.md is this command's output.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ write is final, rollback and copy-on-write move bytes only, and the cost is 2 by
 Why bfloat16 scales, rounded up: the scale is exactly representable in the model's dtype (bfloat16,
 float16 over its range, float32), so dequantising is one multiply in that dtype, with no float32
 copy of what a step reads (measured: 0.73x full precision's batch throughput through float32,
-see README "Memory"); rounding up (at most 2^-8 above max|x| / 127) means nothing is clipped,
+see docs/kv-cache.md); rounding up (at most 2^-8 above max|x| / 127) means nothing is clipped,
 and the step grows by at most 0.6%. float32 scales would cost 2 bytes more a head.
 
 Attention dequantises what a step reads (the gathered rows of each sequence) to the model's

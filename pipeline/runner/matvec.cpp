@@ -2,7 +2,7 @@
 //
 // A decode step of one sequence is a chain of matrix-vector products: every weight byte is read
 // once and used for one multiply-add, so the step runs at the speed memory delivers weights.
-// PyTorch's CPU GEMMs stop near 60% of that for a single row (measured: README "Decode at the
+// PyTorch's CPU GEMMs stop near 60% of that for a single row (measured: docs/cpu-decode.md "Decode at the
 // memory roofline"). This kernel streams each weight row once with FMAs in float32, row after
 // row, split over torch's intra-op threads (at::parallel_for: torch.set_num_threads). Two
 // instruction sets, chosen at run time (``isa``): AVX-512 where the CPU has it (16 lanes, half the

@@ -2,7 +2,7 @@
 steps where they apply, PyTorch's kernels everywhere else.
 
 A single sequence's decode step multiplies one row by every weight matrix: memory-bound, and
-PyTorch's CPU GEMMs reach about 60% of the bandwidth there (the kernel about 90%: README,
+PyTorch's CPU GEMMs reach about 60% of the bandwidth there (the kernel about 90%: docs/cpu-decode.md,
 "Decode at the memory roofline"). The kernel is built on first use with
 ``torch.utils.cpp_extension`` (cached in torch's extensions folder, rebuilt when the source
 changes) and registered as ``torch.ops.mm_pipeline.matvec``, which ``torch.compile`` calls as

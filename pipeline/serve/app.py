@@ -251,8 +251,8 @@ class _API:
             raise APIError(503, "the server is shutting down", "unavailable", "draining")
         unsupported = body.unsupported()
         if unsupported:
-            raise APIError(400, f"{', '.join(unsupported)}: not supported by this server (see the README's serve "
-                                f"section for the fields it implements)", code="unsupported_parameter")
+            raise APIError(400, f"{', '.join(unsupported)}: not supported by this server (docs/serve.md lists the "
+                                f"fields it implements)", code="unsupported_parameter")
         if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value")
         if isinstance(body, CompletionRequest) and max_tokens == 0 and not body.echo:
