@@ -5,6 +5,7 @@ what the real one would. The tokenizer and processor are the embedded tiny Qwen2
 special tokens and chat template, small vocabulary); the model keeps the real vocabulary size,
 so the embedding and lm_head cost what they really cost.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,22 +15,51 @@ import torch
 
 # Qwen/Qwen2-VL-2B-Instruct: config.json and preprocessor_config.json (published values).
 QWEN2_VL_2B_TEXT = dict(
-    vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-    num_attention_heads=12, num_key_value_heads=2, hidden_act="silu", max_position_embeddings=32768,
-    rms_norm_eps=1e-6, use_sliding_window=False, sliding_window=32768, max_window_layers=28,
-    attention_dropout=0.0, initializer_range=0.02, tie_word_embeddings=True,
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    hidden_act="silu",
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    use_sliding_window=False,
+    sliding_window=32768,
+    max_window_layers=28,
+    attention_dropout=0.0,
+    initializer_range=0.02,
+    tie_word_embeddings=True,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
 )
 QWEN2_VL_2B_VISION = dict(
-    depth=32, embed_dim=1280, hidden_size=1536, hidden_act="quick_gelu", mlp_ratio=4, num_heads=16,
-    in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.02,
+    depth=32,
+    embed_dim=1280,
+    hidden_size=1536,
+    hidden_act="quick_gelu",
+    mlp_ratio=4,
+    num_heads=16,
+    in_channels=3,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    initializer_range=0.02,
 )
 QWEN2_VL_2B_PIXELS = dict(min_pixels=56 * 56, max_pixels=16384 * 28 * 28)
 # The issues' CPU reference shape: a 187M-parameter Llama (text only).
 LLAMA_187M = dict(
-    vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=16,
-    num_key_value_heads=4, hidden_act="silu", max_position_embeddings=4096, rms_norm_eps=1e-5,
-    initializer_range=0.02, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    hidden_act="silu",
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    initializer_range=0.02,
+    tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
 )
 ARCHS = ("qwen2-vl-2b", "llama-187m", "llava-shapes")
 
@@ -51,8 +81,14 @@ def build_qwen2_vl_2b(out_dir: Path, device: str, layers: int | None = None, vis
 
     tok = make_tokenizer("qwen2-vl")
     ids = tok.convert_tokens_to_ids
-    text = dict(QWEN2_VL_2B_TEXT, num_hidden_layers=layers, max_window_layers=layers,
-                bos_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"))
+    text = dict(
+        QWEN2_VL_2B_TEXT,
+        num_hidden_layers=layers,
+        max_window_layers=layers,
+        bos_token_id=ids("<|endoftext|>"),
+        eos_token_id=ids("<|im_end|>"),
+        pad_token_id=ids("<|endoftext|>"),
+    )
     config = Qwen2VLConfig(
         text_config=text,
         vision_config=dict(QWEN2_VL_2B_VISION, depth=vision_depth),
@@ -116,28 +152,67 @@ def build_llava_shapes(out_dir: Path) -> Path:
     marker = out_dir / "mm_pipeline_bench.json"
     if marker.is_file() and json.loads(marker.read_text()) == recipe:
         return out_dir
-    from transformers import (AutoConfig, AutoTokenizer, CLIPImageProcessor, CLIPVisionConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor, Qwen2Config)
+    from transformers import (
+        AutoConfig,
+        AutoTokenizer,
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        Qwen2Config,
+    )
 
     from pipeline.tiny import default_model_dir
 
     text = AutoConfig.from_pretrained(default_model_dir()).text_config.to_dict()
     tok = AutoTokenizer.from_pretrained(default_model_dir())
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    shape = {k: text[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                                  "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings")}
+    shape = {
+        k: text[k]
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "rms_norm_eps",
+            "tie_word_embeddings",
+        )
+    }
     config = LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                       image_size=28, patch_size=14, projection_dim=32),
-        text_config=Qwen2Config(**shape, vocab_size=len(tok), rope_parameters={"rope_type": "default", "rope_theta": 200.0},
-                                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
-        image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
-        vision_feature_select_strategy="default")
+        vision_config=CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+            projection_dim=32,
+        ),
+        text_config=Qwen2Config(
+            **shape,
+            vocab_size=len(tok),
+            rope_parameters={"rope_type": "default", "rope_theta": 200.0},
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        ),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config)
     images = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-    processor = LlavaProcessor(images, tok, patch_size=14, vision_feature_select_strategy="default",
-                               num_additional_image_tokens=1, chat_template=tok.chat_template)
+    processor = LlavaProcessor(
+        images,
+        tok,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=tok.chat_template,
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
@@ -174,8 +249,12 @@ def bpe_tokenizer(vocab_size: int):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     bpe.train_from_iterator((p.read_text(errors="replace") for p in files), trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = make_tokenizer("qwen3").chat_template

@@ -26,6 +26,7 @@ in the same run, or ``--peak-gb-s``) and whether every path produced the same to
     python benchmarks/decode_vs_generate.py --arch qwen2-vl-2b --quant nf4 --fast --image 448 \\
         --prompt-tokens 32 --new-tokens 256                         # real-size, random weights (GPU)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,12 +64,16 @@ def load(args: argparse.Namespace) -> LoadedModel:
         from pipeline.tiny import default_model_dir
 
         path = str(default_model_dir())
-    quant = args.quant if args.skip_modules is None else {
-        "name": args.quant, "skip_modules": [n for n in args.skip_modules.split(",") if n]}
+    quant = (
+        args.quant
+        if args.skip_modules is None
+        else {"name": args.quant, "skip_modules": [n for n in args.skip_modules.split(",") if n]}
+    )
     return load_model(path, dtype=args.dtype, quant=quant)
 
 
 # --- one request ----------------------------------------------------------------------------
+
 
 class Prompt:
     """The same prompt for every path: raw ids (text) or a templated image request."""
@@ -116,11 +121,16 @@ def time_generate(lm: LoadedModel, prompt: Prompt, n: int) -> tuple[float, list[
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = lm.model.generate(
-            input_ids=prompt.ids, attention_mask=torch.ones_like(prompt.ids), do_sample=False,
-            max_new_tokens=n, eos_token_id=None, pad_token_id=lm.tokenizer.pad_token_id or 0, **kwargs,
+            input_ids=prompt.ids,
+            attention_mask=torch.ones_like(prompt.ids),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=None,
+            pad_token_id=lm.tokenizer.pad_token_id or 0,
+            **kwargs,
         )
     synchronize(lm.device)
-    return time.perf_counter() - t0, out[0, prompt.length:].tolist()
+    return time.perf_counter() - t0, out[0, prompt.length :].tolist()
 
 
 def time_pipeline(pipe: Pipeline, prompt: Prompt, n: int) -> tuple[dict, list[int]]:
@@ -143,8 +153,9 @@ def decode_figures(metrics: dict, n: int) -> tuple[float, float]:
     return (n - 1) / (metrics["total_s"] - metrics["ttft_s"]), metrics["bandwidth_gb_s"] * 1e9 / metrics["decode_tok_s"]
 
 
-def make_pipe(lm: LoadedModel, fast: bool, image: bool, matvec: bool = True, cuda_graphs: bool = True,
-              **settings: object) -> Pipeline:
+def make_pipe(
+    lm: LoadedModel, fast: bool, image: bool, matvec: bool = True, cuda_graphs: bool = True, **settings: object
+) -> Pipeline:
     """The chain a path times: ``fast`` compiles the decode step; ``settings`` go to ``Pipeline``
     (e.g. ``kv_attention``)."""
     stages: dict[str, Callable] = {}
@@ -173,8 +184,9 @@ def copy_gb_s(mib: int = 256, reps: int = 10) -> float:
     return 2 * a.numel() * 4 / statistics.median(times[1:]) / 1e9
 
 
-def measure(lm: LoadedModel, prompt: Prompt, paths: dict[str, Pipeline], n: int, reps: int,
-            peak_gb_s: float | None) -> list[dict]:
+def measure(
+    lm: LoadedModel, prompt: Prompt, paths: dict[str, Pipeline], n: int, reps: int, peak_gb_s: float | None
+) -> list[dict]:
     """Every path and ``generate()`` on ``prompt`` (``n`` new tokens), alternated over ``reps``
     repetitions after one untimed round; one row of medians per path, ratios against generate."""
     # One untimed round of everything: allocator, kernels and lazy imports warmed alike.
@@ -182,8 +194,9 @@ def measure(lm: LoadedModel, prompt: Prompt, paths: dict[str, Pipeline], n: int,
     for pipe in paths.values():
         time_pipeline(pipe, prompt, 2)
 
-    samples: dict[str, dict[str, list[float]]] = {k: {"ttft_s": [], "decode_tok_s": [], "bytes_per_token": []}
-                                                  for k in ["generate", *paths]}
+    samples: dict[str, dict[str, list[float]]] = {
+        k: {"ttft_s": [], "decode_tok_s": [], "bytes_per_token": []} for k in ["generate", *paths]
+    }
     tokens: dict[str, list[int]] = {}
     for rep in range(reps):
         order = ["generate", *paths] if rep % 2 == 0 else [*paths, "generate"]
@@ -211,34 +224,41 @@ def measure(lm: LoadedModel, prompt: Prompt, paths: dict[str, Pipeline], n: int,
         ttft = statistics.median(figs["ttft_s"])
         tok_s = statistics.median(figs["decode_tok_s"])
         bw = statistics.median(figs["bytes_per_token"]) * tok_s / 1e9
-        rows.append({
-            "path": name,
-            "ttft_s": ttft,
-            "prefill_tok_s": prompt.length / ttft,
-            "decode_tok_s": tok_s,
-            "decode_tok_s_stdev": statistics.stdev(figs["decode_tok_s"]) if len(figs["decode_tok_s"]) > 1 else 0.0,
-            "prefill_ratio": base["ttft_s"] / ttft,
-            "decode_ratio": tok_s / base["decode_tok_s"],
-            "bandwidth_gb_s": bw,
-            "roofline_pct": 100 * bw / peak_gb_s if peak_gb_s else None,
-            "tokens_match_generate": tokens[name] == tokens["generate"],
-        })
+        rows.append(
+            {
+                "path": name,
+                "ttft_s": ttft,
+                "prefill_tok_s": prompt.length / ttft,
+                "decode_tok_s": tok_s,
+                "decode_tok_s_stdev": statistics.stdev(figs["decode_tok_s"]) if len(figs["decode_tok_s"]) > 1 else 0.0,
+                "prefill_ratio": base["ttft_s"] / ttft,
+                "decode_ratio": tok_s / base["decode_tok_s"],
+                "bandwidth_gb_s": bw,
+                "roofline_pct": 100 * bw / peak_gb_s if peak_gb_s else None,
+                "tokens_match_generate": tokens[name] == tokens["generate"],
+            }
+        )
     return rows
 
 
 def print_rows(rows: list[dict], peak_gb_s: float | None) -> None:
     """``measure``'s rows as a Markdown table on stdout."""
-    print(f"\n| path | prefill tok/s (P/TTFT) | decode tok/s | vs generate: prefill | decode | bandwidth GB/s |"
-          f"{' roofline % |' if peak_gb_s else ''} tokens = generate |")
+    print(
+        f"\n| path | prefill tok/s (P/TTFT) | decode tok/s | vs generate: prefill | decode | bandwidth GB/s |"
+        f"{' roofline % |' if peak_gb_s else ''} tokens = generate |"
+    )
     print(f"|---|---|---|---|---|---|{'---|' if peak_gb_s else ''}---|")
     for r in rows:
         roof = f" {r['roofline_pct']:.1f} |" if peak_gb_s else ""
-        print(f"| {r['path']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} ± {r['decode_tok_s_stdev']:.2f} | "
-              f"{r['prefill_ratio']:.3f} | {r['decode_ratio']:.3f} | {r['bandwidth_gb_s']:.3f} |{roof} "
-              f"{'yes' if r['tokens_match_generate'] else 'NO'} |")
+        print(
+            f"| {r['path']} | {r['prefill_tok_s']:.1f} | {r['decode_tok_s']:.2f} ± {r['decode_tok_s_stdev']:.2f} | "
+            f"{r['prefill_ratio']:.3f} | {r['decode_ratio']:.3f} | {r['bandwidth_gb_s']:.3f} |{roof} "
+            f"{'yes' if r['tokens_match_generate'] else 'NO'} |"
+        )
 
 
 # --- main -----------------------------------------------------------------------------------
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -254,12 +274,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-modules", help="quant.skip_modules, comma-separated ('' quantises lm_head too)")
     ap.add_argument("--fast", action="store_true", help="also time decode.compile=true")
     ap.add_argument("--eager", action="store_true", help="also time decode.cuda_graphs=false (CUDA)")
-    ap.add_argument("--torch-kernels", action="store_true",
-                    help="also time each path with decode.matvec=false (PyTorch's linear kernels, no native kernel)")
+    ap.add_argument(
+        "--torch-kernels",
+        action="store_true",
+        help="also time each path with decode.matvec=false (PyTorch's linear kernels, no native kernel)",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--json", help="also write the figures to this file")
-    ap.add_argument("--peak-gb-s", type=float, default=None,
-                    help="memory bandwidth to report a roofline %% against (default: a copy measured in this run)")
+    ap.add_argument(
+        "--peak-gb-s",
+        type=float,
+        default=None,
+        help="memory bandwidth to report a roofline %% against (default: a copy measured in this run)",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -285,11 +312,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.peak_gb_s is None:
         args.peak_gb_s = copy_gb_s()
     read_bytes = decode_weight_bytes(lm.model, lm.family.encoder_modules)
-    print(f"model {lm.path}  quant={lm.quant} dtype={lm.model.dtype} device={lm.device}  "
-          f"decode weights {read_bytes / 1e6:.1f} MB  prompt {prompt.length} tokens"
-          f"{' (with a %dx%d image)' % (args.image, args.image) if image else ''}  new {n}  reps {args.reps}"
-          + (f"  warm-up {warmup_s:.1f} s" if warmup_s is not None else "")
-          + f"  roofline {args.peak_gb_s:.1f} GB/s", file=sys.stderr)
+    print(
+        f"model {lm.path}  quant={lm.quant} dtype={lm.model.dtype} device={lm.device}  "
+        f"decode weights {read_bytes / 1e6:.1f} MB  prompt {prompt.length} tokens"
+        f"{' (with a %dx%d image)' % (args.image, args.image) if image else ''}  new {n}  reps {args.reps}"
+        + (f"  warm-up {warmup_s:.1f} s" if warmup_s is not None else "")
+        + f"  roofline {args.peak_gb_s:.1f} GB/s",
+        file=sys.stderr,
+    )
 
     rows = measure(lm, prompt, paths, n, args.reps, args.peak_gb_s)
     print_rows(rows, args.peak_gb_s)

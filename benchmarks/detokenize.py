@@ -17,6 +17,7 @@ if any differs.
     python benchmarks/detokenize.py                       # 1000 and 4000 tokens, tiny qwen3 tokenizer
     python benchmarks/detokenize.py --tokens 500,2000,8000 --reps 5 --family llama
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,10 @@ if str(ROOT) not in sys.path:
 
 from pipeline.engine.output import TextStream  # noqa: E402
 
-WORDS = ("the model reads the image and writes an answer , café naïve déjà vu 中文 字符 测试 漢字 かな "
-         "한국어 😀 🎉 👍🏽 🇫🇷 Ωπ∑ 42 2024 .").split()
+WORDS = (
+    "the model reads the image and writes an answer , café naïve déjà vu 中文 字符 测试 漢字 かな "
+    "한국어 😀 🎉 👍🏽 🇫🇷 Ωπ∑ 42 2024 ."
+).split()
 
 
 class OldTextStream:
@@ -108,8 +111,9 @@ def main() -> int:
 
     print(f"tiny {args.family} tokenizer, best of {args.reps}; seconds to stream an answer of n tokens")
     head = ["method"] + [f"n={n}" for n in sizes] + [f"ratio {sizes[-1]}/{sizes[0]}"]
-    rows = [[m] + [f"{best[m, n]:.4f}" for n in sizes] + [f"{best[m, sizes[-1]] / best[m, sizes[0]]:.2f}x"]
-            for m in methods]
+    rows = [
+        [m] + [f"{best[m, n]:.4f}" for n in sizes] + [f"{best[m, sizes[-1]] / best[m, sizes[0]]:.2f}x"] for m in methods
+    ]
     widths = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
     for r in [head] + rows:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))

@@ -27,6 +27,7 @@ then shows the KV pool's peak blocks against what contiguous per-sequence caches
     python benchmarks/engine_throughput.py --arch qwen2-vl-2b --dtype bfloat16 --requests 256 \
         --new-tokens 128 --max-seqs 1,16,64,128 --skip-solo --skip-hf          # GPU, random weights
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,11 +77,14 @@ def workload_args(ap: argparse.ArgumentParser) -> None:
 
 
 def pipeline(lm: LoadedModel, max_seqs: int, compile: bool) -> Pipeline:
-    return Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=compile)}, max_seqs=max_seqs,
-                    max_batch_tokens=2048)
+    return Pipeline(
+        lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=compile)}, max_seqs=max_seqs, max_batch_tokens=2048
+    )
 
 
-def run_engine(pipe: Pipeline, prompts: list[list[int]], gen: int, at_once: bool) -> tuple[float, list[list[int]], dict]:
+def run_engine(
+    pipe: Pipeline, prompts: list[list[int]], gen: int, at_once: bool
+) -> tuple[float, list[list[int]], dict]:
     """Wall seconds, tokens per request, engine figures (peak blocks)."""
     pipe.pool.clear_prefix_cache()
     engine = pipe.engine
@@ -98,7 +102,9 @@ def run_engine(pipe: Pipeline, prompts: list[list[int]], gen: int, at_once: bool
     return seconds, tokens, dict(engine.counters)
 
 
-def run_generate_batch(lm: LoadedModel, prompts: list[list[int]], gen: int, args: argparse.Namespace) -> tuple[float, list[list[int]]]:
+def run_generate_batch(
+    lm: LoadedModel, prompts: list[list[int]], gen: int, args: argparse.Namespace
+) -> tuple[float, list[list[int]]]:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -122,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto", help="auto (float32 CPU, bfloat16 GPU) | bfloat16 | float32")
     ap.add_argument("--quant", default="none", help="weight scheme: none | int8wo | nf4 | ... (quant=...)")
     workload_args(ap)
-    ap.add_argument("--max-seqs", default="0", help="engine.max_seqs of the batched run(s), e.g. 1,16,64 (0: all requests)")
+    ap.add_argument(
+        "--max-seqs", default="0", help="engine.max_seqs of the batched run(s), e.g. 1,16,64 (0: all requests)"
+    )
     ap.add_argument("--compile", action="store_true", help="decode.compile=true for both pipeline paths (warmed up)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true", help="leave generate_batch out")
@@ -152,8 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         paths["one at a time"] = pipeline(lm, 1, args.compile)
     warmup = {name: p.warmup() for name, p in paths.items()} if args.compile else {}
     generated = args.requests * gen
-    print(f"model {lm.path}  {args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
-          f"tokens, {gen} generated each  reps {args.reps}" + (f"  warm-up {warmup}" if warmup else ""), file=sys.stderr)
+    print(
+        f"model {lm.path}  {args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
+        f"tokens, {gen} generated each  reps {args.reps}" + (f"  warm-up {warmup}" if warmup else ""),
+        file=sys.stderr,
+    )
 
     # One untimed round of each path: allocator, lazy imports.
     for name, pipe in paths.items():
@@ -181,31 +192,53 @@ def main(argv: list[str] | None = None) -> int:
     first = next(iter(med))
     reference = tokens.get("one at a time")
     for name, s in med.items():
-        row = {"path": name, "seconds": s, "throughput_tok_s": generated / s, "vs_first": med[first] / s,
-               "vs_one_at_a_time": med["one at a time"] / s if "one at a time" in med else None,
-               "vs_generate_batch": med["generate_batch"] / s if "generate_batch" in med else None}
+        row = {
+            "path": name,
+            "seconds": s,
+            "throughput_tok_s": generated / s,
+            "vs_first": med[first] / s,
+            "vs_one_at_a_time": med["one at a time"] / s if "one at a time" in med else None,
+            "vs_generate_batch": med["generate_batch"] / s if "generate_batch" in med else None,
+        }
         if reference is not None:
             row["identical_to_one_at_a_time"] = sum(a == b for a, b in zip(tokens[name], reference))
         rows.append(row)
-    print(f"\n| path | wall s | tokens/s | vs {first} | vs one at a time | vs generate_batch | "
-          "sequences identical to one at a time |")
+    print(
+        f"\n| path | wall s | tokens/s | vs {first} | vs one at a time | vs generate_batch | "
+        "sequences identical to one at a time |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         vs = [f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("vs_first", "vs_one_at_a_time", "vs_generate_batch")]
         same = f"{r['identical_to_one_at_a_time']}/{args.requests}" if "identical_to_one_at_a_time" in r else "-"
-        print(f"| {r['path']} | {r['seconds']:.2f} | {r['throughput_tok_s']:.1f} | {vs[0]} | {vs[1]} | {vs[2]} | {same} |")
+        print(
+            f"| {r['path']} | {r['seconds']:.2f} | {r['throughput_tok_s']:.1f} | {vs[0]} | {vs[1]} | {vs[2]} | {same} |"
+        )
 
     pool = next(iter(paths.values())).pool
     contiguous = sum(kv_bytes(lm.config, len(p) + gen - 1, lm.model.dtype) for p in prompts)
     paged = peak_blocks * pool.block_bytes
-    print(f"\nKV: peak {peak_blocks} blocks of {pool.block_size} = {paged / 2**20:.2f} MiB in the pool "
-          f"({paged / args.requests / 1024:.1f} KiB per sequence) vs {contiguous / 2**20:.2f} MiB for "
-          f"{args.requests} contiguous caches ({contiguous / args.requests / 1024:.1f} KiB per sequence): "
-          f"{paged / contiguous:.2f}x")
+    print(
+        f"\nKV: peak {peak_blocks} blocks of {pool.block_size} = {paged / 2**20:.2f} MiB in the pool "
+        f"({paged / args.requests / 1024:.1f} KiB per sequence) vs {contiguous / 2**20:.2f} MiB for "
+        f"{args.requests} contiguous caches ({contiguous / args.requests / 1024:.1f} KiB per sequence): "
+        f"{paged / contiguous:.2f}x"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "kv_peak_blocks": peak_blocks,
-                                               "kv_paged_bytes": paged, "kv_contiguous_bytes": contiguous,
-                                               "prompts": prompts, "tokens": tokens[first]}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "rows": rows,
+                    "kv_peak_blocks": peak_blocks,
+                    "kv_paged_bytes": paged,
+                    "kv_contiguous_bytes": contiguous,
+                    "prompts": prompts,
+                    "tokens": tokens[first],
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -14,6 +14,7 @@ log-likelihood within ``--tolerance`` (float32 weights: both sum log_softmax ove
     python benchmarks/eval_vs_hflm.py                      # the 187M-parameter Llama shape, random weights, CPU
     python benchmarks/eval_vs_hflm.py --questions 20 --hf-batch 8   # a quick check
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from archs import build_llama_187m  # noqa: E402
 
-WORDS = ("harbour boat market bread fish morning noon square people river bridge stone tower bell garden "
-         "window road north south winter summer rain wind hill field farmer horse cart lamp school teacher "
-         "child letter story music song dance city village forest path mountain valley lake island ship").split()
+WORDS = (
+    "harbour boat market bread fish morning noon square people river bridge stone tower bell garden "
+    "window road north south winter summer rain wind hill field farmer horse cart lamp school teacher "
+    "child letter story music song dance city village forest path mountain valley lake island ship"
+).split()
 
 
 def sentence(rng: random.Random, n: int) -> str:
@@ -49,21 +52,26 @@ def write_task(folder: Path, questions: int, context_tokens: int, tokenizer, see
             while len(tokenizer(passage)["input_ids"]) < context_tokens:
                 passage += sentence(rng, rng.randint(6, 14)) + " "
             choices = [" " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6))) for _ in range(4)]
-            doc = {"question": f"{passage}Question: what does the passage say?\nAnswer:", "choices": choices,
-                   "answer": rng.randrange(4)}
+            doc = {
+                "question": f"{passage}Question: what does the passage say?\nAnswer:",
+                "choices": choices,
+                "answer": rng.randrange(4),
+            }
             f.write(json.dumps(doc) + "\n")
     (folder / "bench_mc.yaml").write_text(
         f"task: bench_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / 'docs.jsonl'}\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
-        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n")
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n"
+    )
 
 
 def timed(model, manager, limit: int | None) -> tuple[float, dict]:
     from lm_eval import simple_evaluate
 
     t0 = time.perf_counter()
-    out = simple_evaluate(model=model, tasks=["bench_mc"], task_manager=manager, limit=limit, log_samples=True,
-                          verbosity="ERROR")
+    out = simple_evaluate(
+        model=model, tasks=["bench_mc"], task_manager=manager, limit=limit, log_samples=True, verbosity="ERROR"
+    )
     return time.perf_counter() - t0, out
 
 
@@ -101,8 +109,7 @@ def main() -> None:
 
     probes = {}
     for size in (int(b) for b in args.hf_batch.split(",")):
-        probes[size] = timed(HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=size), manager,
-                             args.probe)[0]
+        probes[size] = timed(HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=size), manager, args.probe)[0]
         print(f"HFLM batch {size}: {probes[size]:.1f} s on {args.probe} questions", file=sys.stderr)
     best = min(probes, key=probes.get)
     hf_s, theirs = timed(HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, batch_size=best), manager, None)
@@ -112,10 +119,19 @@ def main() -> None:
     worst = max(abs(a - b) for a, b in zip(mine, ref))
     acc = (ours["results"]["bench_mc"]["acc,none"], theirs["results"]["bench_mc"]["acc,none"])
     figures = {
-        "model": path, "questions": args.questions, "choices": len(mine), "context_tokens": args.context,
-        "threads": torch.get_num_threads(), "hflm_batch_probes_s": probes, "hflm_batch": best,
-        "hflm_s": round(hf_s, 2), "engine_s": round(ours_s, 2), "speedup": round(hf_s / ours_s, 2),
-        "accuracy_engine": acc[0], "accuracy_hflm": acc[1], "max_abs_loglikelihood_diff": worst,
+        "model": path,
+        "questions": args.questions,
+        "choices": len(mine),
+        "context_tokens": args.context,
+        "threads": torch.get_num_threads(),
+        "hflm_batch_probes_s": probes,
+        "hflm_batch": best,
+        "hflm_s": round(hf_s, 2),
+        "engine_s": round(ours_s, 2),
+        "speedup": round(hf_s / ours_s, 2),
+        "accuracy_engine": acc[0],
+        "accuracy_hflm": acc[1],
+        "max_abs_loglikelihood_diff": worst,
         "engine_tokens_in": pipe.engine.counters["tokens_in"],
     }
     print(json.dumps(figures, indent=2))

@@ -26,6 +26,7 @@ need CUDA): what ``REHEARSE=1 bash benchmarks/gpu_check.sh`` runs before a GPU i
     python benchmarks/gpu_figures.py --out gpu-check            # on the GPU (gpu_check.sh runs it)
     python benchmarks/gpu_figures.py --out /tmp/rehearsal --rehearse
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,16 @@ from pipeline.loading import LoadedModel  # noqa: E402
 from pipeline.metrics import decode_weight_bytes  # noqa: E402
 from stages import DecodeLoop, Prefill  # noqa: E402
 
-STEPS = ("env", "decode_bf16", "decode_nf4", "decode_int4wo", "batch", "prefill_16k", "decode_bf16_flex",
-         "decode_bf16_compiled")
+STEPS = (
+    "env",
+    "decode_bf16",
+    "decode_nf4",
+    "decode_int4wo",
+    "batch",
+    "prefill_16k",
+    "decode_bf16_flex",
+    "decode_bf16_compiled",
+)
 
 
 @dataclass
@@ -78,8 +87,18 @@ class Sizes:
 
 
 GPU = Sizes()
-REHEARSAL = Sizes(layers=1, image=56, prompt_tokens=8, new_tokens=6, reps=1, requests=4, batch_new_tokens=4,
-                  prefill_tokens=256, kv_memory=256 << 20, limits=(20, 120, 60, 60, 60, 60, 120, 200))
+REHEARSAL = Sizes(
+    layers=1,
+    image=56,
+    prompt_tokens=8,
+    new_tokens=6,
+    reps=1,
+    requests=4,
+    batch_new_tokens=4,
+    prefill_tokens=256,
+    kv_memory=256 << 20,
+    limits=(20, 120, 60, 60, 60, 60, 120, 200),
+)
 
 
 class StepTimeout(Exception):
@@ -98,7 +117,9 @@ class Run:
         self.peak = args.peak_gb_s
         self._bf16: LoadedModel | None = None
         cache = Path(args.cache_dir or Path(tempfile.gettempdir()) / "mm-pipeline-bench")
-        self.model_dir = cache / ("qwen2-vl-2b" if self.sizes.layers is None else f"qwen2-vl-2b-{self.sizes.layers}-layer")
+        self.model_dir = cache / (
+            "qwen2-vl-2b" if self.sizes.layers is None else f"qwen2-vl-2b-{self.sizes.layers}-layer"
+        )
 
     def model_path(self) -> str:
         s = self.sizes
@@ -122,13 +143,19 @@ class Run:
 
 # --- the steps ------------------------------------------------------------------------------------
 
+
 def step_env(run: Run) -> dict:
     import accelerate
     import transformers
 
-    figures = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-               "transformers": transformers.__version__, "accelerate": accelerate.__version__,
-               "device": torch.cuda.get_device_name() if run.device == "cuda" else platform.processor() or "cpu"}
+    figures = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "accelerate": accelerate.__version__,
+        "device": torch.cuda.get_device_name() if run.device == "cuda" else platform.processor() or "cpu",
+    }
     for name in ("bitsandbytes", "torchao", "triton"):
         try:
             figures[name] = __import__(name).__version__
@@ -148,10 +175,20 @@ def decode_rows(run: Run, lm: LoadedModel, paths: dict[str, dict]) -> dict:
     warmup = {name: p.warmup() for name, p in pipes.items()}  # compiles, captures: before any timing
     rows = measure(lm, prompt, pipes, s.new_tokens, s.reps, run.roofline())
     print_rows(rows, run.peak)
-    return {"paths": {name: step_notes(p) for name, p in pipes.items()}, "model": lm.path, "quant": lm.quant, "dtype": str(lm.model.dtype), "device": str(lm.device),
-            "decode_weight_bytes": decode_weight_bytes(lm.model, lm.family.encoder_modules),
-            "prompt_tokens": prompt.length, "new_tokens": s.new_tokens, "reps": s.reps, "warmup_s": warmup,
-            "roofline_gb_s": run.peak, "rows": rows}
+    return {
+        "paths": {name: step_notes(p) for name, p in pipes.items()},
+        "model": lm.path,
+        "quant": lm.quant,
+        "dtype": str(lm.model.dtype),
+        "device": str(lm.device),
+        "decode_weight_bytes": decode_weight_bytes(lm.model, lm.family.encoder_modules),
+        "prompt_tokens": prompt.length,
+        "new_tokens": s.new_tokens,
+        "reps": s.reps,
+        "warmup_s": warmup,
+        "roofline_gb_s": run.peak,
+        "rows": rows,
+    }
 
 
 def step_notes(pipe: Pipeline) -> dict:
@@ -162,8 +199,11 @@ def step_notes(pipe: Pipeline) -> dict:
     decode = pipe.stages["decode"]
     graphed = getattr(decode, "graphed", None)
     runner = pipe.engine.runner
-    notes = {"fixed_step": getattr(runner.compiled, "kind", None), "flex_broken": flex.KERNEL.broken,
-             "attention": pipe.pool.attention}
+    notes = {
+        "fixed_step": getattr(runner.compiled, "kind", None),
+        "flex_broken": flex.KERNEL.broken,
+        "attention": pipe.pool.attention,
+    }
     if graphed is not None:
         notes.update(graphs_broken=graphed.broken, buckets=sorted(str(k) for b in graphed.buckets.values() for k in b))
     if decode.compiled is not None:
@@ -203,22 +243,35 @@ def step_batch(run: Run) -> dict:
 
     s = run.sizes
     lm = run.bf16()
-    prompts = workload(lm, argparse.Namespace(requests=s.requests, min_prompt=20, max_prompt=90, shared_prefix=0, seed=0))
+    prompts = workload(
+        lm, argparse.Namespace(requests=s.requests, min_prompt=20, max_prompt=90, shared_prefix=0, seed=0)
+    )
     figures = {}
     for name, max_seqs in (("one_at_a_time", 1), ("at_once", s.requests)):
-        pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, max_seqs=max_seqs,
-                        kv_memory=s.kv_memory)
+        pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, max_seqs=max_seqs, kv_memory=s.kv_memory)
         pipe.warmup()
         run_engine(pipe, prompts, 2 if max_seqs == 1 else s.batch_new_tokens, at_once=True)  # every bucket captured
         seconds, tokens, _ = run_engine(pipe, prompts, s.batch_new_tokens, at_once=True)
-        figures[name] = {"max_seqs": max_seqs, "seconds": seconds, "tok_s": len(prompts) * s.batch_new_tokens / seconds,
-                         "tokens": tokens}
+        figures[name] = {
+            "max_seqs": max_seqs,
+            "seconds": seconds,
+            "tok_s": len(prompts) * s.batch_new_tokens / seconds,
+            "tokens": tokens,
+        }
     solo, batch = figures["one_at_a_time"], figures["at_once"]
     same = sum(a == b for a, b in zip(solo.pop("tokens"), batch.pop("tokens")))
-    result = {"requests": s.requests, "new_tokens": s.batch_new_tokens, **figures, "notes": step_notes(pipe),
-              "speedup": batch["tok_s"] / solo["tok_s"], "sequences_identical": same}
-    print(f"{s.requests} requests x {s.batch_new_tokens} tokens: one at a time {solo['tok_s']:.1f} tok/s, "
-          f"at once {batch['tok_s']:.1f} tok/s: {result['speedup']:.1f}x ({same}/{s.requests} identical)")
+    result = {
+        "requests": s.requests,
+        "new_tokens": s.batch_new_tokens,
+        **figures,
+        "notes": step_notes(pipe),
+        "speedup": batch["tok_s"] / solo["tok_s"],
+        "sequences_identical": same,
+    }
+    print(
+        f"{s.requests} requests x {s.batch_new_tokens} tokens: one at a time {solo['tok_s']:.1f} tok/s, "
+        f"at once {batch['tok_s']:.1f} tok/s: {result['speedup']:.1f}x ({same}/{s.requests} identical)"
+    )
     return result
 
 
@@ -230,8 +283,12 @@ def step_prefill_16k(run: Run) -> dict:
     pipes = {"pipeline": run.pipe(lm, False)}
     rows = measure(lm, prompt, pipes, 8, 1, run.roofline())
     print_rows(rows, run.peak)
-    return {"prompt_tokens": prompt.length, "rows": rows, "notes": step_notes(pipes["pipeline"]),
-            "ttft_ratio": rows[1]["prefill_ratio"]}  # generate's TTFT / the pipeline's
+    return {
+        "prompt_tokens": prompt.length,
+        "rows": rows,
+        "notes": step_notes(pipes["pipeline"]),
+        "ttft_ratio": rows[1]["prefill_ratio"],
+    }  # generate's TTFT / the pipeline's
 
 
 def step_decode_bf16_flex(run: Run) -> dict:
@@ -250,8 +307,10 @@ def release() -> None:
 
 # --- running them ---------------------------------------------------------------------------------
 
+
 def run_step(run: Run, name: str, fn: Callable[[Run], dict], limit: int) -> int:
     """One step under its time limit; its JSON and its steps.jsonl line written as it ends."""
+
     def expire(signum: int, frame: Any) -> None:
         raise StepTimeout(f"{name} ran past its {limit} s limit")
 
@@ -270,8 +329,9 @@ def run_step(run: Run, name: str, fn: Callable[[Run], dict], limit: int) -> int:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     seconds = time.perf_counter() - t0
-    (run.out / f"{name}.json").write_text(json.dumps({"step": name, "exit": code, "seconds": seconds, **figures},
-                                                     indent=2, default=str))
+    (run.out / f"{name}.json").write_text(
+        json.dumps({"step": name, "exit": code, "seconds": seconds, **figures}, indent=2, default=str)
+    )
     with open(run.out / "steps.jsonl", "a") as f:
         f.write(json.dumps({"step": name, "exit": code, "seconds": round(seconds, 1)}) + "\n")
     print(f"== {name}: exit {code} in {seconds:.1f} s", file=sys.stderr, flush=True)

@@ -16,6 +16,7 @@ Usage (GPU):   python benchmarks/gpu_qwen2vl_nf4.py [--quant nf4|fp4|int8|none] 
 CPU check:     python benchmarks/gpu_qwen2vl_nf4.py --layers 2 --vision-depth 2 --image-size 224 \\
                    --max-new-tokens 8 --runs 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,8 +76,11 @@ def main() -> None:
     try:
         t0 = time.perf_counter()
         build_qwen2_vl_2b(tmp, device, args.layers, args.vision_depth)
-        print(f"built random-weight Qwen2-VL-2B ({args.layers} layers, vision depth {args.vision_depth}) "
-              f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        print(
+            f"built random-weight Qwen2-VL-2B ({args.layers} layers, vision depth {args.vision_depth}) "
+            f"in {time.perf_counter() - t0:.1f} s",
+            file=sys.stderr,
+        )
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
@@ -85,10 +89,21 @@ def main() -> None:
         load_peak = int(torch.cuda.max_memory_allocated()) if cuda else None
         print(f"loaded quant={lm.quant} in {load_s:.1f} s\n{format_placement(lm.placement)}", file=sys.stderr)
 
-        pipe = Pipeline(lm, {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(),
-                             "decode": DecodeLoop(Sampler())})
-        request = Request(prompt="Describe this image in detail.", images=[test_image(args.image_size)],
-                          max_new_tokens=args.max_new_tokens, ignore_eos=True)
+        pipe = Pipeline(
+            lm,
+            {
+                "tokenize": Tokenize(),
+                "vision_encoder": VisionEncoder(),
+                "prefill": Prefill(),
+                "decode": DecodeLoop(Sampler()),
+            },
+        )
+        request = Request(
+            prompt="Describe this image in detail.",
+            images=[test_image(args.image_size)],
+            max_new_tokens=args.max_new_tokens,
+            ignore_eos=True,
+        )
         pipe.run(request)  # warm-up: CUDA context, kernels, allocator
         runs = [cold_run(pipe, request) for _ in range(max(1, args.runs))]
     finally:
@@ -123,15 +138,25 @@ def main() -> None:
     vision = [m["stages"].get("vision_encoder", {}).get("seconds", 0.0) for m in runs]
     report["vision_s"] = (statistics.mean(vision), statistics.stdev(vision) if len(vision) > 1 else 0.0)
     gib = 2**30
-    print(f"\nQwen2-VL-2B random weights, quant={report['quant']} on {report['device']} "
-          f"({report['runs']} runs after a warm-up; mean ± sd)")
+    print(
+        f"\nQwen2-VL-2B random weights, quant={report['quant']} on {report['device']} "
+        f"({report['runs']} runs after a warm-up; mean ± sd)"
+    )
     print(f"  weights            {report['weights_bytes'] / gib:.3f} GiB")
-    print(f"  peak memory        {report['peak_memory_bytes'] / gib:.3f} GiB"
-          + ("  (CUDA allocated" if cuda else "  (process RSS") + ", without the KV pool)")
+    print(
+        f"  peak memory        {report['peak_memory_bytes'] / gib:.3f} GiB"
+        + ("  (CUDA allocated" if cuda else "  (process RSS")
+        + ", without the KV pool)"
+    )
     print(f"  KV pool            {(report['kv_pool_bytes'] or 0) / gib:.3f} GiB")
     print(f"  prompt / image     {report['prompt_tokens']} tokens, {report['image_tokens']} image tokens")
-    for key, unit in (("ttft_s", "s"), ("vision_s", "s"), ("prefill_tok_s", "tok/s"), ("decode_tok_s", "tok/s"),
-                      ("bandwidth_gb_s", "GB/s")):
+    for key, unit in (
+        ("ttft_s", "s"),
+        ("vision_s", "s"),
+        ("prefill_tok_s", "tok/s"),
+        ("decode_tok_s", "tok/s"),
+        ("bandwidth_gb_s", "GB/s"),
+    ):
         mean, sd = report[key]
         print(f"  {key:<18} {mean:.4g} ± {sd:.2g} {unit}")
     if args.json:

@@ -13,6 +13,7 @@ weights, ``archs``), each ratio against a baseline measured in the same run:
     python benchmarks/kv_memory.py                          # all three, bfloat16
     python benchmarks/kv_memory.py --only offload --reps 5
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,15 +45,19 @@ def capacity(lm: object, args: argparse.Namespace) -> None:
         pool = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=args.memory, kv_dtype=kind).pool
         seqs = (pool.num_blocks - 1) // -(-args.seq_tokens // pool.block_size)
         base = base or seqs
-        print(f"| {kind} | {pool.block_bytes // pool.block_size:,} | {pool.capacity_tokens:,} | {seqs:,} | "
-              f"{seqs / base:.2f}x |")
+        print(
+            f"| {kind} | {pool.block_bytes // pool.block_size:,} | {pool.capacity_tokens:,} | {seqs:,} | "
+            f"{seqs / base:.2f}x |"
+        )
 
 
 def speed(lm: object, args: argparse.Namespace) -> None:
     prompts = workload(lm, args)
     kinds = args.kinds.split(",")
-    pipes = {k: Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_dtype=k, max_seqs=len(prompts))
-             for k in kinds}
+    pipes = {
+        k: Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_dtype=k, max_seqs=len(prompts))
+        for k in kinds
+    }
     for pipe in pipes.values():
         run_engine(pipe, prompts[:4], 4, at_once=True)  # warm
     times: dict[str, list[float]] = {k: [] for k in kinds}
@@ -63,16 +68,20 @@ def speed(lm: object, args: argparse.Namespace) -> None:
             times[kind].append(seconds)
     generated = len(prompts) * args.new_tokens
     base = generated / statistics.median(times["auto"])
-    print(f"\nspeed: {len(prompts)} requests at once, {args.new_tokens} new tokens each, {args.dtype}, median of "
-          f"{args.reps}")
+    print(
+        f"\nspeed: {len(prompts)} requests at once, {args.new_tokens} new tokens each, {args.dtype}, median of "
+        f"{args.reps}"
+    )
     print("| kv.dtype | tok/s | vs auto | each repetition's ratio, lowest-highest | sequences identical to auto |")
     print("|---|---|---|---|---|")
     for kind in kinds:
         rate = generated / statistics.median(times[kind])
         paired = [a / k for a, k in zip(times["auto"], times[kind])]
         same = sum(a == b for a, b in zip(tokens[kind], tokens["auto"]))
-        print(f"| {kind} | {rate:.1f} | {rate / base:.2f}x | {min(paired):.2f}-{max(paired):.2f} | "
-              f"{same}/{len(prompts)} |")
+        print(
+            f"| {kind} | {rate:.1f} | {rate / base:.2f}x | {min(paired):.2f}-{max(paired):.2f} | "
+            f"{same}/{len(prompts)} |"
+        )
 
 
 def offload(lm: object, args: argparse.Namespace) -> None:
@@ -83,9 +92,11 @@ def offload(lm: object, args: argparse.Namespace) -> None:
     memory = (args.doc_tokens * 3 // 2) * kv_bytes(lm.config, 1, lm.model.dtype)  # one document and a half
     folder = tempfile.mkdtemp(prefix="kv-tier-")
     stages = lambda: {"prefill": Prefill(), "decode": DecodeLoop()}  # noqa: E731
-    pipes = {"recompute": Pipeline(lm, stages(), kv_memory=memory, max_seqs=1),
-             "disk tier": Pipeline(lm, stages(), kv_memory=memory, max_seqs=1, kv_offload="disk", kv_offload_dir=folder),
-             "prefix cache (a pool that keeps it)": Pipeline(lm, stages(), kv_memory=4 * memory, max_seqs=1)}
+    pipes = {
+        "recompute": Pipeline(lm, stages(), kv_memory=memory, max_seqs=1),
+        "disk tier": Pipeline(lm, stages(), kv_memory=memory, max_seqs=1, kv_offload="disk", kv_offload_dir=folder),
+        "prefix cache (a pool that keeps it)": Pipeline(lm, stages(), kv_memory=4 * memory, max_seqs=1),
+    }
     ttft: dict[str, list[float]] = {k: [] for k in pipes}
     answers = {}
     for rep in range(args.reps):
@@ -100,19 +111,25 @@ def offload(lm: object, args: argparse.Namespace) -> None:
             ctx.cache.clear()
     stats = pipes["disk tier"].engine.stats()
     base = statistics.median(ttft["recompute"])
-    print(f"\noffload: a {args.doc_tokens}-token document pushed out of a {fmt_bytes(memory)} pool and asked about "
-          f"again, {args.dtype}, median of {args.reps}")
+    print(
+        f"\noffload: a {args.doc_tokens}-token document pushed out of a {fmt_bytes(memory)} pool and asked about "
+        f"again, {args.dtype}, median of {args.reps}"
+    )
     print("| second ask | TTFT | vs recompute |")
     print("|---|---|---|")
     for name, values in ttft.items():
         print(f"| {name} | {statistics.median(values) * 1e3:.1f} ms | {statistics.median(values) / base:.3f}x |")
     kept = all(a["disk tier"] == a["prefix cache (a pool that keeps it)"] for a in answers.values())
     same = sum(a["recompute"] == a["disk tier"] for a in answers.values())
-    print(f"answers: the tier's identical to a prefix-cache hit's: {kept}; to a recompute's in {same} of {len(answers)} "
-          f"(a {args.dtype} prefill of the document alone and with the question round differently)")
-    print(f"tier: {stats['kv_tier_hits']} blocks loaded, "
-          f"{fmt_bytes(stats['kv_tier_bytes_loaded'])} in {stats['kv_tier_load_s'] * 1e3:.1f} ms, "
-          f"{stats['kv_tier_blocks']} blocks held ({fmt_bytes(stats['kv_tier_bytes'])})")
+    print(
+        f"answers: the tier's identical to a prefix-cache hit's: {kept}; to a recompute's in {same} of {len(answers)} "
+        f"(a {args.dtype} prefill of the document alone and with the question round differently)"
+    )
+    print(
+        f"tier: {stats['kv_tier_hits']} blocks loaded, "
+        f"{fmt_bytes(stats['kv_tier_bytes_loaded'])} in {stats['kv_tier_load_s'] * 1e3:.1f} ms, "
+        f"{stats['kv_tier_blocks']} blocks held ({fmt_bytes(stats['kv_tier_bytes'])})"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

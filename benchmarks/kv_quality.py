@@ -20,6 +20,7 @@ near-ties), perplexity of the reference tokens and its ratio to ``auto``.
     python benchmarks/kv_quality.py                         # auto, int8, fp8; both models
     python benchmarks/kv_quality.py --sequences 4 --skip-random
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,10 @@ def forced(lm: object, kv_dtype: str, seqs: list[tuple[list[int], list[int]]]) -
     """Per (prompt, continuation): [len(continuation), vocab] log-distributions, all run at once."""
     pipe = pipe_for(lm, kv_dtype, len(seqs))
     samplers = [Forced(cont) for _, cont in seqs]
-    handles = [pipe.submit(Request(max_new_tokens=len(cont), ignore_eos=True, sampler=s), ids=prompt, result=False)
-               for (prompt, cont), s in zip(seqs, samplers)]
+    handles = [
+        pipe.submit(Request(max_new_tokens=len(cont), ignore_eos=True, sampler=s), ids=prompt, result=False)
+        for (prompt, cont), s in zip(seqs, samplers)
+    ]
     for h in handles:
         pipe.wait(h).cache.clear()
     return [torch.stack(s.logps) for s in samplers]
@@ -84,9 +87,14 @@ def compare(lm: object, kinds: list[str], seqs: list[tuple[list[int], list[int]]
     for kind, lp in runs.items():
         nll = -float(lp.gather(1, targets[:, None]).mean())
         agree = lp.argmax(-1) == ref.argmax(-1)
-        out[kind] = {"kl": float((ref.exp() * (ref - lp)).sum(-1).mean()), "top1": float(agree.float().mean()),
-                     "top1_clear": float(agree[clear].float().mean()), "clear": float(clear.float().mean()),
-                     "ppl": math.exp(nll), "positions": len(targets)}
+        out[kind] = {
+            "kl": float((ref.exp() * (ref - lp)).sum(-1).mean()),
+            "top1": float(agree.float().mean()),
+            "top1_clear": float(agree[clear].float().mean()),
+            "clear": float(clear.float().mean()),
+            "ppl": math.exp(nll),
+            "positions": len(targets),
+        }
     for f in out.values():
         f["ppl_ratio"] = f["ppl"] / out[kinds[0]]["ppl"]
     return out
@@ -100,8 +108,13 @@ def greedy(lm: object, kinds: list[str], seqs: list[tuple[list[int], list[int]]]
         handles = [pipe.submit(Request(max_new_tokens=len(ans) + 4), ids=prompt, result=False) for prompt, ans in seqs]
         answers[kind] = [list(pipe.wait(h).generated) for h in handles]
     ref = answers[kinds[0]]
-    return {k: {"exact": sum(a[: len(s[1])] == s[1] for a, s in zip(got, seqs)) / len(seqs),
-                "same": sum(a == r for a, r in zip(got, ref)) / len(seqs)} for k, got in answers.items()}
+    return {
+        k: {
+            "exact": sum(a[: len(s[1])] == s[1] for a, s in zip(got, seqs)) / len(seqs),
+            "same": sum(a == r for a, r in zip(got, ref)) / len(seqs),
+        }
+        for k, got in answers.items()
+    }
 
 
 def copy_sequences(lm: object, n: int) -> list[tuple[list[int], list[int]]]:
@@ -123,18 +136,24 @@ def report(title: str, figures: dict[str, dict], exact: dict[str, dict] | None =
     print(f"\n{title}")
     extra = " | greedy answers exact | same as auto" if exact else ""
     clear = next(iter(figures.values()))["clear"]
-    print(f"| kv.dtype | KL(auto ‖ kv) | top-1 agreement | where auto's top two differ by > {CLEAR} nats "
-          f"({100 * clear:.0f}% of positions) | perplexity | vs auto{extra} |")
+    print(
+        f"| kv.dtype | KL(auto ‖ kv) | top-1 agreement | where auto's top two differ by > {CLEAR} nats "
+        f"({100 * clear:.0f}% of positions) | perplexity | vs auto{extra} |"
+    )
     print("|---|---|---|---|---|---|" + ("---|---|" if exact else ""))
     for kind, f in figures.items():
         tail = f" | {exact[kind]['exact']:.2f} | {exact[kind]['same']:.2f}" if exact else ""
-        print(f"| {kind} | {f['kl']:.2e} | {100 * f['top1']:.2f}% | {100 * f['top1_clear']:.2f}% | {f['ppl']:.3f} | "
-              f"{f['ppl_ratio']:.4f}x{tail} |")
+        print(
+            f"| {kind} | {f['kl']:.2e} | {100 * f['top1']:.2f}% | {100 * f['top1_clear']:.2f}% | {f['ppl']:.3f} | "
+            f"{f['ppl_ratio']:.4f}x{tail} |"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kinds", default="auto,int8,fp8", help="comma-separated kv.dtype values; the first is the reference")
+    ap.add_argument(
+        "--kinds", default="auto,int8,fp8", help="comma-separated kv.dtype values; the first is the reference"
+    )
     ap.add_argument("--sequences", type=int, default=16, help="held-out passages per task / random sequences")
     ap.add_argument("--length", type=int, default=256, help="tokens per random sequence (187M model)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -150,13 +169,19 @@ def main(argv: list[str] | None = None) -> int:
     target = copy_models(progress=True)[0]
     lm = load_model(str(target), dtype=dtype)
     seqs = copy_sequences(lm, args.sequences)
-    report(f"copy-trained Qwen3 target ({target.name}), {args.dtype}, {len(seqs)} held-out passages, answers forced",
-           compare(lm, kinds, seqs), greedy(lm, kinds, seqs))
+    report(
+        f"copy-trained Qwen3 target ({target.name}), {args.dtype}, {len(seqs)} held-out passages, answers forced",
+        compare(lm, kinds, seqs),
+        greedy(lm, kinds, seqs),
+    )
     if not args.skip_random:
         lm = load_model(str(build_arch("llama-187m", args.cache_dir, "cpu", dtype)), dtype=dtype)
         seqs = random_sequences(lm, args.sequences, args.length)
-        report(f"llama-187m (random weights), {args.dtype}, {args.sequences} random sequences of {args.length} "
-               f"tokens (32 prompt, the rest forced)", compare(lm, kinds, seqs))
+        report(
+            f"llama-187m (random weights), {args.dtype}, {args.sequences} random sequences of {args.length} "
+            f"tokens (32 prompt, the rest forced)",
+            compare(lm, kinds, seqs),
+        )
     return 0
 
 

@@ -10,6 +10,7 @@ without) of the medians. The tokens must be identical (asking never changes the 
     python benchmarks/logprobs_cost.py                          # the 187M-parameter Llama shape, float32, CPU
     python benchmarks/logprobs_cost.py --model DIR --logprobs 1,20
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,8 +80,12 @@ def main() -> None:
             print(f"rep {rep} logprobs={k}: {rate:.1f} tok/s", file=sys.stderr)
     base = statistics.median(rates["None"])
     figures = {
-        "model": path, "dtype": args.dtype, "requests": args.requests, "new_tokens": args.new_tokens,
-        "threads": torch.get_num_threads(), "tok_s": {k: round(statistics.median(v), 1) for k, v in rates.items()},
+        "model": path,
+        "dtype": args.dtype,
+        "requests": args.requests,
+        "new_tokens": args.new_tokens,
+        "threads": torch.get_num_threads(),
+        "tok_s": {k: round(statistics.median(v), 1) for k, v in rates.items()},
         "cost": {k: round(1 - statistics.median(v) / base, 3) for k, v in rates.items() if k != "None"},
         "tokens_identical": all(t == tokens["None"] for t in tokens.values()),
     }

@@ -11,6 +11,7 @@ hand-written read loop are the references in benchmarks/README.md.)
 
     python benchmarks/matvec_kernels.py [--reps 10] [--threads 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,11 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     shapes = llama_187m_shapes()
     weights = {dt: [torch.randn(n, k, dtype=dt) for n, k in shapes] for dt in (torch.float32, torch.bfloat16)}
-    int8 = [(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, dtype=torch.bfloat16) / 64)
-            for n, k in shapes]
+    int8 = [
+        (torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, dtype=torch.bfloat16) / 64)
+        for n, k in shapes
+    ]
     xs = {dt: {k: torch.randn(1, k, dtype=dt) for k in (1024, 4096)} for dt in (torch.float32, torch.bfloat16)}
-    nbytes = {"float32": sum(w.numel() * 4 for w in weights[torch.float32]),
-              "bfloat16": sum(w.numel() * 2 for w in weights[torch.bfloat16]), "int8": sum(q.numel() for q, _ in int8)}
+    nbytes = {
+        "float32": sum(w.numel() * 4 for w in weights[torch.float32]),
+        "bfloat16": sum(w.numel() * 2 for w in weights[torch.bfloat16]),
+        "int8": sum(q.numel() for q, _ in int8),
+    }
 
     def over(items: list, call: Callable) -> Callable[[], None]:
         return lambda: [call(item) for item in items]
@@ -78,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             paths[(name, f"kernel {isa}")] = (isa, over(weights[dtype], lambda w, x=x: matvec.run(x[w.shape[1]], w)))
     x = xs[torch.bfloat16]
     for isa in isas():
-        paths[("int8", f"kernel {isa}")] = (isa, over(int8, lambda qs, x=x: matvec.run(x[qs[0].shape[1]], qs[0], qs[1])))
+        paths[("int8", f"kernel {isa}")] = (
+            isa,
+            over(int8, lambda qs, x=x: matvec.run(x[qs[0].shape[1]], qs[0], qs[1])),
+        )
 
     default = matvec.isa()
     speeds: dict[tuple[str, str], list[float]] = {key: [] for key in paths}
@@ -91,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             if rep:  # the first round warms caches and allocators
                 speeds[key].append(nbytes[key[0]] / (time.perf_counter() - t0) / 1e9)
     matvec.isa(default)
-    print(f"{torch.get_num_threads()} threads, {args.reps} reps, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"kernel default {default}; GB/s of weights, the 187M Llama's 57 matrices")
+    print(
+        f"{torch.get_num_threads()} threads, {args.reps} reps, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"kernel default {default}; GB/s of weights, the 187M Llama's 57 matrices"
+    )
     print("| weights | path | median GB/s | max GB/s | vs F.linear |")
     print("|---|---|---|---|---|")
     for (dtype, path), values in speeds.items():

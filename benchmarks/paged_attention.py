@@ -10,6 +10,7 @@ path is printed); the figures are the ratios of their times to it.
     python benchmarks/paged_attention.py                       # CPU
     python benchmarks/paged_attention.py --device cuda --dtype bfloat16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,17 +68,21 @@ def case(rows: int, context: int, queries: int, args: argparse.Namespace) -> dic
     def native() -> torch.Tensor:  # [rows, heads, dim] as [rows, heads, 1, dim]
         slots = key_slots(tables, size)
         mask = torch.arange(slots.shape[1], device=device) < hi
-        return torch.ops.mm_pipeline.decode_attention(q[:, :, 0], k_pool, v_pool, slots, mask,
-                                                      args.head_dim ** -0.5).unsqueeze(2)
+        return torch.ops.mm_pipeline.decode_attention(
+            q[:, :, 0], k_pool, v_pool, slots, mask, args.head_dim**-0.5
+        ).unsqueeze(2)
 
     reference = gathered().float()
     diff = (in_place().float() - reference).abs().max().item()
     f, g = timed(in_place, args.reps, device), timed(gathered, args.reps, device)
-    out = dict(rows=rows, context=context, queries=queries, flex_ms=f * 1e3, gather_ms=g * 1e3, ratio=g / f,
-               max_diff=diff)
+    out = dict(
+        rows=rows, context=context, queries=queries, flex_ms=f * 1e3, gather_ms=g * 1e3, ratio=g / f, max_diff=diff
+    )
     if queries == 1 and device.type == "cpu" and matvec.load() is None:
-        out.update(native_ms=timed(native, args.reps, device) * 1e3,
-                   native_diff=(native().float() - reference).abs().max().item())
+        out.update(
+            native_ms=timed(native, args.reps, device) * 1e3,
+            native_diff=(native().float() - reference).abs().max().item(),
+        )
     return out
 
 
@@ -95,14 +100,23 @@ def main() -> None:
     shapes = [(8, 1000, 1), (64, 512, 1), (64, 2000, 1)]
     if args.device.startswith("cuda"):
         shapes += [(1, 12288, 4096)]
-    print(f"{args.device} {args.dtype}, {args.heads}/{args.kv_heads} heads x {args.head_dim}, "
-          f"blocks of {args.block_size}, pool of {args.pool_blocks} blocks")
+    print(
+        f"{args.device} {args.dtype}, {args.heads}/{args.kv_heads} heads x {args.head_dim}, "
+        f"blocks of {args.block_size}, pool of {args.pool_blocks} blocks"
+    )
     for rows, context, queries in shapes:
         r = case(rows, context, queries, args)
-        native = (f"  native {r['native_ms']:8.2f} ms {r['gather_ms'] / r['native_ms']:.2f}x "
-                  f"(max diff {r['native_diff']:.1e})" if "native_ms" in r else "")
-        print(f"rows {rows:3d} x {queries:4d} queries, context {context:5d}: gather+SDPA {r['gather_ms']:8.2f} ms  "
-              f"flex {r['flex_ms']:8.2f} ms {r['ratio']:.2f}x (max diff {r['max_diff']:.1e}){native}", flush=True)
+        native = (
+            f"  native {r['native_ms']:8.2f} ms {r['gather_ms'] / r['native_ms']:.2f}x "
+            f"(max diff {r['native_diff']:.1e})"
+            if "native_ms" in r
+            else ""
+        )
+        print(
+            f"rows {rows:3d} x {queries:4d} queries, context {context:5d}: gather+SDPA {r['gather_ms']:8.2f} ms  "
+            f"flex {r['flex_ms']:8.2f} ms {r['ratio']:.2f}x (max diff {r['max_diff']:.1e}){native}",
+            flush=True,
+        )
     if flex.KERNEL.broken:
         print(f"note: {flex.KERNEL.broken}")
 

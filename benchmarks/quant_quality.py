@@ -18,6 +18,7 @@ tokens (the answers; for the random model the sequence itself) with its ratio to
 Scheme names are ``quant_speed.py``'s: ``int8wo-keephead`` is int8wo with
 ``quant.skip_modules=[lm_head]`` (the output projection kept in model.dtype, transformers' default).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,10 +56,16 @@ def compare(models: dict[str, object], batches: list[tuple[torch.Tensor, torch.T
             sums[name]["nll"] -= float(lp.gather(1, targets[:, None]).sum())
         count += int(mask.sum())
     base_ppl = torch.exp(torch.tensor(sums[names[0]]["nll"] / count)).item()
-    return {n: {"kl": s["kl"] / count, "top1": s["agree"] / count,
-                "ppl": torch.exp(torch.tensor(s["nll"] / count)).item(),
-                "ppl_ratio": torch.exp(torch.tensor(s["nll"] / count)).item() / base_ppl, "positions": count}
-            for n, s in sums.items()}
+    return {
+        n: {
+            "kl": s["kl"] / count,
+            "top1": s["agree"] / count,
+            "ppl": torch.exp(torch.tensor(s["nll"] / count)).item(),
+            "ppl_ratio": torch.exp(torch.tensor(s["nll"] / count)).item() / base_ppl,
+            "positions": count,
+        }
+        for n, s in sums.items()
+    }
 
 
 def copy_batches(lm: object, n: int) -> tuple[list, object]:
@@ -72,7 +79,7 @@ def copy_batches(lm: object, n: int) -> tuple[list, object]:
             prompt, answer = maker.prompt_ids(example), maker.answer_ids(example)
             ids = torch.tensor([prompt + answer])
             mask = torch.zeros(ids.shape[1] - 1, dtype=torch.bool)
-            mask[len(prompt) - 1:] = True
+            mask[len(prompt) - 1 :] = True
             batches.append((ids, mask))
     return batches, maker
 
@@ -81,8 +88,10 @@ def random_batches(lm: object, n: int, length: int) -> list:
     special = set(lm.tokenizer.all_special_ids) | set(lm.tokenizer.get_added_vocab().values())
     pool = torch.tensor([i for i in range(len(lm.tokenizer)) if i not in special])
     g = torch.Generator().manual_seed(0)
-    return [(pool[torch.randint(len(pool), (1, length), generator=g)], torch.ones(length - 1, dtype=torch.bool))
-            for _ in range(n)]
+    return [
+        (pool[torch.randint(len(pool), (1, length), generator=g)], torch.ones(length - 1, dtype=torch.bool))
+        for _ in range(n)
+    ]
 
 
 def report(title: str, figures: dict[str, dict], exact: dict[str, dict] | None = None) -> None:
@@ -97,7 +106,9 @@ def report(title: str, figures: dict[str, dict], exact: dict[str, dict] | None =
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--schemes", default="none,int8wo-keephead,int8wo", help="comma-separated; the first is the reference")
+    ap.add_argument(
+        "--schemes", default="none,int8wo-keephead,int8wo", help="comma-separated; the first is the reference"
+    )
     ap.add_argument("--sequences", type=int, default=16, help="held-out passages per task / random sequences")
     ap.add_argument("--length", type=int, default=256, help="tokens per random sequence (187M model)")
     ap.add_argument("--copy-model", help="the copy target's directory (default: trained once into the cache)")
@@ -113,14 +124,20 @@ def main(argv: list[str] | None = None) -> int:
     models = {s: load(target, s, "float32") for s in schemes}
     batches, _ = copy_batches(models[schemes[0]], args.sequences)
     exact = {s: evaluate(lm.model, lm.tokenizer, args.sequences) for s, lm in models.items()}
-    report(f"copy-trained Qwen3 target ({target.name}), float32, {args.sequences} held-out passages a task, "
-           f"answers teacher-forced", compare(models, batches), exact)
+    report(
+        f"copy-trained Qwen3 target ({target.name}), float32, {args.sequences} held-out passages a task, "
+        f"answers teacher-forced",
+        compare(models, batches),
+        exact,
+    )
     if not args.skip_random:
         model_dir = build_arch("llama-187m", args.cache_dir, "cpu", torch.float32)
         models = {s: load(model_dir, s, "float32") for s in schemes}
         batches = random_batches(models[schemes[0]], args.sequences, args.length)
-        report(f"llama-187m (random weights), float32, {args.sequences} random sequences of {args.length} tokens",
-               compare(models, batches))
+        report(
+            f"llama-187m (random weights), float32, {args.sequences} random sequences of {args.length} tokens",
+            compare(models, batches),
+        )
     return 0
 
 

@@ -13,6 +13,7 @@ engine's tokens equal ``generate()`` on the same quantised weights.
 ``int8wo-keephead`` is int8wo with ``quant.skip_modules=[lm_head]``: the output projection kept in
 model.dtype (transformers' default; int8wo's own quantises it too).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,16 +35,26 @@ def load(model_dir: Path, scheme: str, dtype: str):
     name, _, suffix = scheme.partition("-")
     if suffix not in ("", "keephead"):
         raise SystemExit(f"unknown scheme {scheme!r}: a quant name, optionally with -keephead")
-    ns = argparse.Namespace(arch=None, model=str(model_dir), quant=name, dtype=dtype, prompt_tokens=0, image=0,
-                            skip_modules="lm_head" if suffix else None)
+    ns = argparse.Namespace(
+        arch=None,
+        model=str(model_dir),
+        quant=name,
+        dtype=dtype,
+        prompt_tokens=0,
+        image=0,
+        skip_modules="lm_head" if suffix else None,
+    )
     return dvg.load(ns)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--schemes", default="none,int8wo-keephead,int8wo",
-                    help="comma-separated quant names (-keephead: lm_head kept in model.dtype)")
+    ap.add_argument(
+        "--schemes",
+        default="none,int8wo-keephead,int8wo",
+        help="comma-separated quant names (-keephead: lm_head kept in model.dtype)",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=55)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
@@ -77,14 +88,20 @@ def main(argv: list[str] | None = None) -> int:
             read[scheme].append(per_token)
             same.setdefault(scheme, tokens == expected)
     base = statistics.median(speed[schemes[0]])
-    print(f"llama-187m {args.dtype} on {device}, {'plain' if args.eager else 'compiled'} decode, {n} new tokens, "
-          f"{args.reps} reps; roofline (copy) {roofline:.1f} GB/s")
-    print(f"| scheme | MB read per token | decode tok/s | vs {schemes[0]} | GB/s | tokens = generate() (same weights) |")
+    print(
+        f"llama-187m {args.dtype} on {device}, {'plain' if args.eager else 'compiled'} decode, {n} new tokens, "
+        f"{args.reps} reps; roofline (copy) {roofline:.1f} GB/s"
+    )
+    print(
+        f"| scheme | MB read per token | decode tok/s | vs {schemes[0]} | GB/s | tokens = generate() (same weights) |"
+    )
     print("|---|---|---|---|---|---|")
     for scheme in schemes:
         tok_s, per_token = statistics.median(speed[scheme]), statistics.median(read[scheme])
-        print(f"| {scheme} | {per_token / 1e6:.0f} | {tok_s:.1f} | {tok_s / base:.2f}x | {per_token * tok_s / 1e9:.1f} | "
-              f"{'yes' if same[scheme] else 'no'} |")
+        print(
+            f"| {scheme} | {per_token / 1e6:.0f} | {tok_s:.1f} | {tok_s / base:.2f}x | {per_token * tok_s / 1e9:.1f} | "
+            f"{'yes' if same[scheme] else 'no'} |"
+        )
     return 0
 
 

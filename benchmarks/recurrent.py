@@ -42,6 +42,7 @@ thread was steady (benchmarks/README.md).
     python benchmarks/recurrent.py --every 16,32,64,off --context 1024 --parts rollback,prefix
     python benchmarks/recurrent.py --hidden 1024 --layers 8 --json recurrent.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,6 +74,7 @@ FULL_HEAD = 256  # full-attention head dim (published)
 
 # --- the model ------------------------------------------------------------------------------
 
+
 def build_model(out_dir: Path, hidden: int, layers: int) -> Path:
     """A save_pretrained directory of a random-weight Qwen3.5 text model (written once, reused).
 
@@ -102,12 +104,25 @@ def build_model(out_dir: Path, hidden: int, layers: int) -> Path:
     if "full_attention" not in kinds:
         kinds[-1] = "full_attention"
     text.update(
-        hidden_size=hidden, intermediate_size=hidden * 7 // 2, num_hidden_layers=layers, layer_types=kinds,
-        num_attention_heads=hidden // 128, num_key_value_heads=min(2, hidden // 128), head_dim=FULL_HEAD,
-        linear_num_key_heads=hidden // 64, linear_num_value_heads=hidden // 64,
-        linear_key_head_dim=HEAD, linear_value_head_dim=HEAD, linear_conv_kernel_dim=4,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+        hidden_size=hidden,
+        intermediate_size=hidden * 7 // 2,
+        num_hidden_layers=layers,
+        layer_types=kinds,
+        num_attention_heads=hidden // 128,
+        num_key_value_heads=min(2, hidden // 128),
+        head_dim=FULL_HEAD,
+        linear_num_key_heads=hidden // 64,
+        linear_num_value_heads=hidden // 64,
+        linear_key_head_dim=HEAD,
+        linear_value_head_dim=HEAD,
+        linear_conv_kernel_dim=4,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
     )
     config = Qwen3_5TextConfig(**text)
     state = torch.random.get_rng_state()
@@ -119,8 +134,9 @@ def build_model(out_dir: Path, hidden: int, layers: int) -> Path:
     with torch.no_grad():  # added tokens (EOS, markers) never win a greedy step (as the tiny models)
         model.get_output_embeddings().weight[sorted(set(tok.get_added_vocab().values()))] = 0.0
     ids = tok.convert_tokens_to_ids
-    model.generation_config = GenerationConfig(eos_token_id=[ids("<|im_end|>"), ids("<|endoftext|>")],
-                                                pad_token_id=ids("<|endoftext|>"), do_sample=False)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[ids("<|im_end|>"), ids("<|endoftext|>")], pad_token_id=ids("<|endoftext|>"), do_sample=False
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
@@ -137,9 +153,15 @@ def oracle(lm: LoadedModel, ids: list[int], n: int) -> list[int]:
     """``generate()``'s greedy tokens on ``ids`` (EOS kept, generation goes on: ``ignore_eos``)."""
     x = torch.tensor([ids], device=lm.device)
     with torch.inference_mode():
-        out = lm.model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n,
-                                eos_token_id=None, pad_token_id=lm.tokenizer.pad_token_id or 0)
-    return out[0, len(ids):].tolist()
+        out = lm.model.generate(
+            input_ids=x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=None,
+            pad_token_id=lm.tokenizer.pad_token_id or 0,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 class Checker:
@@ -180,17 +202,21 @@ def label(every: int, off: int) -> str:
 
 # --- 1. rollback into a long context --------------------------------------------------------
 
-def bench_rollback(pipes: dict[int, Pipeline], args: argparse.Namespace, vocab: list[int], check: Checker,
-                   off: int) -> list[dict]:
+
+def bench_rollback(
+    pipes: dict[int, Pipeline], args: argparse.Namespace, vocab: list[int], check: Checker, off: int
+) -> list[dict]:
     rng = random.Random(args.seed)
     context = [rng.choice(vocab) for _ in range(args.context)]
-    points = [(rng.randrange(args.block, args.context), [rng.choice(vocab) for _ in range(args.suffix)])
-              for _ in range(args.rollbacks)]
+    points = [
+        (rng.randrange(args.block, args.context), [rng.choice(vocab) for _ in range(args.suffix)])
+        for _ in range(args.rollbacks)
+    ]
     everies = list(pipes)
     stats = {e: {"context_ttft": [], "recomputed": [], "ttft": [], "left": []} for e in everies}
     held: dict[int, dict] = {}
     for rep in range(args.reps):
-        order = everies[rep % len(everies):] + everies[:rep % len(everies)]
+        order = everies[rep % len(everies) :] + everies[: rep % len(everies)]
         bases: dict[int, KVCache] = {}
         for e in order:  # the context, once per E, in rotating order
             pipes[e].pool.clear_prefix_cache()
@@ -201,12 +227,16 @@ def bench_rollback(pipes: dict[int, Pipeline], args: argparse.Namespace, vocab: 
             if rep == 0:
                 cache = bases[e]
                 slots = {*cache.checkpoints.values(), cache.slot} - {0}
-                held[e] = {"checkpoints": len(cache.checkpoints), "state_slots": len(slots),
-                           "kv_bytes": len(cache.blocks) * cache.pool.block_bytes,
-                           "state_bytes": len(slots) * cache.pool.states.slot_bytes, "nbytes": cache.nbytes}
+                held[e] = {
+                    "checkpoints": len(cache.checkpoints),
+                    "state_slots": len(slots),
+                    "kv_bytes": len(cache.blocks) * cache.pool.block_bytes,
+                    "state_bytes": len(slots) * cache.pool.states.slot_bytes,
+                    "nbytes": cache.nbytes,
+                }
         for i, (pos, suffix) in enumerate(points):
             ids = context[:pos] + suffix
-            for e in order[i % len(order):] + order[:i % len(order)]:
+            for e in order[i % len(order) :] + order[: i % len(order)]:
                 # Only the cache's own checkpoints: earlier follow-ups registered states of their own
                 # prompts with the prefix cache, which part 2 measures (the fork holds its blocks).
                 pipes[e].pool.clear_prefix_cache()
@@ -228,20 +258,29 @@ def bench_rollback(pipes: dict[int, Pipeline], args: argparse.Namespace, vocab: 
     rows = []
     for e in everies:
         s = stats[e]
-        rows.append({"every": label(e, off), "recomputed_mean": statistics.mean(s["recomputed"]),
-                     "rollback_left_mean": statistics.mean(s["left"]),
-                     "recomputed_max": max(s["recomputed"]), "ttft_s": statistics.mean(s["ttft"]),
-                     "ttft_vs_smallest": statistics.mean(s["ttft"]) / base_ttft,
-                     "context_ttft_s": statistics.median(s["context_ttft"]),
-                     "context_ttft_vs_fewest": statistics.median(s["context_ttft"]) / off_ctx,
-                     "context_ref": label(ref, off), **held[e]})
+        rows.append(
+            {
+                "every": label(e, off),
+                "recomputed_mean": statistics.mean(s["recomputed"]),
+                "rollback_left_mean": statistics.mean(s["left"]),
+                "recomputed_max": max(s["recomputed"]),
+                "ttft_s": statistics.mean(s["ttft"]),
+                "ttft_vs_smallest": statistics.mean(s["ttft"]) / base_ttft,
+                "context_ttft_s": statistics.median(s["context_ttft"]),
+                "context_ttft_vs_fewest": statistics.median(s["context_ttft"]) / off_ctx,
+                "context_ref": label(ref, off),
+                **held[e],
+            }
+        )
     return rows
 
 
 # --- 2. prefix reuse across requests --------------------------------------------------------
 
-def bench_prefix(pipes: dict[int, Pipeline], args: argparse.Namespace, vocab: list[int], check: Checker,
-                 off: int) -> list[dict]:
+
+def bench_prefix(
+    pipes: dict[int, Pipeline], args: argparse.Namespace, vocab: list[int], check: Checker, off: int
+) -> list[dict]:
     rng = random.Random(args.seed + 1)
     first = [rng.choice(vocab) for _ in range(args.context)]
     shared = args.shared or (3 * args.context // 4 + args.block // 2 + 1)
@@ -252,10 +291,10 @@ def bench_prefix(pipes: dict[int, Pipeline], args: argparse.Namespace, vocab: li
     stats = {(c, e): {"reused": [], "warm": [], "cold": []} for c in cases for e in everies}
     for rep in range(args.reps):
         for case, (a, b) in cases.items():
-            order = everies[rep % len(everies):] + everies[:rep % len(everies)]
+            order = everies[rep % len(everies) :] + everies[: rep % len(everies)]
             for e in order:
                 pipe = pipes[e]
-                for kind in (("cold", "warm") if rep % 2 == 0 else ("warm", "cold")):
+                for kind in ("cold", "warm") if rep % 2 == 0 else ("warm", "cold"):
                     pipe.pool.clear_prefix_cache()
                     if kind == "warm":
                         out, _ = run(pipe, a, args.new_tokens)  # its cache is released on return
@@ -269,14 +308,24 @@ def bench_prefix(pipes: dict[int, Pipeline], args: argparse.Namespace, vocab: li
     for (case, e), s in stats.items():
         a, b = cases[case]
         common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        rows.append({"case": case, "every": label(e, off), "shared_tokens": common, "prompt_tokens": len(b),
-                     "reused": max(s["reused"]), "reused_min": min(s["reused"]),
-                     "warm_ttft_s": statistics.median(s["warm"]), "cold_ttft_s": statistics.median(s["cold"]),
-                     "ttft_vs_cold": statistics.median(w / c for w, c in zip(s["warm"], s["cold"]))})
+        rows.append(
+            {
+                "case": case,
+                "every": label(e, off),
+                "shared_tokens": common,
+                "prompt_tokens": len(b),
+                "reused": max(s["reused"]),
+                "reused_min": min(s["reused"]),
+                "warm_ttft_s": statistics.median(s["warm"]),
+                "cold_ttft_s": statistics.median(s["cold"]),
+                "ttft_vs_cold": statistics.median(w / c for w, c in zip(s["warm"], s["cold"])),
+            }
+        )
     return rows
 
 
 # --- 3. decode ------------------------------------------------------------------------------
+
 
 def bench_decode(lm: LoadedModel, args: argparse.Namespace, vocab: list[int], check: Checker) -> dict:
     rng = random.Random(args.seed + 2)
@@ -288,15 +337,21 @@ def bench_decode(lm: LoadedModel, args: argparse.Namespace, vocab: list[int], ch
     def gen(k: int) -> tuple[float, list[int]]:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = lm.model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
-                                    max_new_tokens=k, eos_token_id=None, pad_token_id=lm.tokenizer.pad_token_id or 0)
-        return time.perf_counter() - t0, out[0, len(prompt):].tolist()
+            out = lm.model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=k,
+                eos_token_id=None,
+                pad_token_id=lm.tokenizer.pad_token_id or 0,
+            )
+        return time.perf_counter() - t0, out[0, len(prompt) :].tolist()
 
     gen(2)
     run(single, prompt, 2)  # untimed: allocator, lazy imports
     rates: dict[str, list[float]] = {"generate": [], "pipeline": []}
     for rep in range(args.reps):
-        for name in (("generate", "pipeline") if rep % 2 == 0 else ("pipeline", "generate")):
+        for name in ("generate", "pipeline") if rep % 2 == 0 else ("pipeline", "generate"):
             if name == "generate":
                 t1, _ = gen(1)
                 tn, out = gen(n)
@@ -309,8 +364,10 @@ def bench_decode(lm: LoadedModel, args: argparse.Namespace, vocab: list[int], ch
     ratios = [p / g for p, g in zip(rates["pipeline"], rates["generate"])]
 
     # B requests at once through the engine vs one after another (varied prompt lengths).
-    prompts = [[rng.choice(vocab) for _ in range(rng.randrange(args.decode_prompt // 2, 2 * args.decode_prompt + 1))]
-               for _ in range(args.batch)]
+    prompts = [
+        [rng.choice(vocab) for _ in range(rng.randrange(args.decode_prompt // 2, 2 * args.decode_prompt + 1))]
+        for _ in range(args.batch)
+    ]
     batched = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, max_seqs=args.batch)
 
     def together() -> tuple[float, list[list[int]]]:
@@ -324,17 +381,20 @@ def bench_decode(lm: LoadedModel, args: argparse.Namespace, vocab: list[int], ch
 
     seconds: dict[str, list[float]] = {"together": [], "alone": []}
     for rep in range(args.reps):
-        for name in (("together", "alone") if rep % 2 == 0 else ("alone", "together")):
+        for name in ("together", "alone") if rep % 2 == 0 else ("alone", "together"):
             s, outs = together() if name == "together" else alone()
             seconds[name].append(s)
             for p, out in zip(prompts, outs):
                 check(f"batch {name}", p, out)
     tokens = args.batch * n
     return {
-        "prompt_tokens": len(prompt), "new_tokens": n,
-        "generate_tok_s": statistics.median(rates["generate"]), "pipeline_tok_s": statistics.median(rates["pipeline"]),
+        "prompt_tokens": len(prompt),
+        "new_tokens": n,
+        "generate_tok_s": statistics.median(rates["generate"]),
+        "pipeline_tok_s": statistics.median(rates["pipeline"]),
         "pipeline_vs_generate": statistics.median(ratios),
-        "batch": args.batch, "batch_prompts": [len(p) for p in prompts],
+        "batch": args.batch,
+        "batch_prompts": [len(p) for p in prompts],
         "together_tok_s": tokens / statistics.median(seconds["together"]),
         "alone_tok_s": tokens / statistics.median(seconds["alone"]),
         "together_vs_alone": statistics.median(a / t for a, t in zip(seconds["alone"], seconds["together"])),
@@ -342,6 +402,7 @@ def bench_decode(lm: LoadedModel, args: argparse.Namespace, vocab: list[int], ch
 
 
 # --- main -----------------------------------------------------------------------------------
+
 
 def mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
@@ -352,11 +413,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a small smoke: tiny model, short context, 1 rep")
     ap.add_argument("--model", help="a save_pretrained Qwen3.5 directory (default: build one, see --hidden/--layers)")
     ap.add_argument("--hidden", type=int, default=512, help="hidden size of the built model (multiple of 128)")
-    ap.add_argument("--layers", type=int, default=8, help="decoder layers of the built model (every fourth full attention)")
+    ap.add_argument(
+        "--layers", type=int, default=8, help="decoder layers of the built model (every fourth full attention)"
+    )
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | auto")
     ap.add_argument("--cache-dir", help="where the built model is written (default: $TMPDIR/mm-pipeline-bench)")
-    ap.add_argument("--every", default="64,256,1024,off",
-                    help="kv.state_checkpoint_every values, smallest first (multiples of 16); off: only prompt ends")
+    ap.add_argument(
+        "--every",
+        default="64,256,1024,off",
+        help="kv.state_checkpoint_every values, smallest first (multiples of 16); off: only prompt ends",
+    )
     ap.add_argument("--context", type=int, default=2048, help="L: tokens of the long context")
     ap.add_argument("--rollbacks", type=int, default=5, help="R: rollbacks per repetition (seeded positions)")
     ap.add_argument("--suffix", type=int, default=16, help="new tokens after each rollback / shared prefix")
@@ -367,14 +433,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="requests submitted together in the batch run")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads (0: torch's default); 1 by default, see the module docstring")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (0: torch's default); 1 by default, see the module docstring",
+    )
     ap.add_argument("--parts", default="rollback,prefix,decode", help="which measurements to run")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
     if args.quick:  # smaller defaults; options given still win
-        ap.set_defaults(hidden=128, layers=4, context=192, rollbacks=3, reps=1, every="16,64,off", decode_prompt=32,
-                        decode_tokens=12, batch=4)
+        ap.set_defaults(
+            hidden=128,
+            layers=4,
+            context=192,
+            rollbacks=3,
+            reps=1,
+            every="16,64,off",
+            decode_prompt=32,
+            decode_tokens=12,
+            batch=4,
+        )
         args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -402,18 +481,31 @@ def main(argv: list[str] | None = None) -> int:
     if "linear_attention" not in getattr(text, "layer_types", []):
         raise SystemExit(f"{args.model} has no linear-attention layers")
     vocab = ordinary_ids(lm)
-    pipes = {e: Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_block_size=BLOCK,
-                         kv_state_checkpoint_every=e, max_seqs=2) for e in everies}
+    pipes = {
+        e: Pipeline(
+            lm,
+            {"prefill": Prefill(), "decode": DecodeLoop()},
+            kv_block_size=BLOCK,
+            kv_state_checkpoint_every=e,
+            max_seqs=2,
+        )
+        for e in everies
+    }
     pool = pipes[everies[0]].pool
     params = sum(p.numel() for p in lm.model.parameters())
     kinds = text.layer_types
-    print(f"model {args.model}: {params / 1e6:.1f} M parameters, hidden {text.hidden_size}, {len(kinds)} layers "
-          f"({kinds.count('linear_attention')} linear), dtype {lm.model.dtype}, {torch.get_num_threads()} threads"
-          + (f", built in {build_s:.0f} s" if build_s > 1 else ""), file=sys.stderr)
-    print(f"one state {mib(pool.states.slot_bytes)} MiB = {pool.states.slot_bytes / pool.block_bytes * BLOCK:.0f} "
-          f"tokens of KV ({pool.block_bytes / BLOCK / 1024:.1f} KiB a token); context {args.context}, "
-          f"{args.rollbacks} rollbacks x {args.reps} reps, E = {', '.join(label(e, off) for e in everies)}",
-          file=sys.stderr)
+    print(
+        f"model {args.model}: {params / 1e6:.1f} M parameters, hidden {text.hidden_size}, {len(kinds)} layers "
+        f"({kinds.count('linear_attention')} linear), dtype {lm.model.dtype}, {torch.get_num_threads()} threads"
+        + (f", built in {build_s:.0f} s" if build_s > 1 else ""),
+        file=sys.stderr,
+    )
+    print(
+        f"one state {mib(pool.states.slot_bytes)} MiB = {pool.states.slot_bytes / pool.block_bytes * BLOCK:.0f} "
+        f"tokens of KV ({pool.block_bytes / BLOCK / 1024:.1f} KiB a token); context {args.context}, "
+        f"{args.rollbacks} rollbacks x {args.reps} reps, E = {', '.join(label(e, off) for e in everies)}",
+        file=sys.stderr,
+    )
 
     check = Checker(lm)
     rng = random.Random(args.seed + 3)
@@ -435,56 +527,92 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decode done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     print(report(args, rollback, prefix, decode, check))
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "args": {k: v for k, v in vars(args).items()}, "torch": torch.__version__, "machine": platform.machine(),
-            "threads": torch.get_num_threads(), "slot_bytes": pool.states.slot_bytes, "block_bytes": pool.block_bytes,
-            "rollback": rollback, "prefix": prefix, "decode": decode, "checked": check.checked,
-            "mismatches": check.failed}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": {k: v for k, v in vars(args).items()},
+                    "torch": torch.__version__,
+                    "machine": platform.machine(),
+                    "threads": torch.get_num_threads(),
+                    "slot_bytes": pool.states.slot_bytes,
+                    "block_bytes": pool.block_bytes,
+                    "rollback": rollback,
+                    "prefix": prefix,
+                    "decode": decode,
+                    "checked": check.checked,
+                    "mismatches": check.failed,
+                },
+                indent=2,
+            )
+        )
     if check.failed:
         print("tokens differ from generate():\n  " + "\n  ".join(check.failed[:20]), file=sys.stderr)
         return 1
     return 0
 
 
-def report(args: argparse.Namespace, rollback: list[dict] | None, prefix: list[dict] | None, decode: dict | None,
-           check: Checker) -> str:
+def report(
+    args: argparse.Namespace,
+    rollback: list[dict] | None,
+    prefix: list[dict] | None,
+    decode: dict | None,
+    check: Checker,
+) -> str:
     """The markdown tables of the parts that ran."""
     lines: list[str] = []
     if rollback:
-        lines += [f"1. Rollback into a {args.context}-token context ({args.rollbacks} seeded positions x {args.reps} "
-                  f"reps, {args.suffix} new tokens after each)", "",
-                  f"| E | recomputed mean | max | follow-up TTFT ms | vs E={rollback[0]['every']} | context TTFT vs "
-                  f"E={rollback[0]['context_ref']} | checkpoints | KV blocks MiB | states MiB | cache MiB |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"1. Rollback into a {args.context}-token context ({args.rollbacks} seeded positions x {args.reps} "
+            f"reps, {args.suffix} new tokens after each)",
+            "",
+            f"| E | recomputed mean | max | follow-up TTFT ms | vs E={rollback[0]['every']} | context TTFT vs "
+            f"E={rollback[0]['context_ref']} | checkpoints | KV blocks MiB | states MiB | cache MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in rollback:
-            lines.append(f"| {r['every']} | {r['recomputed_mean']:.0f} | {r['recomputed_max']} | {1e3 * r['ttft_s']:.1f} | "
-                         f"**{r['ttft_vs_smallest']:.2f}** | {r['context_ttft_vs_fewest']:.2f} | {r['checkpoints']} | "
-                         f"{mib(r['kv_bytes'])} | {mib(r['state_bytes'])} | {mib(r['nbytes'])} |")
+            lines.append(
+                f"| {r['every']} | {r['recomputed_mean']:.0f} | {r['recomputed_max']} | {1e3 * r['ttft_s']:.1f} | "
+                f"**{r['ttft_vs_smallest']:.2f}** | {r['context_ttft_vs_fewest']:.2f} | {r['checkpoints']} | "
+                f"{mib(r['kv_bytes'])} | {mib(r['state_bytes'])} | {mib(r['nbytes'])} |"
+            )
         for r in rollback:
             if abs(r["rollback_left_mean"] - r["recomputed_mean"]) > 1e-9:
-                lines.append(f"note: E={r['every']}: rollback() left {r['rollback_left_mean']:.1f} tokens to recompute "
-                             f"on average, the follow-up recomputed {r['recomputed_mean']:.1f}")
+                lines.append(
+                    f"note: E={r['every']}: rollback() left {r['rollback_left_mean']:.1f} tokens to recompute "
+                    f"on average, the follow-up recomputed {r['recomputed_mean']:.1f}"
+                )
         lines.append("")
     if prefix:
-        lines += ["2. Prefix reuse across requests (the first request released; TTFT vs the same request cold)", "",
-                  "| case | E | shared | prompt | kv_reused_tokens | TTFT ms | cold ms | vs cold |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "2. Prefix reuse across requests (the first request released; TTFT vs the same request cold)",
+            "",
+            "| case | E | shared | prompt | kv_reused_tokens | TTFT ms | cold ms | vs cold |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in prefix:
             reused = str(r["reused"]) if r["reused"] == r["reused_min"] else f"{r['reused_min']}-{r['reused']}"
-            lines.append(f"| {r['case']} | {r['every']} | {r['shared_tokens']} | {r['prompt_tokens']} | {reused} | "
-                         f"{1e3 * r['warm_ttft_s']:.1f} | {1e3 * r['cold_ttft_s']:.1f} | **{r['ttft_vs_cold']:.2f}** |")
+            lines.append(
+                f"| {r['case']} | {r['every']} | {r['shared_tokens']} | {r['prompt_tokens']} | {reused} | "
+                f"{1e3 * r['warm_ttft_s']:.1f} | {1e3 * r['cold_ttft_s']:.1f} | **{r['ttft_vs_cold']:.2f}** |"
+            )
         lines.append("")
     if decode:
         d = decode
-        lines += [f"3. Decode ({d['prompt_tokens']}-token prompt, {d['new_tokens']} new; batch: {d['batch']} prompts of "
-                  f"{min(d['batch_prompts'])}-{max(d['batch_prompts'])} tokens)", "",
-                  "| path | tok/s | ratio |", "|---|---|---|",
-                  f"| generate() | {d['generate_tok_s']:.1f} | 1.00 |",
-                  f"| pipeline, one stream | {d['pipeline_tok_s']:.1f} | **{d['pipeline_vs_generate']:.2f}** |",
-                  f"| {d['batch']} one at a time | {d['alone_tok_s']:.1f} | 1.00 |",
-                  f"| {d['batch']} together (engine) | {d['together_tok_s']:.1f} | **{d['together_vs_alone']:.2f}** |", ""]
+        lines += [
+            f"3. Decode ({d['prompt_tokens']}-token prompt, {d['new_tokens']} new; batch: {d['batch']} prompts of "
+            f"{min(d['batch_prompts'])}-{max(d['batch_prompts'])} tokens)",
+            "",
+            "| path | tok/s | ratio |",
+            "|---|---|---|",
+            f"| generate() | {d['generate_tok_s']:.1f} | 1.00 |",
+            f"| pipeline, one stream | {d['pipeline_tok_s']:.1f} | **{d['pipeline_vs_generate']:.2f}** |",
+            f"| {d['batch']} one at a time | {d['alone_tok_s']:.1f} | 1.00 |",
+            f"| {d['batch']} together (engine) | {d['together_tok_s']:.1f} | **{d['together_vs_alone']:.2f}** |",
+            "",
+        ]
     lines.append(f"tokens = generate(): {check.checked - len(check.failed)}/{check.checked} answers")
     return "\n".join(lines)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -40,6 +40,7 @@ what the server can get.
 
 Exit status: 0, or 1 if any request failed, 2 if the server could not be started or reached.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,12 +66,34 @@ import openai
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SUBJECTS = ["the sky", "a river", "an old clock", "the city at night", "a small garden", "the sea",
-            "a mountain road", "a cup of tea", "the moon", "a library", "a red bicycle", "the wind",
-            "a train station", "a winter morning", "a market", "a lighthouse"]
-ASKS = ["Describe {} in one sentence.", "Write a short poem about {}.", "What colour is {}?",
-        "Tell me a fact about {}.", "Why do people like {}?", "Give three words for {}.",
-        "Summarise {} for a child.", "What sound does {} make?"]
+SUBJECTS = [
+    "the sky",
+    "a river",
+    "an old clock",
+    "the city at night",
+    "a small garden",
+    "the sea",
+    "a mountain road",
+    "a cup of tea",
+    "the moon",
+    "a library",
+    "a red bicycle",
+    "the wind",
+    "a train station",
+    "a winter morning",
+    "a market",
+    "a lighthouse",
+]
+ASKS = [
+    "Describe {} in one sentence.",
+    "Write a short poem about {}.",
+    "What colour is {}?",
+    "Tell me a fact about {}.",
+    "Why do people like {}?",
+    "Give three words for {}.",
+    "Summarise {} for a child.",
+    "What sound does {} make?",
+]
 
 
 # --------------------------------------------------------------------------- workload
@@ -112,8 +135,9 @@ def make_images(n: int, size: int, seed: int) -> list[str]:
     for _ in range(n):
         r, g, b = (rng.randrange(256) for _ in range(3))
         img = Image.new("RGB", (size, size))
-        img.putdata([((r + x * 4) % 256, (g + y * 4) % 256, (b + x + y) % 256)
-                     for y in range(size) for x in range(size)])
+        img.putdata(
+            [((r + x * 4) % 256, (g + y * 4) % 256, (b + x + y) % 256) for y in range(size) for x in range(size)]
+        )
         out.append(png_data_uri(img))
     return out
 
@@ -131,8 +155,12 @@ def workload(args: argparse.Namespace) -> tuple[list[list[dict]], list[str | Non
 def messages(prompt: str, image: str | None) -> list[dict]:
     if image is None:
         return [{"role": "user", "content": prompt}]
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
-                                         {"type": "text", "text": prompt}]}]
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": prompt}],
+        }
+    ]
 
 
 # --------------------------------------------------------------------------- server
@@ -154,8 +182,15 @@ class Server:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.startup_timeout = startup_timeout
 
     def wait_ready(self) -> float:
@@ -222,8 +257,9 @@ class Record:
     server_metrics: dict | None = field(default=None, repr=False)
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, index: int, msgs: list[dict],
-                      max_tokens: int, timeout: float) -> Record:
+async def one_request(
+    client: openai.AsyncOpenAI, model: str, index: int, msgs: list[dict], max_tokens: int, timeout: float
+) -> Record:
     rec = Record(index)
     parts: list[str] = []
     usage = None
@@ -233,8 +269,13 @@ async def one_request(client: openai.AsyncOpenAI, model: str, index: int, msgs: 
         t0 = time.perf_counter()
         first = None
         stream = await client.chat.completions.create(
-            model=model, messages=msgs, stream=True, stream_options={"include_usage": True},
-            max_tokens=max_tokens, temperature=0)
+            model=model,
+            messages=msgs,
+            stream=True,
+            stream_options={"include_usage": True},
+            max_tokens=max_tokens,
+            temperature=0,
+        )
         async for chunk in stream:
             for choice in chunk.choices:
                 if choice.delta is not None and choice.delta.content:
@@ -276,8 +317,14 @@ async def one_request(client: openai.AsyncOpenAI, model: str, index: int, msgs: 
     return rec
 
 
-async def run_phase(client: openai.AsyncOpenAI, model: str, all_msgs: list[list[dict]], concurrency: int,
-                    max_tokens: int, timeout: float) -> tuple[float, float, list[Record]]:
+async def run_phase(
+    client: openai.AsyncOpenAI,
+    model: str,
+    all_msgs: list[list[dict]],
+    concurrency: int,
+    max_tokens: int,
+    timeout: float,
+) -> tuple[float, float, list[Record]]:
     """All requests, at most ``concurrency`` in flight: wall seconds, this client's CPU seconds, records
     in request order."""
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -321,17 +368,36 @@ def summarise(wall: float, cpu: float, records: list[Record], expected: list[str
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
     return {
-        "wall_s": wall, "client_cpu_s": cpu, "requests": len(records), "ok": len(ok), "errors": len(records) - len(ok),
-        "completion_tokens": tokens, "tok_s": tokens / wall if wall > 0 else 0.0,
-        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-        "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
-        "checked": len(checked), "correct": sum(1 for r, want in checked if r.ok and r.text.strip() == want),
+        "wall_s": wall,
+        "client_cpu_s": cpu,
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": len(records) - len(ok),
+        "completion_tokens": tokens,
+        "tok_s": tokens / wall if wall > 0 else 0.0,
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "tpot_p50_s": pct(tpot, 50),
+        "tpot_p99_s": pct(tpot, 99),
+        "checked": len(checked),
+        "correct": sum(1 for r, want in checked if r.ok and r.text.strip() == want),
         "error_messages": sorted({r.error for r in records if r.error})[:10],
-        "records": [{"i": r.index, "ttft_s": r.ttft_s, "tpot_s": r.tpot_s, "latency_s": r.latency_s,
-                     "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
-                     "finish_reason": r.finish_reason, "error": r.error,
-                     "server": {k: r.server_metrics.get(k) for k in ("ttft_s", "tpot_s", "queue_s")}
-                     if r.server_metrics else None} for r in records],
+        "records": [
+            {
+                "i": r.index,
+                "ttft_s": r.ttft_s,
+                "tpot_s": r.tpot_s,
+                "latency_s": r.latency_s,
+                "prompt_tokens": r.prompt_tokens,
+                "completion_tokens": r.completion_tokens,
+                "finish_reason": r.finish_reason,
+                "error": r.error,
+                "server": {k: r.server_metrics.get(k) for k in ("ttft_s", "tpot_s", "queue_s")}
+                if r.server_metrics
+                else None,
+            }
+            for r in records
+        ],
     }
 
 
@@ -348,11 +414,13 @@ def fmt(x: float | None, scale: float = 1.0, digits: int = 1) -> str:
 
 
 async def bench(args: argparse.Namespace, url: str, server: Server | None) -> dict:
-    http = httpx.AsyncClient(timeout=httpx.Timeout(args.timeout, connect=10.0),
-                             limits=httpx.Limits(max_connections=max(args.concurrency) + 8,
-                                                 max_keepalive_connections=max(args.concurrency) + 8))
-    client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0,
-                                http_client=http)
+    http = httpx.AsyncClient(
+        timeout=httpx.Timeout(args.timeout, connect=10.0),
+        limits=httpx.Limits(
+            max_connections=max(args.concurrency) + 8, max_keepalive_connections=max(args.concurrency) + 8
+        ),
+    )
+    client = openai.AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0, http_client=http)
     try:
         models = [m.id async for m in client.models.list()]
         if not models:
@@ -375,15 +443,20 @@ async def bench(args: argparse.Namespace, url: str, server: Server | None) -> di
                 wall, cpu, records = await run_phase(client, model, all_msgs, c, args.max_tokens, args.timeout)
                 figures[c] = summarise(wall, cpu, records, expected)
                 server_cpu1 = server.cpu_seconds() if server else None
-                figures[c]["server_cpu_s"] = (server_cpu1 - server_cpu0
-                                              if server_cpu0 is not None and server_cpu1 is not None else None)
+                figures[c]["server_cpu_s"] = (
+                    server_cpu1 - server_cpu0 if server_cpu0 is not None and server_cpu1 is not None else None
+                )
                 texts[c].append([r.text if r.ok else None for r in records])
                 s = figures[c]
-                print(f"  rep {rep + 1}/{args.reps} concurrency {c:>3}: {s['wall_s']:.2f} s, "
-                      f"{s['tok_s']:.1f} tok/s, {s['errors']} errors, "
-                      + (f"{s['correct']}/{s['checked']} correct, " if s["checked"] else "")
-                      + f"CPU s: client {s['client_cpu_s']:.2f}, "
-                      f"server {fmt(s['server_cpu_s'], digits=2)}", file=sys.stderr, flush=True)
+                print(
+                    f"  rep {rep + 1}/{args.reps} concurrency {c:>3}: {s['wall_s']:.2f} s, "
+                    f"{s['tok_s']:.1f} tok/s, {s['errors']} errors, "
+                    + (f"{s['correct']}/{s['checked']} correct, " if s["checked"] else "")
+                    + f"CPU s: client {s['client_cpu_s']:.2f}, "
+                    f"server {fmt(s['server_cpu_s'], digits=2)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 for msg in s["error_messages"][:3]:
                     print(f"      error: {msg}", file=sys.stderr)
             reps.append(figures)
@@ -397,66 +470,107 @@ async def bench(args: argparse.Namespace, url: str, server: Server | None) -> di
         per = [r[c] for r in reps]
         ratios = [r[c]["tok_s"] / r[base_c]["tok_s"] if r[base_c]["tok_s"] > 0 else None for r in reps]
         # answers equal to the baseline's answer to the same prompt, same repetition
-        same = sum(sum(1 for a, b in zip(texts[c][k], texts[base_c][k]) if a is not None and a == b)
-                   for k in range(args.reps))
-        differs = [{"rep": k, "i": i, "common_prefix_chars": len(os.path.commonprefix([a, b])),
-                    "text": a[:200], "baseline_text": b[:200]}
-                   for k in range(args.reps) for i, (a, b) in enumerate(zip(texts[c][k], texts[base_c][k]))
-                   if a is not None and b is not None and a != b]
-        phases.append({
-            "concurrency": c,
-            "wall_s": median([p["wall_s"] for p in per]), "client_cpu_s": median([p["client_cpu_s"] for p in per]),
-            "server_cpu_s": median([p["server_cpu_s"] for p in per]),
-            "tok_s": median([p["tok_s"] for p in per]),
-            "ratio": median(ratios),
-            "ttft_p50_s": median([p["ttft_p50_s"] for p in per]), "ttft_p99_s": median([p["ttft_p99_s"] for p in per]),
-            "tpot_p50_s": median([p["tpot_p50_s"] for p in per]), "tpot_p99_s": median([p["tpot_p99_s"] for p in per]),
-            "errors": sum(p["errors"] for p in per), "requests": sum(p["requests"] for p in per),
-            "checked": sum(p["checked"] for p in per), "correct": sum(p["correct"] for p in per),
-            "same_text_as_baseline": same, "differs": differs[:20],
-            "reps": per,
-        })
+        same = sum(
+            sum(1 for a, b in zip(texts[c][k], texts[base_c][k]) if a is not None and a == b) for k in range(args.reps)
+        )
+        differs = [
+            {
+                "rep": k,
+                "i": i,
+                "common_prefix_chars": len(os.path.commonprefix([a, b])),
+                "text": a[:200],
+                "baseline_text": b[:200],
+            }
+            for k in range(args.reps)
+            for i, (a, b) in enumerate(zip(texts[c][k], texts[base_c][k]))
+            if a is not None and b is not None and a != b
+        ]
+        phases.append(
+            {
+                "concurrency": c,
+                "wall_s": median([p["wall_s"] for p in per]),
+                "client_cpu_s": median([p["client_cpu_s"] for p in per]),
+                "server_cpu_s": median([p["server_cpu_s"] for p in per]),
+                "tok_s": median([p["tok_s"] for p in per]),
+                "ratio": median(ratios),
+                "ttft_p50_s": median([p["ttft_p50_s"] for p in per]),
+                "ttft_p99_s": median([p["ttft_p99_s"] for p in per]),
+                "tpot_p50_s": median([p["tpot_p50_s"] for p in per]),
+                "tpot_p99_s": median([p["tpot_p99_s"] for p in per]),
+                "errors": sum(p["errors"] for p in per),
+                "requests": sum(p["requests"] for p in per),
+                "checked": sum(p["checked"] for p in per),
+                "correct": sum(p["correct"] for p in per),
+                "same_text_as_baseline": same,
+                "differs": differs[:20],
+                "reps": per,
+            }
+        )
     return {"model": model, "baseline_concurrency": base_c, "phases": phases}
 
 
 def table(result: dict) -> str:
     base = result["baseline_concurrency"]
-    lines = [f"| clients | wall s | tok/s | vs {base} client{'s' if base != 1 else ''} | TTFT p50 ms | TTFT p99 ms "
-             f"| TPOT p50 ms | TPOT p99 ms | errors | text = {base} client{'s' if base != 1 else ''} | CPU s client / server |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| clients | wall s | tok/s | vs {base} client{'s' if base != 1 else ''} | TTFT p50 ms | TTFT p99 ms "
+        f"| TPOT p50 ms | TPOT p99 ms | errors | text = {base} client{'s' if base != 1 else ''} | CPU s client / server |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for p in result["phases"]:
-        lines.append(f"| {p['concurrency']} | {fmt(p['wall_s'], digits=2)} | {fmt(p['tok_s'])} "
-                     f"| **{fmt(p['ratio'], digits=2)}** | {fmt(p['ttft_p50_s'], 1e3)} | {fmt(p['ttft_p99_s'], 1e3)} "
-                     f"| {fmt(p['tpot_p50_s'], 1e3, 2)} | {fmt(p['tpot_p99_s'], 1e3, 2)} "
-                     f"| {p['errors']}/{p['requests']} | {p['same_text_as_baseline']}/{p['requests']} "
-                     f"| {fmt(p['client_cpu_s'], digits=2)} / {fmt(p['server_cpu_s'], digits=2)} |")
+        lines.append(
+            f"| {p['concurrency']} | {fmt(p['wall_s'], digits=2)} | {fmt(p['tok_s'])} "
+            f"| **{fmt(p['ratio'], digits=2)}** | {fmt(p['ttft_p50_s'], 1e3)} | {fmt(p['ttft_p99_s'], 1e3)} "
+            f"| {fmt(p['tpot_p50_s'], 1e3, 2)} | {fmt(p['tpot_p99_s'], 1e3, 2)} "
+            f"| {p['errors']}/{p['requests']} | {p['same_text_as_baseline']}/{p['requests']} "
+            f"| {fmt(p['client_cpu_s'], digits=2)} / {fmt(p['server_cpu_s'], digits=2)} |"
+        )
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("overrides", nargs="*", help="extra overrides for the server it starts (e.g. engine.max_seqs=32)")
     ap.add_argument("--url", help="use a running server (http://host:port) instead of starting one")
-    ap.add_argument("--api-key", default=None,
-                    help="bearer key (default: $MM_PIPELINE_API_KEY, then $OPENAI_API_KEY, else none)")
+    ap.add_argument(
+        "--api-key", default=None, help="bearer key (default: $MM_PIPELINE_API_KEY, then $OPENAI_API_KEY, else none)"
+    )
     ap.add_argument("--concurrency", default="1,32", help="comma-separated clients in flight per phase (default 1,32)")
-    ap.add_argument("--requests", type=int, default=256, help="requests per phase (default 256: mostly steady state at 32 clients)")
+    ap.add_argument(
+        "--requests", type=int, default=256, help="requests per phase (default 256: mostly steady state at 32 clients)"
+    )
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--prompts", choices=("shapes", "text"), default="shapes",
-                    help="shapes (default): the embedded default's questions about drawn shapes images, sent as "
-                         "image content; text: short varied text prompts (the embedded default ends those at once)")
-    ap.add_argument("--image", type=int, nargs="?", const=64, default=0, metavar="SIZE",
-                    help="with --prompts text: attach a generated SIZE x SIZE PNG (default 64; a different tint "
-                         "per request) as a data URI to every request")
-    ap.add_argument("--reps", type=int, default=3,
-                    help="repetitions, phases in alternating order; figures are medians (default 3)")
+    ap.add_argument(
+        "--prompts",
+        choices=("shapes", "text"),
+        default="shapes",
+        help="shapes (default): the embedded default's questions about drawn shapes images, sent as "
+        "image content; text: short varied text prompts (the embedded default ends those at once)",
+    )
+    ap.add_argument(
+        "--image",
+        type=int,
+        nargs="?",
+        const=64,
+        default=0,
+        metavar="SIZE",
+        help="with --prompts text: attach a generated SIZE x SIZE PNG (default 64; a different tint "
+        "per request) as a data URI to every request",
+    )
+    ap.add_argument(
+        "--reps", type=int, default=3, help="repetitions, phases in alternating order; figures are medians (default 3)"
+    )
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured requests before the phases (default 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120.0, help="per-request limit in seconds (default 120)")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
-    ap.add_argument("--target", type=float, default=5.0,
-                    help="checked: the largest concurrency's ratio to concurrency 1 (default 5.0)")
+    ap.add_argument(
+        "--target",
+        type=float,
+        default=5.0,
+        help="checked: the largest concurrency's ratio to concurrency 1 (default 5.0)",
+    )
     ap.add_argument("--json", metavar="FILE", help="write the figures here")
     args = ap.parse_args(argv)
     try:
@@ -467,8 +581,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--concurrency, --requests and --max-tokens must be >= 1")
     args.api_key = args.api_key or os.environ.get("MM_PIPELINE_API_KEY") or os.environ.get("OPENAI_API_KEY") or "none"
     if args.image and args.prompts != "text":
-        ap.error("--image attaches a generated picture to text prompts: use it with --prompts text "
-                 "(the shapes workload sends its own images)")
+        ap.error(
+            "--image attaches a generated picture to text prompts: use it with --prompts text "
+            "(the shapes workload sends its own images)"
+        )
     if args.url and args.overrides:
         ap.error("server overrides only apply to a server this script starts (not with --url)")
     return args
@@ -518,39 +634,59 @@ def main(argv: list[str] | None = None) -> int:
             if server is not None:
                 code = server.stop()
                 if code not in (0, -signal.SIGTERM):
-                    print(f"note: server exit status {code}\n--- server log (tail) ---\n{server.log_tail(15)}",
-                          file=sys.stderr)
+                    print(
+                        f"note: server exit status {code}\n--- server log (tail) ---\n{server.log_tail(15)}",
+                        file=sys.stderr,
+                    )
 
-    head = (f"serve_load: {args.requests} requests per phase, max_tokens={args.max_tokens}, temperature 0, "
-            f"prompts={args.prompts}, image={image_note(args)}, reps={args.reps}, "
-            f"warm-up {args.warmup}; model {result['model']!r}; "
-            f"{'server ready in %.1f s' % startup if startup is not None else 'server ' + args.url}; "
-            f"openai {openai.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs")
+    head = (
+        f"serve_load: {args.requests} requests per phase, max_tokens={args.max_tokens}, temperature 0, "
+        f"prompts={args.prompts}, image={image_note(args)}, reps={args.reps}, "
+        f"warm-up {args.warmup}; model {result['model']!r}; "
+        f"{'server ready in %.1f s' % startup if startup is not None else 'server ' + args.url}; "
+        f"openai {openai.__version__}, Python {platform.python_version()}, {os.cpu_count()} CPUs"
+    )
     print(head)
     print()
     print(table(result))
     if any(p["checked"] for p in result["phases"]):
-        print("\nanswers correct (the drawn shapes): " + ", ".join(
-            f"{p['correct']}/{p['checked']} at {p['concurrency']} client{'s' if p['concurrency'] != 1 else ''}"
-            for p in result["phases"]))
+        print(
+            "\nanswers correct (the drawn shapes): "
+            + ", ".join(
+                f"{p['correct']}/{p['checked']} at {p['concurrency']} client{'s' if p['concurrency'] != 1 else ''}"
+                for p in result["phases"]
+            )
+        )
     check = None
     top = max(args.concurrency)
     base = result["baseline_concurrency"]
     if base == 1 and top > 1:
         ratio = next(p["ratio"] for p in result["phases"] if p["concurrency"] == top)
-        check = {"concurrency": top, "ratio": ratio, "target": args.target,
-                 "met": ratio is not None and ratio >= args.target}
-        print(f"\ntarget: {top} clients >= {args.target:g}x one at a time: "
-              f"{'met' if check['met'] else 'NOT met'} ({fmt(ratio, digits=2)}x)")
+        check = {
+            "concurrency": top,
+            "ratio": ratio,
+            "target": args.target,
+            "met": ratio is not None and ratio >= args.target,
+        }
+        print(
+            f"\ntarget: {top} clients >= {args.target:g}x one at a time: "
+            f"{'met' if check['met'] else 'NOT met'} ({fmt(ratio, digits=2)}x)"
+        )
     errors = sum(p["errors"] for p in result["phases"])
     if errors:
         status = 1
         print(f"\n{errors} requests failed", file=sys.stderr)
     if args.json:
-        out = {"args": {k: v for k, v in vars(args).items() if k != "api_key"},
-               "server_cmd": server.cmd[1:] if server else None, "startup_s": startup,
-               "openai": openai.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
-               "target": check, **result}
+        out = {
+            "args": {k: v for k, v in vars(args).items() if k != "api_key"},
+            "server_cmd": server.cmd[1:] if server else None,
+            "startup_s": startup,
+            "openai": openai.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "target": check,
+            **result,
+        }
         Path(args.json).write_text(json.dumps(out, indent=2))
     return status
 

@@ -30,6 +30,7 @@ and ``spec_tokens_per_step`` (tokens per target forward).
     python benchmarks/speculative.py            # trains the pair on first use (minutes)
     python benchmarks/speculative.py --quick    # fewer prompts and repetitions
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,7 +59,11 @@ MAX_NEW_TOKENS = 256
 # The issue's targets: (workloads, path prefix, least ratio to plain, least accept rate): n-gram
 # on copy-heavy prompts; the draft model wherever it agrees with the target on >= 70% of drafts;
 # n-gram where nothing can be looked up (costs at most 10%).
-TARGETS = [(("copy",), "ngram", 1.8, 0.0), (("copy", "no lookup"), "draft", 1.5, 0.7), (("no lookup",), "ngram", 0.9, 0.0)]
+TARGETS = [
+    (("copy",), "ngram", 1.8, 0.0),
+    (("copy", "no lookup"), "draft", 1.5, 0.7),
+    (("no lookup",), "ngram", 0.9, 0.0),
+]
 
 
 @dataclass
@@ -111,8 +116,9 @@ def run_pipe(pipe: Pipeline, example: Example, max_new_tokens: int = MAX_NEW_TOK
     return result.token_ids, result.metrics
 
 
-def run_generate(target: LoadedModel, draft: LoadedModel, ids: torch.Tensor, how: str,
-                 n: int = MAX_NEW_TOKENS) -> tuple[list[int], float]:
+def run_generate(
+    target: LoadedModel, draft: LoadedModel, ids: torch.Tensor, how: str, n: int = MAX_NEW_TOKENS
+) -> tuple[list[int], float]:
     """transformers' generate on the same ids (greedy, the generation config's EOS): tokens, seconds."""
     extra: dict = {}
     if how == "lookup":
@@ -121,9 +127,10 @@ def run_generate(target: LoadedModel, draft: LoadedModel, ids: torch.Tensor, how
         extra = {"assistant_model": draft.model, "num_assistant_tokens": 4, "num_assistant_tokens_schedule": "constant"}
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                    max_new_tokens=n, **extra)
-    return out[0, ids.shape[1]:].tolist(), time.perf_counter() - t0
+        out = target.model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, **extra
+        )
+    return out[0, ids.shape[1] :].tolist(), time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,14 +138,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="3 prompts per workload, 2 repetitions")
     ap.add_argument("--prompts", type=int, default=8, help="held-out prompts per workload")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--paths", default="plain,ngram-4,ngram-8,draft-4,draft-4-compiled,draft-5-compiled",
-                    help="plain first; a -compiled draft runs its steps under torch.compile")
+    ap.add_argument(
+        "--paths",
+        default="plain,ngram-4,ngram-8,draft-4,draft-4-compiled,draft-5-compiled",
+        help="plain first; a -compiled draft runs its steps under torch.compile",
+    )
     ap.add_argument("--skip-hf", action="store_true", help="leave transformers' generate out")
-    ap.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="cap per answer (the answers end sooner)")
+    ap.add_argument(
+        "--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="cap per answer (the answers end sooner)"
+    )
     ap.add_argument("--models", help="directory holding copy-target/ and copy-draft/ (default: the cache)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--out-dir", type=Path, default=Path(tempfile.gettempdir()) / "mm-pipeline-bench",
-                    help="where speculative.json and speculative.md are written")
+    ap.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "mm-pipeline-bench",
+        help="where speculative.json and speculative.md are written",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.prompts, args.reps = 3, 2
@@ -156,9 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     task = Task(target.tokenizer)
     prompts = {w: heldout(target.tokenizer, args.prompts, t) for w, t in WORKLOADS.items()}
     hf_paths = [] if args.skip_hf else ["generate", "generate lookup", "generate assistant"]
-    print(f"target {target_dir}\ndraft  {draft_dir}\n{args.prompts} prompts per workload, {args.reps} reps, "
-          f"torch threads {torch.get_num_threads()}" + (f", trained in {train_s:.0f} s" if train_s > 5 else ""),
-          file=sys.stderr)
+    print(
+        f"target {target_dir}\ndraft  {draft_dir}\n{args.prompts} prompts per workload, {args.reps} reps, "
+        f"torch threads {torch.get_num_threads()}" + (f", trained in {train_s:.0f} s" if train_s > 5 else ""),
+        file=sys.stderr,
+    )
 
     for pipe in pipes.values():  # warm-up: first-use allocations (pools, the draft's cache)
         run_pipe(pipe, prompts["copy"][0], args.max_new_tokens)
@@ -177,35 +195,50 @@ def main(argv: list[str] | None = None) -> int:
                     tallies[(workload, name)][rep].add_pipeline(m)
                 for name in paths[1:]:  # speculation must not change a single token
                     if tokens[name] != tokens["plain"]:
-                        raise SystemExit(f"{workload} prompt {i}: {name} differs from plain greedy "
-                                         f"({tokens[name][:12]}... vs {tokens['plain'][:12]}...)")
+                        raise SystemExit(
+                            f"{workload} prompt {i}: {name} differs from plain greedy "
+                            f"({tokens[name][:12]}... vs {tokens['plain'][:12]}...)"
+                        )
                 if hf_paths:
                     ids = torch.tensor([task.prompt_ids(example)])
                     _, first = run_generate(target, draft, ids, "plain", n=1)
                     for name in hf_paths:
-                        out, seconds = run_generate(target, draft, ids, name.partition(" ")[2] or "plain",
-                                                    args.max_new_tokens)
+                        out, seconds = run_generate(
+                            target, draft, ids, name.partition(" ")[2] or "plain", args.max_new_tokens
+                        )
                         tallies[(workload, name)][rep].add(len(out) - 1, seconds - first)
                         hf_same[(workload, name)] += out == tokens["plain"]
         print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr)
     return report(args, paths, hf_paths, prompts, tallies, hf_same, train_s)
 
 
-def report(args: argparse.Namespace, paths: list[str], hf_paths: list[str], prompts: dict[str, list[Example]],
-           tallies: dict[tuple[str, str], list[Tally]], hf_same: dict[tuple[str, str], int], train_s: float) -> int:
+def report(
+    args: argparse.Namespace,
+    paths: list[str],
+    hf_paths: list[str],
+    prompts: dict[str, list[Example]],
+    tallies: dict[tuple[str, str], list[Tally]],
+    hf_same: dict[tuple[str, str], int],
+    train_s: float,
+) -> int:
     """Print the markdown tables and the verdicts on the targets; write them and the figures to --out-dir."""
     rows = []
     for (workload, name), reps in tallies.items():
         base = tallies[(workload, "generate" if name.startswith("generate") else "plain")]
-        row = {"workload": workload, "path": name, "tok_s": statistics.median(t.tok_s for t in reps),
-               "vs_plain": statistics.median(t.tok_s / b.tok_s for t, b in zip(reps, base)),
-               "tokens": sum(t.tokens for t in reps) // len(reps)}
+        row = {
+            "workload": workload,
+            "path": name,
+            "tok_s": statistics.median(t.tok_s for t in reps),
+            "vs_plain": statistics.median(t.tok_s / b.tok_s for t, b in zip(reps, base)),
+            "tokens": sum(t.tokens for t in reps) // len(reps),
+        }
         if name.startswith("generate"):
             row["same_as_plain"] = f"{hf_same[(workload, name)]}/{len(prompts[workload]) * len(reps)}"
         else:
             row["engine_tok_s"] = statistics.median(r for t in reps for r in t.engine_rates)
             row["engine_vs_plain"] = statistics.median(
-                statistics.median(t.engine_rates) / statistics.median(b.engine_rates) for t, b in zip(reps, base))
+                statistics.median(t.engine_rates) / statistics.median(b.engine_rates) for t, b in zip(reps, base)
+            )
             drafted = sum(t.drafted for t in reps)
             row["accept_rate"] = sum(t.accepted for t in reps) / drafted if drafted else None
             per_step = [s for t in reps for s in t.steps_tokens]
@@ -215,41 +248,71 @@ def report(args: argparse.Namespace, paths: list[str], hf_paths: list[str], prom
     def fmt(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f}"
 
-    lines = ["| workload | path | decode tok/s | vs plain | engine decode_tok_s | vs plain | accept rate | tokens/step |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| workload | path | decode tok/s | vs plain | engine decode_tok_s | vs plain | accept rate | tokens/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if not r["path"].startswith("generate"):
-            lines.append(f"| {r['workload']} | {r['path']} | {r['tok_s']:.1f} | **{r['vs_plain']:.2f}** | "
-                         f"{r['engine_tok_s']:.1f} | {r['engine_vs_plain']:.2f} | {fmt(r['accept_rate'])} | "
-                         f"{fmt(r['tokens_per_step'])} |")
+            lines.append(
+                f"| {r['workload']} | {r['path']} | {r['tok_s']:.1f} | **{r['vs_plain']:.2f}** | "
+                f"{r['engine_tok_s']:.1f} | {r['engine_vs_plain']:.2f} | {fmt(r['accept_rate'])} | "
+                f"{fmt(r['tokens_per_step'])} |"
+            )
     if hf_paths:
-        lines += ["", "| workload | transformers | decode tok/s | vs generate | tokens = plain pipeline |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| workload | transformers | decode tok/s | vs generate | tokens = plain pipeline |",
+            "|---|---|---|---|---|",
+        ]
         for r in rows:
             if r["path"].startswith("generate"):
-                lines.append(f"| {r['workload']} | {r['path']} | {r['tok_s']:.1f} | **{r['vs_plain']:.2f}** | "
-                             f"{r['same_as_plain']} |")
+                lines.append(
+                    f"| {r['workload']} | {r['path']} | {r['tok_s']:.1f} | **{r['vs_plain']:.2f}** | "
+                    f"{r['same_as_plain']} |"
+                )
     lines += ["", "Targets:"]
     for workloads, prefix, least, agreeing in TARGETS:
-        best = max((r for r in rows if r["workload"] in workloads and r["path"].startswith(prefix + "-")
-                    and (r["accept_rate"] or 0.0) >= agreeing), key=lambda r: r["vs_plain"], default=None)
+        best = max(
+            (
+                r
+                for r in rows
+                if r["workload"] in workloads
+                and r["path"].startswith(prefix + "-")
+                and (r["accept_rate"] or 0.0) >= agreeing
+            ),
+            key=lambda r: r["vs_plain"],
+            default=None,
+        )
         where = " or ".join(workloads) + (f" (accept rate >= {agreeing})" if agreeing else "")
         if best is None:
             lines.append(f"- {prefix} on {where}: no such row")
             continue
         agree = f", accept rate {best['accept_rate']:.2f}" if best["accept_rate"] is not None else ""
-        lines.append(f"- {prefix} on {where}: best {best['path']} on {best['workload']}, {best['vs_plain']:.2f}x "
-                     f"plain{agree} (target >= {least}x): {'met' if best['vs_plain'] >= least else 'NOT met'}")
+        lines.append(
+            f"- {prefix} on {where}: best {best['path']} on {best['workload']}, {best['vs_plain']:.2f}x "
+            f"plain{agree} (target >= {least}x): {'met' if best['vs_plain'] >= least else 'NOT met'}"
+        )
     text = "\n".join(lines)
     print(text)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    header = (f"`python benchmarks/speculative.py{' --quick' if args.quick else ''}`: {args.prompts} prompts per "
-              f"workload, {args.reps} reps, torch {torch.__version__}, {platform.machine()}, "
-              f"{torch.get_num_threads()} threads\n\n")
+    header = (
+        f"`python benchmarks/speculative.py{' --quick' if args.quick else ''}`: {args.prompts} prompts per "
+        f"workload, {args.reps} reps, torch {torch.__version__}, {platform.machine()}, "
+        f"{torch.get_num_threads()} threads\n\n"
+    )
     (args.out_dir / "speculative.md").write_text(header + text + "\n")
-    (args.out_dir / "speculative.json").write_text(json.dumps(
-        {"args": {k: str(v) for k, v in vars(args).items()}, "train_s": train_s, "torch": torch.__version__,
-         "rows": rows}, indent=2))
+    (args.out_dir / "speculative.json").write_text(
+        json.dumps(
+            {
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "train_s": train_s,
+                "torch": torch.__version__,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
     print(f"written: {args.out_dir / 'speculative.md'}, {args.out_dir / 'speculative.json'}", file=sys.stderr)
     return 0
 

@@ -27,6 +27,7 @@ tiny tokenizers would flatter both).
     python benchmarks/structured_cost.py                  # float32, CPU, 64 requests x 64 tokens
     python benchmarks/structured_cost.py --model DIR --requests 32 --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,25 +48,51 @@ from archs import build_llama_187m  # noqa: E402
 
 def order_schema(variant: int = 0) -> dict:
     """A nested order; ``variant`` changes an enum so each is a schema the cache has not seen."""
-    item = {"type": "object", "properties": {
-        "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-        "qty": {"type": "integer", "minimum": 1, "maximum": 99},
-        "price": {"type": "number", "minimum": 0},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
-        "gift": {"type": "boolean"}},
-        "required": ["sku", "qty", "price"]}
-    customer = {"type": "object", "properties": {
-        "name": {"type": "string"}, "email": {"type": "string", "format": "email"},
-        "tier": {"enum": ["gold", "silver", "bronze", f"v{variant}"]},
-        "address": {"type": "object", "properties": {"street": {"type": "string"}, "zip": {"type": "string"},
-                                                     "country": {"enum": ["DE", "FR", "CN", "US"]}},
-                    "required": ["street", "country"]}},
-        "required": ["name", "tier", "address"]}
-    return {"type": "object", "properties": {"order": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 0}, "customer": customer,
-        "items": {"type": "array", "items": item, "minItems": 64},
-        "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}},
-        "required": ["id", "customer", "items"]}}, "required": ["order"]}
+    item = {
+        "type": "object",
+        "properties": {
+            "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+            "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+            "price": {"type": "number", "minimum": 0},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3},
+            "gift": {"type": "boolean"},
+        },
+        "required": ["sku", "qty", "price"],
+    }
+    customer = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "email": {"type": "string", "format": "email"},
+            "tier": {"enum": ["gold", "silver", "bronze", f"v{variant}"]},
+            "address": {
+                "type": "object",
+                "properties": {
+                    "street": {"type": "string"},
+                    "zip": {"type": "string"},
+                    "country": {"enum": ["DE", "FR", "CN", "US"]},
+                },
+                "required": ["street", "country"],
+            },
+        },
+        "required": ["name", "tier", "address"],
+    }
+    return {
+        "type": "object",
+        "properties": {
+            "order": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0},
+                    "customer": customer,
+                    "items": {"type": "array", "items": item, "minItems": 64},
+                    "note": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                },
+                "required": ["id", "customer", "items"],
+            }
+        },
+        "required": ["order"],
+    }
 
 
 def prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
@@ -82,8 +109,12 @@ def run(pipe, ids: list[list[int]], new_tokens: int, schema: dict | None) -> tup
 
     before = pipe.engine.stats()
     t0 = time.perf_counter()
-    handles = [pipe.submit(Request(max_new_tokens=new_tokens, ignore_eos=True,
-                                   json_schema=schema if i % 2 == 0 else None), ids=p) for i, p in enumerate(ids)]
+    handles = [
+        pipe.submit(
+            Request(max_new_tokens=new_tokens, ignore_eos=True, json_schema=schema if i % 2 == 0 else None), ids=p
+        )
+        for i, p in enumerate(ids)
+    ]
     results = [h.result() for h in handles]
     seconds = time.perf_counter() - t0
     assert all(len(r.token_ids) == new_tokens for r in results), "a request ended early"
@@ -111,19 +142,28 @@ def compile_figures(pipe, ids: list[int], reps: int) -> dict:
         first, compile_s = lone_ttft(pipe, ids, schema)
         again, again_s = lone_ttft(pipe, ids, schema)
         rows.append((plain, first, compile_s, again, again_s))
-        print(f"rep {rep} ttft plain {plain * 1e3:.1f} ms, new schema {first * 1e3:.1f} ms "
-              f"(compile {compile_s * 1e3:.1f} ms), again {again * 1e3:.1f} ms (compile {again_s * 1e3:.2f} ms)",
-              file=sys.stderr)
+        print(
+            f"rep {rep} ttft plain {plain * 1e3:.1f} ms, new schema {first * 1e3:.1f} ms "
+            f"(compile {compile_s * 1e3:.1f} ms), again {again * 1e3:.1f} ms (compile {again_s * 1e3:.2f} ms)",
+            file=sys.stderr,
+        )
     med = [statistics.median(column) for column in zip(*rows)]
-    return {"ttft_unconstrained_ms": round(med[0] * 1e3, 1), "ttft_new_schema_ms": round(med[1] * 1e3, 1),
-            "compile_new_schema_ms": round(med[2] * 1e3, 1), "ttft_same_schema_again_ms": round(med[3] * 1e3, 1),
-            "compile_same_schema_again_ms": round(med[4] * 1e3, 2)}
+    return {
+        "ttft_unconstrained_ms": round(med[0] * 1e3, 1),
+        "ttft_new_schema_ms": round(med[1] * 1e3, 1),
+        "compile_new_schema_ms": round(med[2] * 1e3, 1),
+        "ttft_same_schema_again_ms": round(med[3] * 1e3, 1),
+        "compile_same_schema_again_ms": round(med[4] * 1e3, 2),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="a save_pretrained directory (default: the 187M-parameter Llama, random "
-                                    "weights, 32,000-token BPE vocabulary)")
+    ap.add_argument(
+        "--model",
+        help="a save_pretrained directory (default: the 187M-parameter Llama, random "
+        "weights, 32,000-token BPE vocabulary)",
+    )
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -136,8 +176,7 @@ def main() -> None:
     from pipeline import Pipeline, load_model
     from stages import DecodeLoop, Prefill
 
-    path = args.model or str(build_llama_187m(Path(tempfile.gettempdir()) / "mm-bench-llama-187m-bpe",
-                                              tokenizer="bpe"))
+    path = args.model or str(build_llama_187m(Path(tempfile.gettempdir()) / "mm-bench-llama-187m-bpe", tokenizer="bpe"))
     lm = load_model(path, dtype=getattr(torch, args.dtype))
     pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, max_seqs=args.requests, burst=args.burst)
     fresh = iter(range(args.seed, args.seed + 10_000))  # new prompts for every run: no prefix-cache hits
@@ -158,14 +197,21 @@ def main() -> None:
     _, alone, _ = run(pipe, mixed[0], args.new_tokens, None)  # the mixed run's prompts, none constrained
     per_step = [d["grammar_step_s"] / d["grammar_masks"] for d in grammar]
     figures = {
-        "model": path, "dtype": args.dtype, "vocab_size": len(lm.tokenizer), "requests": args.requests,
-        "new_tokens": args.new_tokens, "burst": args.burst, "threads": torch.get_num_threads(),
+        "model": path,
+        "dtype": args.dtype,
+        "vocab_size": len(lm.tokenizer),
+        "requests": args.requests,
+        "new_tokens": args.new_tokens,
+        "burst": args.burst,
+        "threads": torch.get_num_threads(),
         "tok_s": {k: round(statistics.median(v), 1) for k, v in rates.items()},
-        "ratio_half_constrained": round(statistics.median(rates["half_constrained"])
-                                        / statistics.median(rates["unconstrained"]), 3),
+        "ratio_half_constrained": round(
+            statistics.median(rates["half_constrained"]) / statistics.median(rates["unconstrained"]), 3
+        ),
         "grammar_ms_per_step": round(statistics.median(per_step) * 1e3, 2),
         "grammar_share_of_wall": round(statistics.median(d["grammar_step_s"] / d["wall_s"] for d in grammar), 3),
-        "steps_with_constrained_rows": grammar[-1]["grammar_masks"], "steps": grammar[-1]["steps"],
+        "steps_with_constrained_rows": grammar[-1]["grammar_masks"],
+        "steps": grammar[-1]["steps"],
         "unconstrained_tokens_kept": all(mixed[1][i] == alone[i].token_ids for i in range(1, len(ids), 2)),
         "first_compile_ms": round(first_compile_s * 1e3, 1),  # includes reading the vocabulary, once per engine
         "first_constrained_batch_s": round(warm_s, 2),

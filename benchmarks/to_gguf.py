@@ -8,6 +8,7 @@ placeholder pieces (the benchmark feeds token ids, never text).
 
     python benchmarks/to_gguf.py MODEL_DIR out.gguf --dtype bf16     # or f32
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,14 @@ NAMES = {  # transformers' Llama tensor names -> GGUF's
     "lm_head.weight": "output.weight",
 }
 LAYER = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
 
@@ -66,7 +72,9 @@ def convert(model_dir: Path, out: Path, dtype: str = "bf16") -> Path:
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0))))
+    w.add_rope_freq_base(
+        float(config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+    )
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if dtype == "bf16" else gguf.LlamaFileType.ALL_F32)
     vocab = config["vocab_size"]

@@ -10,6 +10,7 @@ and all-gather, and the waits on them).
     python benchmarks/tp_throughput.py --json /tmp/tp1.json
     torchrun --nproc-per-node 2 benchmarks/tp_throughput.py --json /tmp/tp2.json --against /tmp/tp1.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,8 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     if rank > 0:
         follow(lm)
         return 0
-    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, max_seqs=args.requests,
-                    max_batch_tokens=2048, kv_memory=args.kv_memory)
+    pipe = Pipeline(
+        lm,
+        {"prefill": Prefill(), "decode": DecodeLoop()},
+        max_seqs=args.requests,
+        max_batch_tokens=2048,
+        kv_memory=args.kv_memory,
+    )
     prompts = workload(lm, args)
     run_engine(pipe, prompts[:4], 4, at_once=True)  # warm
     times, tokens = [], None
@@ -74,20 +80,31 @@ def main(argv: list[str] | None = None) -> int:
         times.append(seconds)
     share = collective_share(pipe, prompts, args.new_tokens) if tp > 1 else 0.0
     generated = args.requests * args.new_tokens
-    figures = {"tp": tp, "tok_s": generated / min(times), "capacity_tokens": pipe.pool.capacity_tokens,
-               "kv_bytes_per_token": pipe.pool.block_bytes // pipe.pool.block_size, "weights_bytes": lm.weights_bytes,
-               "collective_share": share, "threads": torch.get_num_threads(), "tokens": tokens}
+    figures = {
+        "tp": tp,
+        "tok_s": generated / min(times),
+        "capacity_tokens": pipe.pool.capacity_tokens,
+        "kv_bytes_per_token": pipe.pool.block_bytes // pipe.pool.block_size,
+        "weights_bytes": lm.weights_bytes,
+        "collective_share": share,
+        "threads": torch.get_num_threads(),
+        "tokens": tokens,
+    }
     tensor_parallel.finish()
     if args.json:
         args.json.write_text(json.dumps(figures))
     rows = [json.loads(args.against.read_text())] if args.against else []
     print(f"{args.arch} {args.dtype}, {args.requests} requests x {args.new_tokens} tokens, best of {args.reps}")
-    print("| model.tp | threads a rank | tok/s | vs tp=1 | KV tokens a rank holds | KV bytes/token a rank | weights a rank | collectives |")
+    print(
+        "| model.tp | threads a rank | tok/s | vs tp=1 | KV tokens a rank holds | KV bytes/token a rank | weights a rank | collectives |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     base = rows[0]["tok_s"] if rows else figures["tok_s"]
     for f in rows + [figures]:
-        print(f"| {f['tp']} | {f['threads']} | {f['tok_s']:.1f} | {f['tok_s'] / base:.2f}x | {f['capacity_tokens']:,} | "
-              f"{f['kv_bytes_per_token']:,} | {f['weights_bytes'] / 2**20:.0f} MiB | {f['collective_share']:.0%} |")
+        print(
+            f"| {f['tp']} | {f['threads']} | {f['tok_s']:.1f} | {f['tok_s'] / base:.2f}x | {f['capacity_tokens']:,} | "
+            f"{f['kv_bytes_per_token']:,} | {f['weights_bytes'] / 2**20:.0f} MiB | {f['collective_share']:.0%} |"
+        )
     if rows:
         same = sum(a == b for a, b in zip(rows[0]["tokens"], tokens))
         print(f"tokens identical to the one-process run: {same}/{len(tokens)}")

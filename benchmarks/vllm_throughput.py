@@ -11,6 +11,7 @@ speed drifts; run both twice and compare). Optional: without vLLM it says so and
     python benchmarks/engine_throughput.py --arch llama-187m --dtype bfloat16 --reps 1 --skip-hf --json /tmp/et.json
     /tmp/vllm-venv/bin/python benchmarks/vllm_throughput.py /tmp/et.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     gen = run["new_tokens"]
     dtype = "bfloat16" if run["dtype"] in ("auto", "bfloat16") else run["dtype"]
     longest = max(len(p) for p in figures["prompts"]) + gen
-    llm = LLM(model=run["model"], dtype=dtype, max_model_len=longest + 16, max_num_seqs=len(prompts),
-              max_num_batched_tokens=2048, seed=0, gpu_memory_utilization=0.5)
+    llm = LLM(
+        model=run["model"],
+        dtype=dtype,
+        max_model_len=longest + 16,
+        max_num_seqs=len(prompts),
+        max_num_batched_tokens=2048,
+        seed=0,
+        gpu_memory_utilization=0.5,
+    )
     params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     times, tokens = [], None
@@ -58,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     same = sum(a == b for a, b in zip(tokens, figures["tokens"]))
     print("| path | tokens/s | engine vs it | sequences identical to the engine's |")
     print("|---|---|---|---|")
-    print(f"| vLLM (CPU build) | {vllm_tok_s:.1f} | {engine['throughput_tok_s'] / vllm_tok_s:.2f}x | {same}/{len(prompts)} |")
+    print(
+        f"| vLLM (CPU build) | {vllm_tok_s:.1f} | {engine['throughput_tok_s'] / vllm_tok_s:.2f}x | {same}/{len(prompts)} |"
+    )
     print(f"| {engine['path']} (from {args.figures}) | {engine['throughput_tok_s']:.1f} | 1.00x | - |")
     return 0
 

@@ -15,6 +15,7 @@ gguf``; llama-cpp-python builds natively, about 8 minutes on 2 cores) it prints 
     python benchmarks/vs_llama_cpp.py --dtype bfloat16 --reps 3
     python benchmarks/vs_llama_cpp.py --dtype float32 --reps 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,11 @@ def llama_cpp_decode(path: Path, ids: list[int], n: int, threads: int) -> tuple[
     import llama_cpp
 
     model = _LLAMAS.get(path) or _LLAMAS.setdefault(
-        path, llama_cpp.Llama(str(path), n_ctx=len(ids) + n + 16, n_threads=threads, n_threads_batch=threads,
-                              n_batch=512, verbose=False))
+        path,
+        llama_cpp.Llama(
+            str(path), n_ctx=len(ids) + n + 16, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False
+        ),
+    )
     model.reset()
     out: list[int] = []
     first = 0.0
@@ -76,13 +80,24 @@ def main(argv: list[str] | None = None) -> int:
     if not gguf_path.is_file() or gguf_path.stat().st_mtime < (model_dir / "model.safetensors").stat().st_mtime:
         convert(model_dir, gguf_path, "bf16" if dtype == torch.bfloat16 else "f32")
 
-    ns = argparse.Namespace(arch=None, model=str(model_dir), quant="none", skip_modules=None, dtype=args.dtype,
-                            prompt_tokens=args.prompt_tokens, image=0)
+    ns = argparse.Namespace(
+        arch=None,
+        model=str(model_dir),
+        quant="none",
+        skip_modules=None,
+        dtype=args.dtype,
+        prompt_tokens=args.prompt_tokens,
+        image=0,
+    )
     lm = dvg.load(ns)
     prompt = dvg.Prompt(lm, ns)
     ids = prompt.ids[0].tolist()
-    paths = {"plain": dvg.make_pipe(lm, False, False), "plain-torch": dvg.make_pipe(lm, False, False, matvec=False),
-             "fast": dvg.make_pipe(lm, True, False), "fast-torch": dvg.make_pipe(lm, True, False, matvec=False)}
+    paths = {
+        "plain": dvg.make_pipe(lm, False, False),
+        "plain-torch": dvg.make_pipe(lm, False, False, matvec=False),
+        "fast": dvg.make_pipe(lm, True, False),
+        "fast-torch": dvg.make_pipe(lm, True, False, matvec=False),
+    }
     for name in ("fast", "fast-torch"):
         paths[name].warmup()
     roofline = dvg.copy_gb_s()
@@ -113,14 +128,18 @@ def main(argv: list[str] | None = None) -> int:
 
     read = statistics.median(per_token)  # bytes a decode step reads: weights + the KV it attends over
     ref = statistics.median(speed["llama.cpp"])
-    print(f"llama-187m {args.dtype}, {len(ids)}-token prompt, {n} new, {args.threads} threads, {args.reps} reps; "
-          f"{read / 1e6:.0f} MB read per token; roofline (copy) {roofline:.1f} GB/s")
+    print(
+        f"llama-187m {args.dtype}, {len(ids)}-token prompt, {n} new, {args.threads} threads, {args.reps} reps; "
+        f"{read / 1e6:.0f} MB read per token; roofline (copy) {roofline:.1f} GB/s"
+    )
     print("| path | decode tok/s | vs llama.cpp | GB/s | % of roofline | tokens = generate |")
     print("|---|---|---|---|---|---|")
     for name, values in speed.items():
         tok_s = statistics.median(values)
-        print(f"| {name} | {tok_s:.1f} | {tok_s / ref:.2f}x | {read * tok_s / 1e9:.1f} | "
-              f"{100 * read * tok_s / 1e9 / roofline:.0f}% | {'yes' if tokens[name] == tokens['generate'] else 'no'} |")
+        print(
+            f"| {name} | {tok_s:.1f} | {tok_s / ref:.2f}x | {read * tok_s / 1e9:.1f} | "
+            f"{100 * read * tok_s / 1e9 / roofline:.0f}% | {'yes' if tokens[name] == tokens['generate'] else 'no'} |"
+        )
     for model in _LLAMAS.values():
         model.close()  # (its __del__ at interpreter exit raises inside llama-cpp-python)
     return 0

@@ -8,6 +8,7 @@ in images) and asks it its own question about its example image, so both branche
 driven here run on the model's shared engine, as a Pipeline's do; the greedy branch is checked
 against a plain Pipeline run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory or hub id (default: the embedded tiny model)")
     parser.add_argument("--prompt", help="the prompt (default: the embedded model's own question, or a text prompt)")
-    parser.add_argument("--image", help="an image for the prompt (default: the embedded model's example image; "
-                                        "'' for none)")
+    parser.add_argument(
+        "--image", help="an image for the prompt (default: the embedded model's example image; '' for none)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args(argv)
     if args.model is None:
@@ -43,8 +45,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     args = parse_args(argv)
     lm = load_model(args.model)
     pipe = Pipeline(lm, {})  # no stages: we drive them ourselves, with the pipeline's context and timing
-    request = Request(prompt=args.prompt, images=[args.image] if args.image else [],
-                      max_new_tokens=args.max_new_tokens)
+    request = Request(prompt=args.prompt, images=[args.image] if args.image else [], max_new_tokens=args.max_new_tokens)
     print(f"prompt: {args.prompt!r}" + (f" about {args.image}" if args.image else ""))
 
     ctx = pipe.context(request)

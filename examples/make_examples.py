@@ -89,8 +89,12 @@ def speech() -> np.ndarray | None:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "speech.wav"
         try:
-            subprocess.run([exe, "-s", "150", "-w", str(out), "Hello, this is a test."],
-                           check=True, capture_output=True, timeout=30)
+            subprocess.run(
+                [exe, "-s", "150", "-w", str(out), "Hello, this is a test."],
+                check=True,
+                capture_output=True,
+                timeout=30,
+            )
             data, rate = sf.read(out, dtype="float64", always_2d=True)
         except (OSError, subprocess.SubprocessError, RuntimeError):
             return None

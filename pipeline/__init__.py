@@ -2,6 +2,7 @@
 
 The names below load on first use (PEP 562), so that what needs none of them (``python -m
 pipeline --help``, a misspelt setting) answers without importing torch and transformers."""
+
 from __future__ import annotations
 
 import importlib
@@ -12,13 +13,31 @@ from pipeline.settings import register as _register_settings
 _register_settings()  # conf/config.yaml composes over the settings schema (Hydra's ConfigStore)
 
 _HOMES = {
-    "Context": "pipeline.context", "Request": "pipeline.context", "Result": "pipeline.context",
-    "UserError": "pipeline.errors", "KVCache": "pipeline.kv", "Snapshot": "pipeline.kv",
-    "LoadedModel": "pipeline.loading", "load_model": "pipeline.loading", "Metrics": "pipeline.metrics",
-    "Pipeline": "pipeline.pipeline", "follow": "pipeline.pipeline",
+    "Context": "pipeline.context",
+    "Request": "pipeline.context",
+    "Result": "pipeline.context",
+    "UserError": "pipeline.errors",
+    "KVCache": "pipeline.kv",
+    "Snapshot": "pipeline.kv",
+    "LoadedModel": "pipeline.loading",
+    "load_model": "pipeline.loading",
+    "Metrics": "pipeline.metrics",
+    "Pipeline": "pipeline.pipeline",
+    "follow": "pipeline.pipeline",
 }
-__all__ = ["Context", "Request", "Result", "UserError", "KVCache", "Snapshot", "LoadedModel", "load_model",
-           "Metrics", "Pipeline", "follow"]  # _HOMES' keys, spelt out for tools that read __all__
+__all__ = [
+    "Context",
+    "Request",
+    "Result",
+    "UserError",
+    "KVCache",
+    "Snapshot",
+    "LoadedModel",
+    "load_model",
+    "Metrics",
+    "Pipeline",
+    "follow",
+]  # _HOMES' keys, spelt out for tools that read __all__
 
 if TYPE_CHECKING:
     from pipeline.context import Context, Request, Result

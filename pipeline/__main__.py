@@ -1,4 +1,5 @@
 """Entry point: ``python -m pipeline [overrides]``. Dispatches on cfg.mode.name."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,10 @@ register()  # the schema config.yaml composes over
 
 # Installed, the configs are the package's conf/ (pyproject maps the top-level conf/ there);
 # in the source tree they are the top-level conf/ itself.
-CONF_DIR = next((d for d in (Path(__file__).parent / "conf", Path(__file__).parents[1] / "conf") if d.is_dir()),
-                Path(__file__).parent / "conf")
+CONF_DIR = next(
+    (d for d in (Path(__file__).parent / "conf", Path(__file__).parents[1] / "conf") if d.is_dir()),
+    Path(__file__).parent / "conf",
+)
 
 
 def fail(message: str) -> None:
@@ -50,9 +53,26 @@ def check_group_choices(argv: list[str]) -> None:
 
 
 # Hydra's own flags: with these the command line is not (only) overrides, so Hydra handles it all.
-_HYDRA_FLAGS = ("-h", "--help", "--hydra-help", "-c", "--cfg", "-p", "--package", "--info", "--resolve",
-                "-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "-sc", "--shell-completion",
-                "--experimental-rerun")
+_HYDRA_FLAGS = (
+    "-h",
+    "--help",
+    "--hydra-help",
+    "-c",
+    "--cfg",
+    "-p",
+    "--package",
+    "--info",
+    "--resolve",
+    "-cp",
+    "--config-path",
+    "-cn",
+    "--config-name",
+    "-cd",
+    "--config-dir",
+    "-sc",
+    "--shell-completion",
+    "--experimental-rerun",
+)
 
 
 def one_line(err: Exception) -> str:
@@ -107,7 +127,7 @@ def unset_section(cfg: DictConfig, key: str) -> str | None:
             return None
         node = node._get_node(part)
         if isinstance(node, DictConfig) and node._is_none():
-            return ".".join(parts[:i + 1])
+            return ".".join(parts[: i + 1])
     return None
 
 
@@ -135,8 +155,11 @@ def check_keys(cfg: DictConfig, parsed: list[Override], texts: list[str]) -> Non
         verb = "add" if override.is_add() or override.is_force_add() else "override"
         if unknown_key(cfg, key):
             close = difflib.get_close_matches(key, setting_keys(cfg), n=1)
-            hint = (f"did you mean {close[0]}={text.split('=', 1)[1]}?" if close
-                    else "python -m pipeline --cfg job lists them")
+            hint = (
+                f"did you mean {close[0]}={text.split('=', 1)[1]}?"
+                if close
+                else "python -m pipeline --cfg job lists them"
+            )
             fail(f"Could not {verb} {key!r}: no such setting; {hint}")
         section = unset_section(cfg, key)
         if section:
@@ -153,11 +176,16 @@ def check_overrides(argv: list[str]) -> None:
     overrides = [arg for arg in argv if not arg.startswith("-")]  # -m / --multirun
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
-        first = [f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override() else text
-                 for o, text in zip(parsed, overrides)]
-        trials = [first] + [first[:i] + [f"{o.get_key_element()}={value}"] + first[i + 1:]
-                            for i, o in enumerate(parsed) if o.is_sweep_override()
-                            for value in list(o.sweep_string_iterator())[1:]]
+        first = [
+            f"{o.get_key_element()}={next(iter(o.sweep_string_iterator()))}" if o.is_sweep_override() else text
+            for o, text in zip(parsed, overrides)
+        ]
+        trials = [first] + [
+            first[:i] + [f"{o.get_key_element()}={value}"] + first[i + 1 :]
+            for i, o in enumerate(parsed)
+            if o.is_sweep_override()
+            for value in list(o.sweep_string_iterator())[1:]
+        ]
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             groups_seen = set()
             for trial in trials:

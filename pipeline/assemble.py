@@ -3,6 +3,7 @@
 The settings were checked once where the config entered (``pipeline.settings``: types while
 Hydra composed, rules in ``check`` before the mode started), so this module only reads them.
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,7 +19,14 @@ from transformers import AutoTokenizer
 from pipeline.context import Request
 from pipeline.errors import UserError
 from pipeline.loading import (
-    LoadedModel, _check_path, _load_error, load_model, local_files_only, parse_max_memory, read_config, resolve_dtype,
+    LoadedModel,
+    _check_path,
+    _load_error,
+    load_model,
+    local_files_only,
+    parse_max_memory,
+    read_config,
+    resolve_dtype,
 )
 from pipeline.kv import kv_memory_setting, state_budget, state_shape
 from pipeline.kv.offload import check_offload
@@ -39,7 +47,7 @@ def model_path(cfg: DictConfig) -> str:
         return str(cfg.model.path)
     print(
         "mm-pipeline: no model chosen, running the embedded default: a toy Qwen2-VL model trained by this "
-        f"project to name the shapes in images (ask \"{SHAPES_QUESTION}\" or \"{COUNT_QUESTION}\"; "
+        f'project to name the shapes in images (ask "{SHAPES_QUESTION}" or "{COUNT_QUESTION}"; '
         "other prompts get meaningless text). Pick a real one with +model=NAME or model.path=DIR.",
         file=sys.stderr,
     )
@@ -126,8 +134,15 @@ def check_settings_for_model(cfg: DictConfig, config: Any, path: str) -> None:
     check_offload_setting(str(cfg.kv.offload), config, int(cfg.model.tp), model)
     memory = kv_memory_setting(_plain(cfg.kv.memory))
     if isinstance(memory, int):
-        check_kv_bytes_hold_a_block(memory, int(cfg.kv.block_size), int(cfg.kv.state_checkpoint_every), config,
-                                    kv_dtypes(cfg), model, str(cfg.kv.dtype))
+        check_kv_bytes_hold_a_block(
+            memory,
+            int(cfg.kv.block_size),
+            int(cfg.kv.state_checkpoint_every),
+            config,
+            kv_dtypes(cfg),
+            model,
+            str(cfg.kv.dtype),
+        )
 
 
 def check_offload_setting(offload: str, config: Any, tp: int, model: str) -> None:
@@ -160,8 +175,15 @@ def kv_dtypes(cfg: DictConfig) -> list[torch.dtype]:
     return dtypes
 
 
-def check_kv_bytes_hold_a_block(memory: int, block_size: int, checkpoint_every: int, config: Any,
-                                dtypes: list[torch.dtype], model: str, kv_dtype: str = "auto") -> None:
+def check_kv_bytes_hold_a_block(
+    memory: int,
+    block_size: int,
+    checkpoint_every: int,
+    config: Any,
+    dtypes: list[torch.dtype],
+    model: str,
+    kv_dtype: str = "auto",
+) -> None:
     """``kv.memory`` as a byte count must hold one KV block (and, for a model with linear-attention
     layers, the recurrent-state slots of one sequence).
 
@@ -193,8 +215,10 @@ def check_state_checkpoint_setting(every: int, config: Any, model: str) -> None:
     silently. Set to the default (1024), it passes whatever the model."""
     if every == KVSettings.state_checkpoint_every or state_shape(config, torch.float32) is not None:
         return
-    raise UserError(f"kv.state_checkpoint_every applies to models with linear-attention layers (Qwen3.5); "
-                    f"{model} has none: drop the setting")
+    raise UserError(
+        f"kv.state_checkpoint_every applies to models with linear-attention layers (Qwen3.5); "
+        f"{model} has none: drop the setting"
+    )
 
 
 def check_draft_tokenizer(target: str, draft: str, trust_remote_code: bool = False) -> None:
@@ -204,8 +228,11 @@ def check_draft_tokenizer(target: str, draft: str, trust_remote_code: bool = Fal
     for name, path in (("model", target), ("decode.draft_model", draft)):
         _check_path(path)
         try:
-            toks.append(AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code,
-                                                      local_files_only=local_files_only(path)))
+            toks.append(
+                AutoTokenizer.from_pretrained(
+                    path, trust_remote_code=trust_remote_code, local_files_only=local_files_only(path)
+                )
+            )
         except (OSError, ValueError) as err:
             raise UserError(f"cannot load the tokenizer of {name} {path!r}: {_load_error(err)}") from None
     check_same_tokenizer(*toks)
@@ -221,8 +248,13 @@ def speculative_from_cfg(cfg: DictConfig, lm: LoadedModel, method: str | None = 
         return None
     draft = None
     if method == "draft":
-        draft = load_model(str(d.draft_model), dtype=cfg.model.dtype, device_map=str(lm.device), quant=d.draft_quant,
-                           trust_remote_code=bool(cfg.model.trust_remote_code))
+        draft = load_model(
+            str(d.draft_model),
+            dtype=cfg.model.dtype,
+            device_map=str(lm.device),
+            quant=d.draft_quant,
+            trust_remote_code=bool(cfg.model.trust_remote_code),
+        )
         check_same_tokenizer(lm.tokenizer, draft.tokenizer)
     return Speculative(method, d.num_draft, d.ngram_max, d.ngram_min, draft=draft, compile=bool(d.draft_compile))
 
@@ -253,11 +285,19 @@ def max_seqs(cfg: DictConfig) -> int | None:
 
 def engine_settings(cfg: DictConfig) -> dict:
     """The pool and engine settings (kv.*, engine.*) as Pipeline keyword arguments."""
-    return dict(kv_memory=kv_memory(cfg), kv_block_size=cfg.kv.block_size,
-                kv_state_checkpoint_every=cfg.kv.state_checkpoint_every, kv_attention=cfg.kv.attention,
-                kv_dtype=cfg.kv.dtype, kv_offload=cfg.kv.offload, kv_offload_bytes=_plain(cfg.kv.offload_bytes),
-                kv_offload_dir=cfg.kv.offload_dir, max_seqs=max_seqs(cfg),
-                max_batch_tokens=cfg.engine.max_batch_tokens, burst=cfg.engine.burst)
+    return dict(
+        kv_memory=kv_memory(cfg),
+        kv_block_size=cfg.kv.block_size,
+        kv_state_checkpoint_every=cfg.kv.state_checkpoint_every,
+        kv_attention=cfg.kv.attention,
+        kv_dtype=cfg.kv.dtype,
+        kv_offload=cfg.kv.offload,
+        kv_offload_bytes=_plain(cfg.kv.offload_bytes),
+        kv_offload_dir=cfg.kv.offload_dir,
+        max_seqs=max_seqs(cfg),
+        max_batch_tokens=cfg.engine.max_batch_tokens,
+        burst=cfg.engine.burst,
+    )
 
 
 def pipeline_from_cfg(cfg: DictConfig, lm: LoadedModel, stages: dict[str, Any] | None = None) -> Pipeline:
@@ -297,7 +337,7 @@ def request_from_cfg(cfg: DictConfig, **overrides: Any) -> Request:
     if prompt is None and not paths and "prompt" not in overrides and not cfg.model.path:
         image, prompt = embedded_example()  # the first run shows the embedded default looking at an image
         paths = [image]
-        print(f"mm-pipeline: no input given: asking \"{prompt}\" about the example image {image}", file=sys.stderr)
+        print(f'mm-pipeline: no input given: asking "{prompt}" about the example image {image}', file=sys.stderr)
     media = Inputs()
     if paths:  # each file's kind by content; images and videos remember their file for messages
         media = load_inputs(paths, max_pixels=max_image_pixels(cfg), video_fps=fps, video_max_frames=max_frames)

@@ -16,6 +16,7 @@ Python use::
     pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill()})
     letter, logits = choose(pipe, Question("1 + 1 = ?", ("1", "2", "3", "4")))
 """
+
 from __future__ import annotations
 
 import csv
@@ -35,7 +36,9 @@ LETTERS: tuple[str, ...] = ("A", "B", "C", "D")
 REQUIRED_COLUMNS: tuple[str, ...] = ("id", "question", "A", "B", "C", "D")
 OPTIONAL_COLUMNS: tuple[str, ...] = ("answer", "explanation")  # C-Eval dev files carry explanations
 SPLIT_SUFFIXES: tuple[str, ...] = ("_val", "_dev", "_test")
-DEFAULT_INSTRUCTION = "以下是中国关于{subject}考试的单项选择题，请选出其中的正确答案。只需回答选项字母（A、B、C 或 D）。"
+DEFAULT_INSTRUCTION = (
+    "以下是中国关于{subject}考试的单项选择题，请选出其中的正确答案。只需回答选项字母（A、B、C 或 D）。"
+)
 
 # A few-shot source: one list for every subject, or one list per subject name.
 DevSet = Sequence["Question"] | Mapping[str, Sequence["Question"]]
@@ -109,7 +112,9 @@ def read_csv(path: str | Path, subject: str | None = None, *, need_answers: bool
                     )
             for name in REQUIRED_COLUMNS:
                 if name not in names:
-                    raise UserError(f"{path}: the header has no {name!r} column (expected id,question,A,B,C,D[,answer])")
+                    raise UserError(
+                        f"{path}: the header has no {name!r} column (expected id,question,A,B,C,D[,answer])"
+                    )
             duplicated = sorted({n for n in names if names.count(n) > 1})
             if duplicated:
                 raise UserError(f"{path}: column {duplicated[0]!r} appears twice in the header")

@@ -13,6 +13,7 @@ template rewrites history (e.g. Qwen3 drops old thinking blocks): reuse simply s
     chat.send("And the colours?")
     chat.undo()                       # drop the last exchange: the cache rolls back, no recompute
 """
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,13 @@ from pipeline.context import Request, Result
 from pipeline.errors import UserError
 from pipeline.kv import KVCache
 from pipeline.media import (
-    DEFAULT_MAX_PIXELS, DEFAULT_VIDEO_FPS, DEFAULT_VIDEO_MAX_FRAMES, content_hash, load_audio, load_image, load_video,
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_VIDEO_FPS,
+    DEFAULT_VIDEO_MAX_FRAMES,
+    content_hash,
+    load_audio,
+    load_image,
+    load_video,
     media_kind,
 )
 from pipeline.outputs import append_jsonl
@@ -123,9 +130,12 @@ class ChatSession:
             data: Any = load_image(path, max_pixels=self.max_image_pixels or DEFAULT_MAX_PIXELS)
             data.info["source"] = str(path)  # families name the image by it in their messages
         elif actual == "video":
-            data = load_video(path, fps=self.video_fps or DEFAULT_VIDEO_FPS,
-                              max_frames=self.video_max_frames or DEFAULT_VIDEO_MAX_FRAMES,
-                              max_pixels=self.max_image_pixels or DEFAULT_MAX_PIXELS)
+            data = load_video(
+                path,
+                fps=self.video_fps or DEFAULT_VIDEO_FPS,
+                max_frames=self.video_max_frames or DEFAULT_VIDEO_MAX_FRAMES,
+                max_pixels=self.max_image_pixels or DEFAULT_MAX_PIXELS,
+            )
         else:
             rate = self.pipe.lm.family.audio_rate(self.pipe.lm)
             data = (load_audio(path, rate)[0], rate)
@@ -177,7 +187,9 @@ class ChatSession:
         new_audios = [a.data for a in self.pending if a.kind == "audio"] + list(audios)
         new_videos = [a.data for a in self.pending if a.kind == "video"] + list(videos)
         labels = [a.label for a in self.pending] + [_label(x) for x in (*images, *videos, *audios)]
-        kinds = [a.kind for a in self.pending] + ["image"] * len(images) + ["video"] * len(videos) + ["audio"] * len(audios)
+        kinds = (
+            [a.kind for a in self.pending] + ["image"] * len(images) + ["video"] * len(videos) + ["audio"] * len(audios)
+        )
         content = self.pipe.lm.family.content(str(text), len(new_images), len(new_audios), kinds=kinds)
         message = {"role": "user", "content": content}
         request = self.request(message, new_images, new_audios, new_videos)
@@ -187,24 +199,40 @@ class ChatSession:
         except BaseException as err:
             recover(self.cache, self.cache.common_prefix(before))
             if isinstance(err, KeyboardInterrupt):
-                self._log({"event": "interrupted", "turn": len(self.turns) + 1, "user": str(text),
-                           "cache_tokens": self.cache.length})
+                self._log(
+                    {
+                        "event": "interrupted",
+                        "turn": len(self.turns) + 1,
+                        "user": str(text),
+                        "cache_tokens": self.cache.length,
+                    }
+                )
             raise
         self.pending.clear()
-        turn = Turn(str(text), message, new_images, new_audios, labels, result,
-                    kept=int(result.metrics["kv_reused_tokens"]), videos=new_videos)
+        turn = Turn(
+            str(text),
+            message,
+            new_images,
+            new_audios,
+            labels,
+            result,
+            kept=int(result.metrics["kv_reused_tokens"]),
+            videos=new_videos,
+        )
         self.turns.append(turn)
-        self._log({
-            "event": "turn",
-            "turn": len(self.turns),
-            "user": turn.user,
-            "media": labels,
-            "text": result.text,
-            "token_ids": result.token_ids,
-            "prompt_tokens": result.prompt_tokens,
-            "finish_reason": result.finish_reason,
-            "metrics": result.metrics,
-        })
+        self._log(
+            {
+                "event": "turn",
+                "turn": len(self.turns),
+                "user": turn.user,
+                "media": labels,
+                "text": result.text,
+                "token_ids": result.token_ids,
+                "prompt_tokens": result.prompt_tokens,
+                "finish_reason": result.finish_reason,
+                "metrics": result.metrics,
+            }
+        )
         return result
 
     def undo(self) -> Turn | None:

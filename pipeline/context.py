@@ -1,4 +1,5 @@
 """The objects that travel through the stages: what was asked, the work in progress, the answer."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -72,8 +73,11 @@ class TokenLogprob:
 
     def to_dict(self) -> dict:
         """For result.json / results.jsonl: strict JSON (no -Infinity), the floor for -inf."""
-        return {"token_id": self.token_id, "logprob": json_logprob(self.logprob),
-                "top_logprobs": [[t, json_logprob(v)] for t, v in self.top]}
+        return {
+            "token_id": self.token_id,
+            "logprob": json_logprob(self.logprob),
+            "top_logprobs": [[t, json_logprob(v)] for t, v in self.top],
+        }
 
 
 @dataclass
@@ -126,6 +130,9 @@ class Result:
             "finish_reason": self.finish_reason,
             "metrics": self.metrics,
             **({} if self.logprobs is None else {"logprobs": [t.to_dict() for t in self.logprobs]}),
-            **({} if self.prompt_logprobs is None else
-               {"prompt_logprobs": [None if t is None else t.to_dict() for t in self.prompt_logprobs]}),
+            **(
+                {}
+                if self.prompt_logprobs is None
+                else {"prompt_logprobs": [None if t is None else t.to_dict() for t in self.prompt_logprobs]}
+            ),
         }

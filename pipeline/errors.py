@@ -1,4 +1,5 @@
 """One exception type for everything the user can fix: the CLI prints it as one line."""
+
 from __future__ import annotations
 
 from typing import Any

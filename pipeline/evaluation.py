@@ -17,6 +17,7 @@ Generation (``generate_until``) runs the whole chain: a prompt rendered by ``app
 multimodal tasks, ``<image>`` placeholders) go through the Tokenize stage as messages, so the
 model's own template places the media; other prompts are fed as lm-eval's text, encoded.
 """
+
 from __future__ import annotations
 
 import sys
@@ -39,9 +40,16 @@ from stages.sampler import Sampler
 
 IMAGE_PLACEHOLDER = "<image>"  # lm-eval's own (lm_eval.models.hf_vlms.DEFAULT_IMAGE_PLACEHOLDER)
 # lm-eval generation settings and the Sampler argument each becomes; any other is refused.
-SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-            "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-            "frequency_penalty": "frequency_penalty", "seed": "seed"}
+SAMPLING = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "seed": "seed",
+}
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
 
 
@@ -71,8 +79,15 @@ class EngineLM(TemplateLM):
 
     MULTIMODAL = True  # lm-eval hands image tasks only to models that say so
 
-    def __init__(self, pipe: Pipeline, *, max_length: int | None = None, thinking: bool | None = None,
-                 progress: bool = True, process: Any = None) -> None:
+    def __init__(
+        self,
+        pipe: Pipeline,
+        *,
+        max_length: int | None = None,
+        thinking: bool | None = None,
+        progress: bool = True,
+        process: Any = None,
+    ) -> None:
         super().__init__()
         self.process = process
         if process is not None:
@@ -119,8 +134,13 @@ class EngineLM(TemplateLM):
         messages = [_message(m, lm.family) for m in chat_history]
         owner = lm.template_owner
         extra = {} if self.thinking is None else {"enable_thinking": self.thinking}
-        text = owner.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         continue_final_message=not add_generation_prompt, **extra)
+        text = owner.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+            **extra,
+        )
         if add_generation_prompt:
             self._chats[text] = messages
         return text
@@ -136,7 +156,9 @@ class EngineLM(TemplateLM):
         group = getattr(self.process, "group", None)  # tensor-parallel groups' rank 0s; None: accelerate's
         if group is None:
             return gather(tensor)
-        local = tensor.cpu().reshape(-1) if tensor.dim() == 0 else tensor.cpu()  # gloo's group; scalars as accelerate's gather
+        local = (
+            tensor.cpu().reshape(-1) if tensor.dim() == 0 else tensor.cpu()
+        )  # gloo's group; scalars as accelerate's gather
         parts = [torch.empty_like(local) for _ in range(self.world_size)]
         torch.distributed.all_gather(parts, local, group=group)
         return torch.cat(parts).to(tensor.device)
@@ -153,8 +175,9 @@ class EngineLM(TemplateLM):
             self.process.wait_for_everyone()
 
     # --- scoring --------------------------------------------------------------------------------
-    def _loglikelihood_tokens(self, requests: list[tuple[tuple[str, str], list[int], list[int]]],
-                              disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[tuple[str, str], list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
+    ) -> list[tuple[float, bool]]:
         """Each continuation's summed log-probability and whether every token of it was the most
         likely one. Requests with the same context run as a group: the first, then the rest."""
         groups: dict[tuple[int, ...], list[Job]] = {}
@@ -176,9 +199,12 @@ class EngineLM(TemplateLM):
         windows, owners = [], []
         for n, request in enumerate(requests):
             tokens = self.tok_encode(request.args[0])
-            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
-                    token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
-                    context_len=1)):
+            for context, continuation in map(
+                make_disjoint_window,
+                get_rolling_token_windows(
+                    token_list=tokens, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1
+                ),
+            ):
                 windows.append((None, context, continuation))
                 owners.append(n)
         totals = [0.0] * len(requests)
@@ -206,8 +232,9 @@ class EngineLM(TemplateLM):
         sampler = _sampler(settings)
         request = Request(max_new_tokens=steps, stop=until, sampler=sampler, thinking=self.thinking)
         request.images = list((media or {}).get("visual") or [])
-        request.audios = [(a["array"], a["sampling_rate"]) if isinstance(a, dict) else a
-                          for a in (media or {}).get("audio") or []]
+        request.audios = [
+            (a["array"], a["sampling_rate"]) if isinstance(a, dict) else a for a in (media or {}).get("audio") or []
+        ]
         if context in self._chats:  # rendered by apply_chat_template: the chain renders the same messages
             request.messages = self._chats[context]
         elif request.images or request.audios:  # the model's template places the media, then the text
@@ -223,11 +250,21 @@ class EngineLM(TemplateLM):
         with its error."""
         groups = list(groups)
         rest = {group[0].key: group[1:] for group in groups}
-        outcomes = pipe.run_many((group[0].item for group in groups), result=False,
-                                 after=lambda key: [job.item for job in rest.get(key, ())])
+        outcomes = pipe.run_many(
+            (group[0].item for group in groups), result=False, after=lambda key: [job.item for job in rest.get(key, ())]
+        )
         done: dict[int, Context] = {}
-        with tqdm(total=sum(map(len, groups)), desc=what, unit="req", file=sys.stderr, dynamic_ncols=True,
-                  disable=quiet or not self.progress) as bar, closing(outcomes):
+        with (
+            tqdm(
+                total=sum(map(len, groups)),
+                desc=what,
+                unit="req",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                disable=quiet or not self.progress,
+            ) as bar,
+            closing(outcomes),
+        ):
             for key, outcome in outcomes:
                 if isinstance(outcome, BaseException):
                     raise outcome
@@ -248,8 +285,10 @@ def _sampler(settings: dict) -> Sampler | None:
     sample = bool(settings.pop("do_sample", False))
     unknown = sorted(set(settings) - set(SAMPLING))
     if unknown:
-        raise UserError(f"lm-eval generation setting(s) {', '.join(unknown)} are not supported "
-                        f"(supported: do_sample, until, max_gen_toks, {', '.join(SAMPLING)})")
+        raise UserError(
+            f"lm-eval generation setting(s) {', '.join(unknown)} are not supported "
+            f"(supported: do_sample, until, max_gen_toks, {', '.join(SAMPLING)})"
+        )
     values = {SAMPLING[k]: v for k, v in settings.items() if v is not None}
     if not sample:
         values["temperature"] = 0.0

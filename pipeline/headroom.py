@@ -9,6 +9,7 @@ into one step of ``max_batch_tokens`` tokens. The device's peak over that run, l
 before and the scratch pool, times ``MARGIN``, is kept free; the scratch pipeline is dropped
 before the real pool is sized.
 """
+
 from __future__ import annotations
 
 import gc
@@ -63,8 +64,11 @@ def measured_headroom(pipe: Any) -> tuple[int, str] | None:
     media = _largest_media(pipe)
     tokens = max([pipe.max_batch_tokens] + [bound for _, bound in media]) + 2 * pipe.max_seqs * pipe.kv_block_size
     meter.start()
-    scratch = pipe.scratch(sizing.pool_bytes_for(lm, tokens, pipe.kv_block_size, pipe.kv_state_checkpoint_every,
-                                                 pipe.max_seqs, pipe.kv_dtype))
+    scratch = pipe.scratch(
+        sizing.pool_bytes_for(
+            lm, tokens, pipe.kv_block_size, pipe.kv_state_checkpoint_every, pipe.max_seqs, pipe.kv_dtype
+        )
+    )
     pool = meter.held()
     try:
         for request, _ in media:
@@ -72,9 +76,11 @@ def measured_headroom(pipe: Any) -> tuple[int, str] | None:
         _prefill_steps(scratch)
         peak = max(meter.peak() - pool, 0)
     except torch.OutOfMemoryError as err:
-        raise UserError(f"kv.memory=auto: the warm-up that measures a step's memory ran out of it "
-                        f"({str(err).splitlines()[0][:120]}): lower engine.max_batch_tokens or the largest "
-                        f"image (the processor's max_pixels), or set kv.memory") from None
+        raise UserError(
+            f"kv.memory=auto: the warm-up that measures a step's memory ran out of it "
+            f"({str(err).splitlines()[0][:120]}): lower engine.max_batch_tokens or the largest "
+            f"image (the processor's max_pixels), or set kv.memory"
+        ) from None
     finally:
         del scratch
         gc.collect()  # the scratch pool and engine refer to each other
@@ -91,8 +97,9 @@ def _prefill_steps(scratch: Any) -> None:
     filler = scratch.lm.tokenizer(TEXT * (tokens // 4 + 1), add_special_tokens=False)["input_ids"]
     scratch.run_ids(filler[:tokens], Request(max_new_tokens=1))
     share = max(1, tokens // rows)
-    handles = [scratch.submit(Request(max_new_tokens=1), ids=filler[k + 1 : k + 1 + share], result=False)
-               for k in range(rows)]
+    handles = [
+        scratch.submit(Request(max_new_tokens=1), ids=filler[k + 1 : k + 1 + share], result=False) for k in range(rows)
+    ]
     for handle in handles:
         scratch.wait(handle)
 

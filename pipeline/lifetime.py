@@ -23,6 +23,7 @@ Helpers: the project starts no process of its own (no subprocess or multiprocess
 pipeline/). torch's compile workers (``decode.compile``: Inductor's ``SubprocPool`` sidecar) end
 once this process does: they read EOF on its pipe, and torch's own watch checks their parent.
 """
+
 from __future__ import annotations
 
 import os

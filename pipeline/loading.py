@@ -1,4 +1,5 @@
 """load_model: a hub id or a local save_pretrained directory, through transformers + accelerate."""
+
 from __future__ import annotations
 
 import functools
@@ -76,7 +77,7 @@ class LoadedModel:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device_map: Any) -> torch.dtype | str:
-    """"auto" means float32 on CPU (exact and fast enough for small models) and bfloat16 on GPU."""
+    """ "auto" means float32 on CPU (exact and fast enough for small models) and bfloat16 on GPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
@@ -171,8 +172,9 @@ def read_config(path: str, trust_remote_code: bool = False) -> Any:
     (``pipeline.assemble.check_settings_for_model``) is refused before minutes of loading weights."""
     _check_path(path)
     try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code,
-                                          local_files_only=local_files_only(path))
+        return AutoConfig.from_pretrained(
+            path, trust_remote_code=trust_remote_code, local_files_only=local_files_only(path)
+        )
     except (OSError, ValueError) as err:
         raise UserError(f"cannot load model {path!r}: {_load_error(err)}") from None
 
@@ -346,8 +348,11 @@ def _check_budget_devices(budgets: dict) -> None:
     if not missing:
         return
     rest = {k: v for k, v in budgets.items() if not isinstance(k, int) or k < count}
-    keep = ("use {" + ", ".join(f"{k}: {v}" for k, v in rest.items()) + "} or drop model.max_memory") if rest \
+    keep = (
+        ("use {" + ", ".join(f"{k}: {v}" for k, v in rest.items()) + "} or drop model.max_memory")
+        if rest
         else "drop model.max_memory"
+    )
     names = ("devices " if len(missing) > 1 else "device ") + ", ".join(str(i) for i in missing)
     where = "no CUDA device is available" if count == 0 else f"only {count} CUDA device(s) are here (0-{count - 1})"
     raise UserError(f"model.max_memory names CUDA {names} but {where}: {keep}")
@@ -471,21 +476,31 @@ def auto_scheme(path: str, config: Any, dtype: torch.dtype, device_map: Any, bud
 
         why_not = matvec.load()
         if why_not is not None:
-            return "none", f"quant=auto: none on CPU (no native kernel: {why_not}; int8 would dequantise in every matmul)"
-        return "int8wo", ("quant=auto chose int8wo on CPU: int8 weights, one scale per row, read by the native "
-                          "kernel (2.4-2.9x float32, 1.5-1.8x bfloat16 single-stream decode)")
+            return (
+                "none",
+                f"quant=auto: none on CPU (no native kernel: {why_not}; int8 would dequantise in every matmul)",
+            )
+        return "int8wo", (
+            "quant=auto chose int8wo on CPU: int8 weights, one scale per row, read by the native "
+            "kernel (2.4-2.9x float32, 1.5-1.8x bfloat16 single-stream decode)"
+        )
     name, total = gpu
     weights = estimated_weights_bytes(path, config, dtype)
     kind = str(dtype).removeprefix("torch.")
     if weights <= AUTO_BF16_SHARE * total:
-        return "none", (f"quant=auto kept {kind}: the weights (about {fmt_bytes(weights)}) take at most half of "
-                        f"{name}'s {fmt_bytes(total)}")
-    return "nf4", (f"quant=auto chose nf4: the weights (about {fmt_bytes(weights)} in {kind}) take more than half of "
-                   f"{name}'s {fmt_bytes(total)}")
+        return "none", (
+            f"quant=auto kept {kind}: the weights (about {fmt_bytes(weights)}) take at most half of "
+            f"{name}'s {fmt_bytes(total)}"
+        )
+    return "nf4", (
+        f"quant=auto chose nf4: the weights (about {fmt_bytes(weights)} in {kind}) take more than half of "
+        f"{name}'s {fmt_bytes(total)}"
+    )
 
 
-def resolve_auto(path: str, config: Any, dtype: torch.dtype, device_map: Any, budgets: dict, tp: int = 1,
-                 auto_keeps: str = "") -> tuple[str, str]:
+def resolve_auto(
+    path: str, config: Any, dtype: torch.dtype, device_map: Any, budgets: dict, tp: int = 1, auto_keeps: str = ""
+) -> tuple[str, str]:
     """``quant=auto`` for this run: ``auto_scheme``'s choice, the same under tensor parallel as in one
     process (int8wo is sharded over the ranks), except where a run must keep the checkpoint's weights
     (``auto_keeps``: mode=eval measures the model) or the choice cannot be sharded (bitsandbytes)."""
@@ -493,15 +508,26 @@ def resolve_auto(path: str, config: Any, dtype: torch.dtype, device_map: Any, bu
         return "none", f"quant=auto keeps the checkpoint's weights under {auto_keeps}"
     scheme, note = auto_scheme(path, config, dtype, device_map, budgets)
     if tp > 1 and scheme in tensor_parallel.BITSANDBYTES:
-        return "none", (f"quant=auto keeps the checkpoint's weights under model.tp={tp}: it would choose {scheme} "
-                        "in one process, and bitsandbytes weights cannot be sharded")
+        return "none", (
+            f"quant=auto keeps the checkpoint's weights under model.tp={tp}: it would choose {scheme} "
+            "in one process, and bitsandbytes weights cannot be sharded"
+        )
     if tp > 1 and scheme != "none":
         note += f"; sharded over the {tp} tensor-parallel ranks"
     return scheme, note
 
 
-def _quantization(quant: Any, config: Any, path: str, torch_dtype: Any, device_map: Any, family: Family,
-                  budgets: dict, tp: int = 1, auto_keeps: str = "") -> tuple[Any, str]:
+def _quantization(
+    quant: Any,
+    config: Any,
+    path: str,
+    torch_dtype: Any,
+    device_map: Any,
+    family: Family,
+    budgets: dict,
+    tp: int = 1,
+    auto_keeps: str = "",
+) -> tuple[Any, str]:
     """quant (a scheme name or the quant config group) -> (BitsAndBytesConfig / TorchAoConfig or
     None, how ``auto`` decided: empty for an explicit scheme)."""
     quant_cfg = {"name": quant} if isinstance(quant, str) else quant
@@ -575,16 +601,19 @@ def load_model(
     if tp > 1:
         _check_tensor_parallel(config, tp, quant, device_map)
     if quantization_config is None and quant is not None:
-        quantization_config, quant_note = _quantization(quant, config, path, torch_dtype, device_map, family, budgets,
-                                                        tp, auto_keeps)
+        quantization_config, quant_note = _quantization(
+            quant, config, path, torch_dtype, device_map, family, budgets, tp, auto_keeps
+        )
     shard_quantised = tensor_parallel.quantised_after_sharding(quantization_config) if tp > 1 else None
     if shard_quantised is not None:
         quantization_config = None  # loaded in full precision, sharded, then quantised per shard below
     hub: dict[str, Any] = {"trust_remote_code": trust_remote_code, "local_files_only": local_files_only(path)}
     kwargs: dict[str, Any] = {"dtype": torch_dtype, "use_safetensors": True, **hub}
     if tp > 1:  # the architecture's own plan, over the launch's ranks
-        kwargs.update(distributed_config=tensor_parallel.distributed_config(tp, config),
-                      config=tensor_parallel.plan_config(config))
+        kwargs.update(
+            distributed_config=tensor_parallel.distributed_config(tp, config),
+            config=tensor_parallel.plan_config(config),
+        )
     if device_map is not None:
         kwargs["device_map"] = device_map
     elif quantization_config is not None and tp == 1 and torch.cuda.is_available():
@@ -637,8 +666,9 @@ def _check_tensor_parallel(config: Any, tp: int, quant: Any, device_map: Any) ->
     """Refuse what cannot be sharded (before any weight loads), then join the launch's group."""
     tensor_parallel.check_launch(tp)
     if device_map is not None:
-        raise UserError(f"model.tp={tp} places the weights itself (one shard per rank): drop model.device_map / "
-                        "model.max_memory")
+        raise UserError(
+            f"model.tp={tp} places the weights itself (one shard per rank): drop model.device_map / model.max_memory"
+        )
     quant_cfg = {"name": quant} if isinstance(quant, str) else quant
     scheme = q.scheme_name(quant_cfg) if quant_cfg is not None else "none"
     tensor_parallel.check_model(config, tp, scheme, state_shape(config, torch.float32) is not None)
@@ -649,8 +679,12 @@ def _load_error(err: Exception) -> str:
     """transformers' offload errors are paragraphs; say in one line what to change."""
     text = str(err)
     if "offload_folder" in text or "offloaded to the disk" in text:
-        return "some weights do not fit in memory and go to disk: set model.offload_folder=DIR (or raise model.max_memory)"
+        return (
+            "some weights do not fit in memory and go to disk: set model.offload_folder=DIR (or raise model.max_memory)"
+        )
     if "dispatched on the CPU or the disk" in text:
-        return ("the quantised model does not fit in model.max_memory and bitsandbytes cannot offload quantised "
-                "layers to cpu/disk: raise model.max_memory, give an explicit model.device_map, or use quant=none")
+        return (
+            "the quantised model does not fit in model.max_memory and bitsandbytes cannot offload quantised "
+            "layers to cpu/disk: raise model.max_memory, give an explicit model.device_map, or use quant=none"
+        )
     return text.strip().splitlines()[0] if text.strip() else type(err).__name__

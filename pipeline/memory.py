@@ -4,6 +4,7 @@ Why: a pool larger than what the device has left after the weights dies later (C
 kernel's OOM killer on CPU, where the pool's pages are touched only as it fills); checked up
 front, the run stops at once with the numbers.
 """
+
 from __future__ import annotations
 
 import functools
@@ -14,7 +15,6 @@ import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from pipeline.errors import UserError
-
 
 
 def text_config(config: Any) -> Any:
@@ -52,8 +52,11 @@ def sliding_window(config: Any) -> int | None:
     """The window of the sliding-attention layers (None: the model has none). One window per
     model: a config whose layers disagree is refused in one line."""
     kinds, kwargs = _layers(config)
-    windows = {int(kw["sliding_window"]) for kind, kw in zip(kinds, kwargs)
-               if kind == "sliding_attention" and kw.get("sliding_window")}
+    windows = {
+        int(kw["sliding_window"])
+        for kind, kw in zip(kinds, kwargs)
+        if kind == "sliding_attention" and kw.get("sliding_window")
+    }
     if len(windows) > 1:
         raise UserError(f"the paged KV cache handles one sliding window per model; this one has {sorted(windows)}")
     return windows.pop() if windows else None
@@ -69,8 +72,9 @@ def kv_shape(config: Any, shards: int = 1) -> tuple[int, int, int]:
     return int(text.num_hidden_layers), kv_heads // shards, head_dim
 
 
-def kv_bytes_per_layer(config: Any, tokens: int, dtype: torch.dtype, shards: int = 1, kv_dtype: str = "auto"
-                       ) -> list[int]:
+def kv_bytes_per_layer(
+    config: Any, tokens: int, dtype: torch.dtype, shards: int = 1, kv_dtype: str = "auto"
+) -> list[int]:
     """Bytes of keys + values each decoder layer holds for ``tokens`` positions.
 
     Sliding-window layers count every position too: the paged pool keeps them all (a block is
@@ -167,7 +171,9 @@ def free_bytes(device: torch.device, lm: Any) -> tuple[int, str]:
         weights = sum((getattr(lm, "placement", None) or {}).get(key, {}).values())
         left = budgets[key] - weights
         if left < free:
-            return max(left, 0), f"model.max_memory['{key}']={fmt_bytes(budgets[key])} minus {fmt_bytes(weights)} of weights"
+            return max(
+                left, 0
+            ), f"model.max_memory['{key}']={fmt_bytes(budgets[key])} minus {fmt_bytes(weights)} of weights"
     return free, "available RAM"
 
 

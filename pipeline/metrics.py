@@ -6,6 +6,7 @@ CPU), less the KV pool, which is one fixed allocation reported apart (``kv_pool_
 request keeps the largest figure of the steps it took part in, so requests that overlap each get
 their own peak, and no request resets what another is measuring.
 """
+
 from __future__ import annotations
 
 import re

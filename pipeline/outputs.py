@@ -1,4 +1,5 @@
 """Writing results so that a file on disk is either complete or absent, never half-written."""
+
 from __future__ import annotations
 
 import csv
@@ -113,8 +114,11 @@ def _entries_before(path: Path) -> Any:
 
 
 def _file_handlers_in(path: Path) -> list[logging.FileHandler]:
-    return [h for h in logging.getLogger().handlers
-            if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == path]
+    return [
+        h
+        for h in logging.getLogger().handlers
+        if isinstance(h, logging.FileHandler) and Path(h.baseFilename).parent == path
+    ]
 
 
 def remove_failed_run_dir() -> None:
@@ -134,7 +138,8 @@ def remove_failed_run_dir() -> None:
     added = {p.name for p in path.iterdir()} - (before or set())
     saved = path / str(hydra.output_subdir)
     if not added <= {f"{hydra.job.name}.log", str(hydra.output_subdir)} or (
-            saved.name in added and not {p.name for p in saved.iterdir()} <= {"config.yaml", "hydra.yaml", "overrides.yaml"}):
+        saved.name in added and not {p.name for p in saved.iterdir()} <= {"config.yaml", "hydra.yaml", "overrides.yaml"}
+    ):
         return
     for handler in _file_handlers_in(path):  # a record logged later must not recreate the file
         logging.getLogger().removeHandler(handler)
@@ -158,7 +163,9 @@ def _remove(path: Path, before: set[str] | None, added: set[str]) -> None:
         shutil.rmtree(path, ignore_errors=True)
         return
     for name in added:
-        shutil.rmtree(path / name, ignore_errors=True) if (path / name).is_dir() else (path / name).unlink(missing_ok=True)
+        shutil.rmtree(path / name, ignore_errors=True) if (path / name).is_dir() else (path / name).unlink(
+            missing_ok=True
+        )
 
 
 class _Mirror:
@@ -206,8 +213,11 @@ def stderr_to_log() -> Iterator[None]:
         yield
         return
     handler = handlers[0]
-    libraries = [lg for lg in logging.Logger.manager.loggerDict.values()
-                 if isinstance(lg, logging.Logger) and lg.handlers and not lg.propagate]
+    libraries = [
+        lg
+        for lg in logging.Logger.manager.loggerDict.values()
+        if isinstance(lg, logging.Logger) and lg.handlers and not lg.propagate
+    ]
     for lg in libraries:
         lg.addHandler(handler)
     mirror = sys.stderr = _Mirror(sys.stderr, handler)

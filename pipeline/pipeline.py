@@ -1,4 +1,5 @@
 """Pipeline: the stages of one inference, run for many requests at once by one engine."""
+
 from __future__ import annotations
 
 import queue
@@ -43,13 +44,23 @@ def follow(lm: LoadedModel) -> None:
     Rank 0 builds its ``Pipeline`` as usual; nothing but the model runs here."""
     group = tensor_parallel.current()
     if group is None or group.driver:
-        raise UserError("follow() is for ranks 1..N-1 of a tensor-parallel launch (load_model(..., tp=N) under torchrun)")
+        raise UserError(
+            "follow() is for ranks 1..N-1 of a tensor-parallel launch (load_model(..., tp=N) under torchrun)"
+        )
     mirror.follow(lm, group, ModelRunner)
     tensor_parallel.finish()
 
 
-def shared_engine(lm: LoadedModel, pool: BlockPool, compiled: CompiledStep | GraphedStep | None = None, *,
-                  max_seqs: int = 8, max_batch_tokens: int = 2048, burst: int = 8, matvec: bool = True) -> Engine:
+def shared_engine(
+    lm: LoadedModel,
+    pool: BlockPool,
+    compiled: CompiledStep | GraphedStep | None = None,
+    *,
+    max_seqs: int = 8,
+    max_batch_tokens: int = 2048,
+    burst: int = 8,
+    matvec: bool = True,
+) -> Engine:
     """The engine (and its model runner) for this model, pool, fixed-shape step, limits and kernel
     choice (``matvec``: ``ModelRunner``'s ``native``): one per combination, shared by every
     pipeline and hand-driven stage that asks for it."""
@@ -74,8 +85,10 @@ def check_stages(stages: Mapping[str, Any]) -> None:
             continue
         check = getattr(stage, "check_phase", None)
         if check is None:
-            raise UserError(f"stages.{name}: {type(stage).__name__} is not a {base}: the engine runs {name} for many "
-                            f"requests at once through a {base}'s hooks; subclass {base} and override those")
+            raise UserError(
+                f"stages.{name}: {type(stage).__name__} is not a {base}: the engine runs {name} for many "
+                f"requests at once through a {base}'s hooks; subclass {base} and override those"
+            )
         check(name)
 
 
@@ -194,18 +207,35 @@ class Pipeline:
         return pools
 
     def _new_pools(self, models: list[Any]) -> Pools:
-        pools = pools_for(models, self.kv_memory, self.kv_block_size, self.kv_state_checkpoint_every, self.max_seqs,
-                          self.max_batch_tokens, headroom=measured_headroom(self), kv_dtype=self.kv_dtype)
+        pools = pools_for(
+            models,
+            self.kv_memory,
+            self.kv_block_size,
+            self.kv_state_checkpoint_every,
+            self.max_seqs,
+            self.max_batch_tokens,
+            headroom=measured_headroom(self),
+            kv_dtype=self.kv_dtype,
+        )
         attach_tier(pools.pools[0], self.kv_offload, self.lm)  # the draft model's pool recomputes
         return pools
 
     def settings(self) -> dict[str, Any]:
         """This chain's pool and engine settings, as keyword arguments for another Pipeline."""
         o = self.kv_offload
-        return dict(kv_memory=self.kv_memory, kv_block_size=self.kv_block_size,
-                    kv_state_checkpoint_every=self.kv_state_checkpoint_every, kv_attention=self.kv_attention,
-                    kv_dtype=self.kv_dtype, kv_offload=o.kind, kv_offload_bytes=o.nbytes, kv_offload_dir=o.folder,
-                    max_seqs=self.max_seqs, max_batch_tokens=self.max_batch_tokens, burst=self.burst)
+        return dict(
+            kv_memory=self.kv_memory,
+            kv_block_size=self.kv_block_size,
+            kv_state_checkpoint_every=self.kv_state_checkpoint_every,
+            kv_attention=self.kv_attention,
+            kv_dtype=self.kv_dtype,
+            kv_offload=o.kind,
+            kv_offload_bytes=o.nbytes,
+            kv_offload_dir=o.folder,
+            max_seqs=self.max_seqs,
+            max_batch_tokens=self.max_batch_tokens,
+            burst=self.burst,
+        )
 
     @property
     def engine(self) -> Engine:
@@ -213,9 +243,15 @@ class Pipeline:
         if self._engine is None:
             decode = self.stages.get("decode")
             step = decode.fixed_step() if hasattr(decode, "fixed_step") else getattr(decode, "compiled", None)
-            self._engine = shared_engine(self.lm, self.pool, step, max_seqs=self.max_seqs,
-                                         max_batch_tokens=self.max_batch_tokens, burst=self.burst,
-                                         matvec=getattr(decode, "matvec", True))
+            self._engine = shared_engine(
+                self.lm,
+                self.pool,
+                step,
+                max_seqs=self.max_seqs,
+                max_batch_tokens=self.max_batch_tokens,
+                burst=self.burst,
+                matvec=getattr(decode, "matvec", True),
+            )
         return self._engine
 
     def scratch(self, kv_memory: int) -> "Pipeline":
@@ -223,11 +259,22 @@ class Pipeline:
         shared with nothing: dropped, it frees them (``pipeline.headroom`` measures with it)."""
         stages = {name: stage for name, stage in self.stages.items() if name != "decode"}
         other = Pipeline(self.lm, stages, **{**self.settings(), "kv_memory": kv_memory, "kv_offload": "none"})
-        other._pools = pools_for([self.lm], kv_memory, self.kv_block_size, self.kv_state_checkpoint_every,
-                                 self.max_seqs, self.max_batch_tokens, kv_dtype=self.kv_dtype)
+        other._pools = pools_for(
+            [self.lm],
+            kv_memory,
+            self.kv_block_size,
+            self.kv_state_checkpoint_every,
+            self.max_seqs,
+            self.max_batch_tokens,
+            kv_dtype=self.kv_dtype,
+        )
         other._pools.pools[0].attention = self.kv_attention
-        other._engine = Engine(ModelRunner(self.lm, other.pool), max_seqs=self.max_seqs,
-                               max_batch_tokens=self.max_batch_tokens, burst=self.burst)
+        other._engine = Engine(
+            ModelRunner(self.lm, other.pool),
+            max_seqs=self.max_seqs,
+            max_batch_tokens=self.max_batch_tokens,
+            burst=self.burst,
+        )
         return other
 
     def with_stages(self, stages: Mapping[str, Stage]) -> "Pipeline":
@@ -265,8 +312,13 @@ class Pipeline:
             ctx.token_keys = list(ids)
         decode = self.stages.get("decode")
         sampler = request.sampler or getattr(decode, "sampler", None)
-        seq = EngineSequence(ctx, sampler=fork_sampler(sampler), phases=self._phases(ids is None, result),
-                             prefill_only=decode is None, release=cache is None and result)
+        seq = EngineSequence(
+            ctx,
+            sampler=fork_sampler(sampler),
+            phases=self._phases(ids is None, result),
+            prefill_only=decode is None,
+            release=cache is None and result,
+        )
         if decode is not None:
             seq.spec = decode.drafting(seq.sampler)  # speculative decoding: the sequence's own drafter
         ctx.metrics.start()
@@ -282,7 +334,8 @@ class Pipeline:
         return Phases(
             front={n: self.stages[n] for n in names[:first]} if front else {},
             after={n: self.stages[n] for n in names[last:]},
-            prefill=self.stages.get("prefill"), decode=decode,
+            prefill=self.stages.get("prefill"),
+            decode=decode,
             finalize=self.result if result else None,
             processors=decode.logits_processors() if decode is not None else [],
         )
@@ -313,8 +366,9 @@ class Pipeline:
             for burst in dict.fromkeys((configured, 1)):
                 engine.burst = burst
                 handles = [
-                    self.submit(Request(max_new_tokens=n, ignore_eos=True), ids=ids[: max(1, len(ids) - i)],
-                                result=False)
+                    self.submit(
+                        Request(max_new_tokens=n, ignore_eos=True), ids=ids[: max(1, len(ids) - i)], result=False
+                    )
                     for i, n in enumerate(lengths)
                 ]
                 for handle in handles:
@@ -357,7 +411,11 @@ class Pipeline:
         return self.wait(self.submit(request, cache, on_text, ids=ids, result=False))
 
     def run_many(
-        self, requests: Iterable[tuple], *, result: bool = True, window: int | None = None,
+        self,
+        requests: Iterable[tuple],
+        *,
+        result: bool = True,
+        window: int | None = None,
         after: Callable[[Hashable], Iterable[tuple]] | None = None,
     ) -> Iterator[tuple[Hashable, Any]]:
         """Run many requests concurrently; yields ``(key, Result | Context | exception)`` as each ends.
@@ -440,6 +498,7 @@ class Pipeline:
             metrics=m.to_dict(),
             finish_reason=ctx.finish_reason,
             logprobs=list(ctx.logprobs) if ctx.request.logprobs is not None else None,
-            prompt_logprobs=None if ctx.request.prompt_logprobs is None else
-            [ctx.prompt_logprobs.get(p) for p in range(ctx.input_ids.shape[1])],
+            prompt_logprobs=None
+            if ctx.request.prompt_logprobs is None
+            else [ctx.prompt_logprobs.get(p) for p in range(ctx.input_ids.shape[1])],
         )

@@ -1,4 +1,5 @@
 """Several answers from one shared prefix (a system prompt, an image): MNN's rollback scenario."""
+
 from __future__ import annotations
 
 from typing import Callable, Sequence

@@ -10,6 +10,7 @@ The scheme a run reports (``result.json`` ``metrics.quant``) is read back from t
 modules (``scheme_in_force``), never copied from the request, so a sweep compares what
 really ran.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,13 @@ SCHEMES = ("none", "auto", "nf4", "fp4", "int8", "int8wo", "int4wo")
 FOUR_BIT = ("nf4", "fp4")
 TORCHAO = ("int8wo", "int4wo")
 # torchao's weight tensor classes -> the scheme they are (scheme_in_force, the weights line)
-TORCHAO_TENSORS = {"Int8Tensor": "int8wo", "Int4Tensor": "int4wo", "Int4TilePackedTo4dTensor": "int4wo",
-                   "Int4PreshuffledTensor": "int4wo", "Int4PlainInt32Tensor": "int4wo"}
+TORCHAO_TENSORS = {
+    "Int8Tensor": "int8wo",
+    "Int4Tensor": "int4wo",
+    "Int4TilePackedTo4dTensor": "int4wo",
+    "Int4PreshuffledTensor": "int4wo",
+    "Int4PlainInt32Tensor": "int4wo",
+}
 
 
 class _DropMessages(logging.Filter):
@@ -151,8 +157,9 @@ def quantization_config(
     if name in ("none", "auto"):
         raise UserError(f"quant={name} has no bitsandbytes config (resolve the scheme first)")
     names = _get(quant_cfg, "skip_modules", None)
-    skips = skip_patterns(default_skips(name, encoders) if names is None else names, keep_lm_head=tied_lm_head,
-                          always=unquantised)
+    skips = skip_patterns(
+        default_skips(name, encoders) if names is None else names, keep_lm_head=tied_lm_head, always=unquantised
+    )
     if name in TORCHAO:
         return torchao_config(name, skips, gpu, cpu_offload)
     quiet_bitsandbytes()
@@ -202,15 +209,22 @@ def torchao_config(name: str, skips: list[str], gpu: bool, cpu_offload: bool) ->
     from transformers import TorchAoConfig
 
     if name == "int4wo" and not gpu:
-        raise UserError("quant=int4wo needs a CUDA GPU: torchao's int4 kernels are CUDA-only (its generic CPU int4 "
-                        "path measured about 5x slower than bfloat16 here); on CPU use quant=int8wo")
+        raise UserError(
+            "quant=int4wo needs a CUDA GPU: torchao's int4 kernels are CUDA-only (its generic CPU int4 "
+            "path measured about 5x slower than bfloat16 here); on CPU use quant=int8wo"
+        )
     if cpu_offload:
-        raise UserError(f"quant={name} cannot offload layers to cpu or disk next to a GPU: give the model the whole "
-                        "GPU (model.device_map=auto with enough memory) or use quant=nf4")
+        raise UserError(
+            f"quant={name} cannot offload layers to cpu or disk next to a GPU: give the model the whole "
+            "GPU (model.device_map=auto with enough memory) or use quant=nf4"
+        )
     # int4: the tile-packed layout runs on PyTorch's own tinygemm kernel (``_weight_int4pack_mm``);
     # torchao's default "plain" layout needs the separate mslk kernel library.
-    scheme = (Int8WeightOnlyConfig() if name == "int8wo"
-              else Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
+    scheme = (
+        Int8WeightOnlyConfig()
+        if name == "int8wo"
+        else Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
+    )
     return TorchAoConfig(quant_type=scheme, modules_to_not_convert=skips)
 
 

@@ -5,6 +5,7 @@ go through it, and the CLI's ``decode.json_schema / regex / choice / grammar`` s
 ``cli_constraint``. The constraint itself is checked when the request is submitted
 (``pipeline.runner.grammar``).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,8 +16,14 @@ from omegaconf import OmegaConf
 from pipeline.errors import UserError
 
 ANY_OBJECT = {"type": "object"}
-STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                      "structural_tag": "structural_tag", "json_object": "json_schema"}
+STRUCTURED_OUTPUTS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "structural_tag": "structural_tag",
+    "json_object": "json_schema",
+}
 CLI_FIELDS = ("json_schema", "regex", "choice", "grammar")
 
 

@@ -15,6 +15,7 @@ The Python API has its own guards: a stage or ``Pipeline`` given a bad argument 
 Mode-specific sections (``serve``, ``batch``, ``bench``, ``ceval``, ``eval``) are typed here and checked by
 their mode when it starts, which is where they enter.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -226,8 +227,9 @@ def check(cfg: DictConfig) -> None:
     check_device_map(plain(cfg.model.device_map))  # devices that exist here, before any file is read
     parse_max_memory(plain(cfg.model.max_memory))
     media = cfg.media
-    check_sampling(media.video_fps, media.video_max_frames, error=UserError,
-                   names=("media.video_fps", "media.video_max_frames"))
+    check_sampling(
+        media.video_fps, media.video_max_frames, error=UserError, names=("media.video_fps", "media.video_max_frames")
+    )
     kv_memory_setting(plain(cfg.kv.memory))
     if cfg.kv.attention not in ATTENTION:
         raise UserError(f"kv.attention must be one of {', '.join(ATTENTION)} (got {cfg.kv.attention!r})")
@@ -252,8 +254,9 @@ def check_numbers(cfg: DictConfig) -> None:
         if key in processor:
             whole_number(f"model.processor.{key}", processor[key])
     if processor.get("min_pixels", 0) > processor.get("max_pixels", float("inf")):
-        raise UserError(f"model.processor.min_pixels ({processor['min_pixels']}) is above max_pixels "
-                        f"({processor['max_pixels']})")
+        raise UserError(
+            f"model.processor.min_pixels ({processor['min_pixels']}) is above max_pixels ({processor['max_pixels']})"
+        )
     if cfg.media.long_audio not in ("split", "error"):
         raise UserError(f"media.long_audio must be split or error (got {cfg.media.long_audio!r})")
     whole_number("media.max_image_pixels", cfg.media.max_image_pixels)

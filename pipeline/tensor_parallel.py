@@ -12,6 +12,7 @@ key/value heads. gloo on CPU, NCCL on CUDA.
 
 Everything here is checked before any weight loads: what cannot work is one line.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -91,9 +92,11 @@ def request(tp: int, mode: str = "run") -> None:
     check_launch(tp)
     groups = launched_size() // tp
     if tp > 1 and groups > 1 and mode not in SPLIT_MODES:
-        raise UserError(f"model.tp={tp} in a launch of {launched_size()} processes makes {groups} tensor-parallel "
-                        f"groups, which only mode=batch and mode=eval split work over: start {tp} processes for "
-                        f"mode={mode}")
+        raise UserError(
+            f"model.tp={tp} in a launch of {launched_size()} processes makes {groups} tensor-parallel "
+            f"groups, which only mode=batch and mode=eval split work over: start {tp} processes for "
+            f"mode={mode}"
+        )
     _REQUESTED[0] = tp
 
 
@@ -122,11 +125,14 @@ def check_launch(tp: int) -> None:
         raise UserError(f"model.tp must be a whole number >= 1 (got {tp!r})")
     world = launched_size()
     if tp > 1 and "RANK" not in os.environ:
-        raise UserError(f"model.tp={tp} needs one process per shard: torchrun --nproc-per-node {tp} -m pipeline "
-                        f"model.tp={tp} ...")
+        raise UserError(
+            f"model.tp={tp} needs one process per shard: torchrun --nproc-per-node {tp} -m pipeline model.tp={tp} ..."
+        )
     if tp > 1 and world % tp:
-        raise UserError(f"model.tp={tp} under a launch of {world} processes: start a multiple of {tp} "
-                        f"(torchrun --nproc-per-node {tp}, or {2 * tp} for two tensor-parallel groups)")
+        raise UserError(
+            f"model.tp={tp} under a launch of {world} processes: start a multiple of {tp} "
+            f"(torchrun --nproc-per-node {tp}, or {2 * tp} for two tensor-parallel groups)"
+        )
 
 
 def check_model(config: Any, tp: int, quant: str, recurrent: bool) -> None:
@@ -145,8 +151,10 @@ def check_model(config: Any, tp: int, quant: str, recurrent: bool) -> None:
     if kv_heads % tp or heads % tp:
         raise UserError(f"model.tp={tp} must divide the attention heads ({heads}) and key/value heads ({kv_heads})")
     if quant in BITSANDBYTES:
-        raise UserError(f"model.tp={tp} with quant={quant}: bitsandbytes weights cannot be sharded; use quant=none "
-                        "or quant=int8wo / int4wo (torchao)")
+        raise UserError(
+            f"model.tp={tp} with quant={quant}: bitsandbytes weights cannot be sharded; use quant=none "
+            "or quant=int8wo / int4wo (torchao)"
+        )
 
 
 def quantised_after_sharding(quantization_config: Any) -> Any:
@@ -170,7 +178,10 @@ def quantize_shards(model: Any, quantization_config: Any, group: Group | None) -
     from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    skips = [*(quantization_config.modules_to_not_convert or []), *(getattr(model, "_keep_in_fp32_modules", None) or [])]
+    skips = [
+        *(quantization_config.modules_to_not_convert or []),
+        *(getattr(model, "_keep_in_fp32_modules", None) or []),
+    ]
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or not should_convert_module(f"{name}.weight", skips):
             continue
@@ -215,9 +226,13 @@ def sharding_within_groups(group: Group | None) -> Iterator[None]:
 
     build = getattr(mixin, "initialize_distributed_mesh", None)
     if build is None:
-        raise UserError("several tensor-parallel groups in one launch need transformers' "
-                        "distributed.mixin.initialize_distributed_mesh (transformers 5.x); start one group per launch")
-    mixin.initialize_distributed_mesh = lambda config: build(dataclasses.replace(config, dp_replicate_size=group.replicas))
+        raise UserError(
+            "several tensor-parallel groups in one launch need transformers' "
+            "distributed.mixin.initialize_distributed_mesh (transformers 5.x); start one group per launch"
+        )
+    mixin.initialize_distributed_mesh = lambda config: build(
+        dataclasses.replace(config, dp_replicate_size=group.replicas)
+    )
     try:
         yield
     finally:

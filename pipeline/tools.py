@@ -8,6 +8,7 @@ chat template renders ``tools``, calls and results when it can; for a template w
 support (Qwen2-VL, Qwen2-Audio, Gemma 3, Llama 3.0) the tools go into the system message in the
 format's published wording, calls into the assistant text and results into user turns.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,9 @@ def check_tools(tools: Any, tool_choice: Any) -> tuple[list[dict], Any]:
             raise UserError(f"tool_choice names the function {name!r}, which is not in tools ({', '.join(names)})")
         return tools, name
     if choice not in ("none", "auto", "required"):
-        raise UserError(f"tool_choice must be none, auto, required or {{type: function, function: {{name}}}} "
-                        f"(got {choice!r})")
+        raise UserError(
+            f"tool_choice must be none, auto, required or {{type: function, function: {{name}}}} (got {choice!r})"
+        )
     return tools, choice
 
 
@@ -84,8 +86,14 @@ def call_grammar(fmt: str, tools: list[dict], choice: str, parallel: bool) -> di
             tool = {**tool, "function": {**tool["function"], "parameters": plain_bounded_strings(params)}}
         checked.append(tool)
     try:
-        tag = xgr.get_model_structural_tag(fmt, tools=checked, tool_choice=pick, reasoning="disabled",
-                                           parallel_tool_calls=parallel, max_whitespace_cnt=1)
+        tag = xgr.get_model_structural_tag(
+            fmt,
+            tools=checked,
+            tool_choice=pick,
+            reasoning="disabled",
+            parallel_tool_calls=parallel,
+            max_whitespace_cnt=1,
+        )
         return _compact(tag.model_dump(), xgr)
     except Exception as err:
         raise UserError(f"tools: {err}") from None
@@ -100,11 +108,19 @@ def _compact(node: Any, xgr: Any) -> Any:
     if not isinstance(node, dict):
         return node
     if node.get("type") == "json_schema" and node.get("style", "json") == "json":
-        return {"type": "grammar", "grammar": str(xgr.Grammar.from_json_schema(node["json_schema"], any_whitespace=False))}
+        return {
+            "type": "grammar",
+            "grammar": str(xgr.Grammar.from_json_schema(node["json_schema"], any_whitespace=False)),
+        }
     if node.get("type") == "triggered_tags":  # required: calls only, no text around them (OpenAI's meaning)
         sep = "\n" if node["tags"] and node["tags"][0]["begin"].startswith("<") else "; "
-        return {"type": "tags_with_separator", "tags": _compact(node["tags"], xgr), "separator": sep,
-                "at_least_one": True, "stop_after_first": node.get("stop_after_first", False)}
+        return {
+            "type": "tags_with_separator",
+            "tags": _compact(node["tags"], xgr),
+            "separator": sep,
+            "at_least_one": True,
+            "stop_after_first": node.get("stop_after_first", False),
+        }
     return {k: _compact(v, xgr) for k, v in node.items()}
 
 
@@ -122,7 +138,9 @@ def fallback_messages(messages: list[dict], tools: list[dict], fmt: str) -> list
     rendered = []
     for m in out:
         if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(format_call(c["function"]["name"], c["function"]["arguments"], fmt) for c in m["tool_calls"])
+            calls = "\n".join(
+                format_call(c["function"]["name"], c["function"]["arguments"], fmt) for c in m["tool_calls"]
+            )
             rendered.append({"role": "assistant", "content": "\n".join(filter(None, [_text(m.get("content")), calls]))})
         elif m["role"] == "tool":
             reply = f"<tool_response>\n{_text(m.get('content'))}\n</tool_response>"
@@ -151,13 +169,17 @@ def _joined(first: str, then: Any) -> Any:
 def _describe(tools: list[dict], fmt: str) -> str:
     listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
     if fmt == LLAMA:
-        return ("Given the following functions, please respond with a JSON for a function call with its proper "
-                "arguments that best answers the given prompt.\n\nRespond in the format {\"name\": function name, "
-                "\"parameters\": dictionary of argument name and its value}. Do not use variables.\n\n" + listed)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
-            f"function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function "
-            "call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
-            "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>")
+        return (
+            "Given the following functions, please respond with a JSON for a function call with its proper "
+            'arguments that best answers the given prompt.\n\nRespond in the format {"name": function name, '
+            '"parameters": dictionary of argument name and its value}. Do not use variables.\n\n' + listed
+        )
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+        f"function signatures within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function "
+        "call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
 
 def format_call(name: str, arguments: Any, fmt: str) -> str:
@@ -180,8 +202,10 @@ def template_messages(messages: list[dict]) -> list[dict]:
     out = []
     for m in messages:
         if m.get("tool_calls"):
-            calls = [{**c, "function": {**c["function"], "arguments": _loads(c["function"]["arguments"])}}
-                     for c in m["tool_calls"]]
+            calls = [
+                {**c, "function": {**c["function"], "arguments": _loads(c["function"]["arguments"])}}
+                for c in m["tool_calls"]
+            ]
             m = {**m, "tool_calls": calls}
         out.append(m)
     return out
@@ -221,15 +245,16 @@ def split_reasoning(text: str, opened: bool, streaming: bool = False) -> tuple[s
             return "", ""  # "<thi": the reasoning may be starting
         return None, text
     if body.startswith(THINK[0]):
-        body = body[len(THINK[0]):]
+        body = body[len(THINK[0]) :]
     reasoning, sep, rest = body.partition(THINK[1])
     if not sep:
         return (_hold_back(reasoning, THINK[1]) if streaming else reasoning).strip("\n"), ""
     return reasoning.strip("\n"), rest.lstrip("\n")
 
 
-def parse(text: str, fmt: str | None, opened: bool = False, params: dict | None = None,
-          streaming: bool = False) -> Parsed:
+def parse(
+    text: str, fmt: str | None, opened: bool = False, params: dict | None = None, streaming: bool = False
+) -> Parsed:
     """Reasoning, content and tool calls (``fmt`` None: no tools asked) in ``text``. ``streaming``:
     ``text`` is a stream so far; a call still being written comes back with ``complete`` False,
     and what may still change (text that may begin a call or a tag, trailing whitespace, which the
@@ -294,10 +319,11 @@ def _xml_calls(text: str, params: dict, streaming: bool) -> tuple[str, list[Call
         if opened is None:
             break  # the function's name is still being written
         name = opened.group(1)
-        body, end, _ = block[opened.end():].partition("</function>")
+        body, end, _ = block[opened.end() :].partition("</function>")
         types = (params.get(name) or {}).get("properties", {})
-        fields = [f"{json.dumps(k, ensure_ascii=False)}: {_xml_value(v, types.get(k))}"
-                  for k, v in _XML_PARAM.findall(body)]
+        fields = [
+            f"{json.dumps(k, ensure_ascii=False)}: {_xml_value(v, types.get(k))}" for k, v in _XML_PARAM.findall(body)
+        ]
         calls.append(Call(name, "{" + ", ".join(fields) + ("}" if end else ""), bool(end)))
     return head.rstrip(), calls
 
@@ -315,7 +341,10 @@ def _is_string(schema: Any) -> bool:
     return kind == "string" or (kind is None and bool(values) and all(isinstance(v, str) for v in values))
 
 
-_CALL_HEAD = {key: re.compile(r'\s*\{\s*"name"\s*:\s*"([^"]+)"\s*,\s*"' + key + r'"\s*:\s*') for key in ("arguments", "parameters")}
+_CALL_HEAD = {
+    key: re.compile(r'\s*\{\s*"name"\s*:\s*"([^"]+)"\s*,\s*"' + key + r'"\s*:\s*')
+    for key in ("arguments", "parameters")
+}
 
 
 def _json_call(body: str, key: str, complete: bool) -> Call | None:
@@ -323,7 +352,7 @@ def _json_call(body: str, key: str, complete: bool) -> Call | None:
     head = _CALL_HEAD[key].match(body)
     if head is None:
         return None
-    rest = body[head.end():]
+    rest = body[head.end() :]
     end = _value_end(rest)
     args = rest[:end] if end is not None else rest.rstrip()
     return Call(head.group(1), args, complete and end is not None)

@@ -9,6 +9,7 @@ to wait, reading the chosen tokens back or synchronising to time a step, goes th
 and ``wait``, which count it: ``blocking_count()`` is what a test and the engine's metrics check
 (at most one read per greedy step). On CPU the same calls run, and the count is the same.
 """
+
 from __future__ import annotations
 
 import threading
@@ -49,4 +50,3 @@ def _count() -> None:
 def blocking_count() -> int:
     """Blocking transfers (reads and waits) this thread has made so far."""
     return getattr(_counts, "n", 0)
-

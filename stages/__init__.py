@@ -1,4 +1,5 @@
 """The stages of one inference, importable one by one: ``from stages import Prefill, Sampler``."""
+
 from stages.audio import AudioEncoder
 from stages.decode import DecodeLoop, Speculative
 from stages.prefill import Prefill

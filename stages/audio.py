@@ -1,4 +1,5 @@
 """AudioEncoder: waveforms -> log-mel features (made in Tokenize) -> audio embeddings at the placeholders."""
+
 from __future__ import annotations
 
 import torch

@@ -16,6 +16,7 @@ Driven by hand on a prefilled context, this stage runs the model's shared engine
 of one. Either way the host reads each token as it comes, so EOS, stop strings and streaming
 act at once.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -30,7 +31,12 @@ from pipeline.runner import CompiledStep, FastPathFallback, GraphedStep, fork_sa
 from pipeline.spec import Speculative
 from stages.sampler import Sampler
 
-__all__ = ["DecodeLoop", "Speculative", "FastPathFallback", "TextStream"]  # the last two: importable from here since 0.1
+__all__ = [
+    "DecodeLoop",
+    "Speculative",
+    "FastPathFallback",
+    "TextStream",
+]  # the last two: importable from here since 0.1
 
 
 class DecodeLoop:
@@ -95,18 +101,24 @@ class DecodeLoop:
         if self.speculative is None:
             return None
         if not isinstance(sampler, Sampler):  # verification needs its filters and random draws
-            raise UserError(f"speculative decoding needs a stages.Sampler (got {type(sampler).__name__}): "
-                            "set decode.speculative=none to use another sampler")
+            raise UserError(
+                f"speculative decoding needs a stages.Sampler (got {type(sampler).__name__}): "
+                "set decode.speculative=none to use another sampler"
+            )
         return Drafting(self.speculative.drafter(), self.speculative.num_draft)
 
     def check_phase(self, name: str) -> None:
         """Refuse a subclass the engine cannot honour (called before the model loads)."""
         if type(self).__call__ is not DecodeLoop.__call__:
-            raise UserError(f"stages.{name}: {type(self).__name__} overrides __call__, which the engine never calls "
-                            "(it decodes many requests at once): override process_logits or on_token instead")
+            raise UserError(
+                f"stages.{name}: {type(self).__name__} overrides __call__, which the engine never calls "
+                "(it decodes many requests at once): override process_logits or on_token instead"
+            )
         if self.speculative is not None and self.logits_processors():
-            raise UserError(f"stages.{name}: {type(self).__name__} overrides process_logits, which speculative "
-                            "decoding cannot apply to drafted positions: set decode.speculative=none")
+            raise UserError(
+                f"stages.{name}: {type(self).__name__} overrides process_logits, which speculative "
+                "decoding cannot apply to drafted positions: set decode.speculative=none"
+            )
 
     # --- by hand ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -116,8 +128,9 @@ class DecodeLoop:
         if ctx.logits is None:
             raise ValueError("DecodeLoop needs prefill logits: run Prefill on this context first")
         sampler = fork_sampler(self.sampler)
-        seq = Sequence(ctx, sampler, Phases(decode=self, processors=self.logits_processors()),
-                       spec=self.drafting(sampler))
+        seq = Sequence(
+            ctx, sampler, Phases(decode=self, processors=self.logits_processors()), spec=self.drafting(sampler)
+        )
         seq.pending = ctx.logits
         shared_engine(ctx.lm, ctx.cache.pool, self.fixed_step(), matvec=self.matvec).run([seq])
         return ctx

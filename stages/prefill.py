@@ -8,6 +8,7 @@ sequences' decode steps, and calls this stage's hook for every sequence:
 Override the hook in a subclass (``stages.prefill._target_=my_pkg.MyPrefill``); a subclass that
 overrides ``__call__`` instead is refused before the model loads (the engine never calls it).
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,8 +42,10 @@ class Prefill:
     def check_phase(self, name: str) -> None:
         """Refuse a subclass the engine cannot honour (called before the model loads)."""
         if type(self).__call__ is not Prefill.__call__:
-            raise UserError(f"stages.{name}: {type(self).__name__} overrides __call__, which the engine never calls "
-                            "(it prefills many requests at once): override plan_chunk instead")
+            raise UserError(
+                f"stages.{name}: {type(self).__name__} overrides __call__, which the engine never calls "
+                "(it prefills many requests at once): override plan_chunk instead"
+            )
 
     @torch.inference_mode()
     def __call__(self, ctx: Context) -> Context:

@@ -8,6 +8,7 @@ exactly the one transformers would keep, and a greedy run matches `generate(do_s
 Drawing uses gpt-fast's trick (`multinomial_sample_one_no_sync`): with q ~ Exp(1),
 argmax(p / q) is a sample from p, and nothing has to come back to the host.
 """
+
 from __future__ import annotations
 
 import copy
@@ -87,9 +88,7 @@ class Sampler:
             raise ValueError(f"sampler min_p must be in [0, 1) (0 disables it), got {min_p!r}")
         self.repetition_penalty = _number("repetition_penalty", repetition_penalty, "> 0 (1 disables it)")
         if not self.repetition_penalty > 0.0:
-            raise ValueError(
-                f"sampler repetition_penalty must be > 0 (1 disables it), got {repetition_penalty!r}"
-            )
+            raise ValueError(f"sampler repetition_penalty must be > 0 (1 disables it), got {repetition_penalty!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"sampler seed must be an integer or None, got {seed!r}")
         self.seed = seed
@@ -115,15 +114,22 @@ class Sampler:
         inside decode bursts) instead of calling the sampler; a subclass that changes how tokens
         are chosen is always called on its rows."""
         cls = type(self)
-        return (self.greedy and not self.adjusts
-                and all(getattr(cls, name) is getattr(Sampler, name) for name in _CHOICE_METHODS))
+        return (
+            self.greedy
+            and not self.adjusts
+            and all(getattr(cls, name) is getattr(Sampler, name) for name in _CHOICE_METHODS)
+        )
 
     @property
     def adjusts(self) -> bool:
         """Whether some setting moves logits before the choice (a penalty or a bias): then even
         a greedy choice is not a plain argmax of the model's logits."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or bool(self.logit_bias))
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logit_bias)
+        )
 
     @property
     def batchable(self) -> bool:
@@ -170,7 +176,9 @@ class Sampler:
         return g
 
     def filtered_logits(
-        self, logits: Tensor, previous_ids: Tensor | Sequence[int] | None = None,
+        self,
+        logits: Tensor,
+        previous_ids: Tensor | Sequence[int] | None = None,
         output_ids: Tensor | Sequence[int] | None = None,
     ) -> Tensor:
         """Float32 logits after bias, penalties, temperature and filters; removed tokens are -inf.
@@ -186,8 +194,12 @@ class Sampler:
         scores = self._process(scores, previous_ids, output_ids)
         return scores.squeeze(0) if squeeze else scores
 
-    def __call__(self, logits: Tensor, previous_ids: Tensor | Sequence[int] | None = None,
-                 output_ids: Tensor | Sequence[int] | None = None) -> Tensor:
+    def __call__(
+        self,
+        logits: Tensor,
+        previous_ids: Tensor | Sequence[int] | None = None,
+        output_ids: Tensor | Sequence[int] | None = None,
+    ) -> Tensor:
         """Next token id per row: LongTensor [B] for [B, V] logits, a scalar tensor for [V]."""
         scores = self.filtered_logits(logits, previous_ids, output_ids)
         if self.greedy:
@@ -195,8 +207,12 @@ class Sampler:
         return self.draw(torch.softmax(scores, dim=-1))
 
     @staticmethod
-    def choose_rows(samplers: Sequence["Sampler"], logits: Tensor, history: Callable[[int], Sequence[int]],
-                    outputs: Callable[[int], Sequence[int]] | None = None) -> Tensor:
+    def choose_rows(
+        samplers: Sequence["Sampler"],
+        logits: Tensor,
+        history: Callable[[int], Sequence[int]],
+        outputs: Callable[[int], Sequence[int]] | None = None,
+    ) -> Tensor:
         """One token per row of ``logits`` [n, V], row i by ``samplers[i]``: the engine's batched
         choice. Each filter runs once for the whole batch with per-row settings (one top-k and
         one sort, not one per row); each row draws its noise from its own generator, so a seeded
@@ -240,8 +256,12 @@ class Sampler:
         """A U[0, 1) draw from this sampler's generator (speculative decoding's acceptance test)."""
         return float(torch.rand((), device=device, generator=self._generator(device)))
 
-    def _process(self, scores: Tensor, previous_ids: Tensor | Sequence[int] | None,
-                 output_ids: Tensor | Sequence[int] | None = None) -> Tensor:
+    def _process(
+        self,
+        scores: Tensor,
+        previous_ids: Tensor | Sequence[int] | None,
+        output_ids: Tensor | Sequence[int] | None = None,
+    ) -> Tensor:
         scores = scores.float()  # no copy when already float32; every step below is out of place
         if self.logit_bias:
             scores = scores + _bias_rows([(0, t, b) for t, b in self.logit_bias.items()], scores[:1], scores.device)
@@ -249,8 +269,12 @@ class Sampler:
             scores = self._repetition_penalty(scores, previous_ids)
         output_ids = previous_ids if output_ids is None else output_ids
         if (self.presence_penalty or self.frequency_penalty) and output_ids is not None:
-            scores = _count_penalties(scores, self.presence_penalty, self.frequency_penalty,
-                                      _rows_of(output_ids, scores.shape[0], scores.device))
+            scores = _count_penalties(
+                scores,
+                self.presence_penalty,
+                self.frequency_penalty,
+                _rows_of(output_ids, scores.shape[0], scores.device),
+            )
         if self.greedy:
             return scores
         return _filter(scores, _Rows.one(self))
@@ -267,6 +291,7 @@ class Sampler:
 # -- the chain, on rows of one sampler or of many; each step is the same arithmetic as its
 # transformers counterpart, and a row's neutral setting leaves its scores bit for bit unchanged.
 
+
 @dataclass
 class _Rows:
     """The filter settings of a batch's sampling rows: one number for all of them (one sampler),
@@ -281,15 +306,21 @@ class _Rows:
 
     @classmethod
     def one(cls, s: Sampler) -> "_Rows":
-        return cls(s.temperature, s.top_k, s.top_k, s.top_p if s.top_p < 1.0 else None,
-                   s.min_p if s.min_p > 0.0 else None)
+        return cls(
+            s.temperature, s.top_k, s.top_k, s.top_p if s.top_p < 1.0 else None, s.min_p if s.min_p > 0.0 else None
+        )
 
     @classmethod
     def of(cls, samplers: Sequence[Sampler], device: torch.device) -> "_Rows":
         host = [[s.temperature, s.top_k, s.top_p, s.min_p] for s in samplers]
         t, k, p, m = (c[:, None] for c in upload(host, device, dtype=torch.float32).unbind(1))
-        return cls(t, k.long(), max(s.top_k for s in samplers), p if any(s.top_p < 1.0 for s in samplers) else None,
-                   m if any(s.min_p > 0.0 for s in samplers) else None)
+        return cls(
+            t,
+            k.long(),
+            max(s.top_k for s in samplers),
+            p if any(s.top_p < 1.0 for s in samplers) else None,
+            m if any(s.min_p > 0.0 for s in samplers) else None,
+        )
 
 
 def _filter(scores: Tensor, rows: _Rows) -> Tensor:

@@ -1,4 +1,5 @@
 """Tokenize: messages -> the model's own chat template -> input ids (and processor outputs)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -62,8 +63,11 @@ class Tokenize:
     (a family with ``audio_in_video``: Qwen2.5-Omni); a video given to another model is refused.
     """
 
-    GENERIC_PROMPTS = {"image": "Describe this image.", "video": "Describe this video.",
-                       "audio": "What is said or heard in this audio?"}
+    GENERIC_PROMPTS = {
+        "image": "Describe this image.",
+        "video": "Describe this video.",
+        "audio": "What is said or heard in this audio?",
+    }
 
     def __init__(
         self,
@@ -85,8 +89,11 @@ class Tokenize:
         kind = "video" if req.videos else "image" if req.images else "audio" if req.audios else None
         if kind is None:
             return None
-        chosen = {"image": self.default_image_prompt, "video": self.default_video_prompt,
-                  "audio": self.default_audio_prompt}[kind]
+        chosen = {
+            "image": self.default_image_prompt,
+            "video": self.default_video_prompt,
+            "audio": self.default_audio_prompt,
+        }[kind]
         if chosen is not None:
             return chosen
         return (getattr(lm, "default_prompts", None) or {}).get(kind) or self.GENERIC_PROMPTS[kind]
@@ -103,14 +110,19 @@ class Tokenize:
         # Media at the model's rate / within its windows; later stages read the prepared request.
         hear = {"use_audio_in_video": True} if self.use_audio_in_video and req.videos else {}
         if hear and not lm.family.audio_in_video:
-            raise UserError(f"media.use_audio_in_video: {lm.path} is a {lm.family.name} model: it cannot hear a "
-                            "video's audio track (set media.use_audio_in_video=false)")
+            raise UserError(
+                f"media.use_audio_in_video: {lm.path} is a {lm.family.name} model: it cannot hear a "
+                "video's audio track (set media.use_audio_in_video=false)"
+            )
         req = ctx.request = lm.family.prepare(lm, req, long_audio=self.long_audio, **hear)
         messages = build_messages(req, lm.family, self.default_prompt(req, lm))
         template_owner = lm.template_owner
         if getattr(template_owner, "chat_template", "present") is None:
             raise UserError(f"{lm.path} has no chat template: this program needs a chat (instruct) model")
-        extra = {**(req.chat_template_kwargs or {}), **({} if req.thinking is None else {"enable_thinking": bool(req.thinking)})}
+        extra = {
+            **(req.chat_template_kwargs or {}),
+            **({} if req.thinking is None else {"enable_thinking": bool(req.thinking)}),
+        }
         messages, extra = with_tools(messages, extra, req.tools, template_owner, lm.tokenizer)
         text = render(template_owner, messages, extra)
         if lm.processor is not None:
@@ -137,8 +149,9 @@ def render(owner: Any, messages: list[dict], extra: dict) -> str:
         raise UserError(f"the model's chat template refused these messages: {err}") from None
 
 
-def with_tools(messages: list[dict], extra: dict, tools: list[dict] | None, owner: Any,
-               tokenizer: Any) -> tuple[list[dict], dict]:
+def with_tools(
+    messages: list[dict], extra: dict, tools: list[dict] | None, owner: Any, tokenizer: Any
+) -> tuple[list[dict], dict]:
     """The conversation and template arguments with the request's tools: given to a template that
     renders them, else written into the messages (``pipeline.tools.fallback_messages``)."""
     has_calls = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
@@ -159,5 +172,5 @@ def _reply_start(owner: Any, tokenizer: Any, messages: list[dict], text: str, le
     bare = owner.apply_chat_template(messages, add_generation_prompt=False, tokenize=False, **extra)
     if not text.startswith(bare) or len(text) == len(bare):
         return None
-    header = len(tokenizer(text[len(bare):], add_special_tokens=False)["input_ids"])
+    header = len(tokenizer(text[len(bare) :], add_special_tokens=False)["input_ids"])
     return length - header if 0 < header < length else None

@@ -1,4 +1,5 @@
 """VisionEncoder: images and video -> the family's vision tower -> embeddings merged at their placeholders."""
+
 from __future__ import annotations
 
 from pipeline.context import Context

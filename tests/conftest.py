@@ -1,4 +1,5 @@
 """Tiny models of each family, built once per session and loaded through the real loading code."""
+
 from __future__ import annotations
 
 import os
@@ -125,7 +126,7 @@ def generate_oracle(lm, input_ids: torch.Tensor, max_new_tokens: int, ignore_eos
         kwargs.update(eos_token_id=None)
     with torch.inference_mode():
         out = lm.model.generate(**kwargs, **inputs)
-    return out[0, input_ids.shape[1]:].tolist()
+    return out[0, input_ids.shape[1] :].tolist()
 
 
 def logprob_oracle(lm, ids: list[int], **inputs) -> torch.Tensor:
@@ -165,6 +166,5 @@ def submit_all(pipe, prompts: list[list[int]], n: int, **request) -> list:
     ``request`` says otherwise), EOS ignored; their contexts."""
     from pipeline import Request
 
-    handles = [pipe.submit(Request(max_new_tokens=n, ignore_eos=True, **request), ids=p, result=False)
-               for p in prompts]
+    handles = [pipe.submit(Request(max_new_tokens=n, ignore_eos=True, **request), ids=p, result=False) for p in prompts]
     return [pipe.wait(h) for h in handles]

@@ -1,4 +1,5 @@
 """Small classes the CLI tests plug into the stage chain by dotted path."""
+
 import torch
 
 

@@ -1,4 +1,5 @@
 """``python -m pipeline mode=serve`` in a subprocess on a free loopback port, for the server tests."""
+
 from __future__ import annotations
 
 import contextlib
@@ -69,8 +70,9 @@ def serving_tiny(tmp: Path, path: Path, name: str, *overrides: str) -> Iterator[
     here too (``server.lm``) for the oracle."""
     from pipeline import load_model
 
-    with serving(tmp, f"model.path={path}", "model.dtype=float32", "kv.memory=64000000",
-                 f"serve.model_name={name}", *overrides) as server:
+    with serving(
+        tmp, f"model.path={path}", "model.dtype=float32", "kv.memory=64000000", f"serve.model_name={name}", *overrides
+    ) as server:
         server.lm = load_model(str(path), dtype=torch.float32)
         yield server
 
@@ -82,9 +84,19 @@ def serving(tmp: Path, *overrides: str, startup_s: float = 180) -> Iterator[Serv
     log = tmp / f"server-{port}.log"
     with open(log, "wb") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pipeline", "mode=serve", f"serve.port={port}", f"hydra.run.dir={tmp / 'run'}",
-             *overrides],
-            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL, stderr=err,
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "mode=serve",
+                f"serve.port={port}",
+                f"hydra.run.dir={tmp / 'run'}",
+                *overrides,
+            ],
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
         )
     server = Server(f"http://127.0.0.1:{port}", proc, log)
     try:

@@ -1,6 +1,7 @@
 """50 varied JSON schemas for the constrained-decoding tests: nested objects, arrays with bounds,
 enums, numbers with ranges, anyOf, optional fields, tuples, patterns and string formats. Strings
 are bounded: a random-weight model would never close an unbounded one."""
+
 import random
 
 FORMATS = ["date", "uuid", "ipv4"]  # bounded lengths: a random model would never end an email

@@ -1,5 +1,6 @@
 """Qwen2-Audio: greedy output equals transformers' generate(do_sample=False) on the same audio,
 clips at other rates are resampled, long clips split (never truncated), bad audio is one line."""
+
 from __future__ import annotations
 
 import json
@@ -28,12 +29,15 @@ def tone(freq: float, seconds: float, rate: int = RATE, amp: float = 0.4) -> tor
 
 
 def make_pipe(lm, long_audio: str = "split", batch_size: int | None = None) -> Pipeline:
-    return Pipeline(lm, {
-        "tokenize": Tokenize(long_audio=long_audio),
-        "audio_encoder": AudioEncoder(batch_size=batch_size),
-        "prefill": Prefill(),
-        "decode": DecodeLoop(Sampler()),
-    })
+    return Pipeline(
+        lm,
+        {
+            "tokenize": Tokenize(long_audio=long_audio),
+            "audio_encoder": AudioEncoder(batch_size=batch_size),
+            "prefill": Prefill(),
+            "decode": DecodeLoop(Sampler()),
+        },
+    )
 
 
 def processor_inputs(lm, waves: list[torch.Tensor], prompt: str) -> dict:
@@ -238,8 +242,9 @@ def bad_files(tmp_path_factory) -> dict:
     }
 
 
-@pytest.mark.parametrize("case", ["missing", "not audio", "corrupt header", "empty", "unsupported format",
-                                  "unknown codec"])
+@pytest.mark.parametrize(
+    "case", ["missing", "not audio", "corrupt header", "empty", "unsupported format", "unknown codec"]
+)
 def test_bad_audio_file_is_one_line_user_error(lm, bad_files, case):
     path, words = bad_files[case]
     with pytest.raises(UserError) as err:
@@ -284,8 +289,14 @@ def test_audio_to_a_model_without_audio_encoder_is_refused(load_tiny):
 
 @pytest.mark.slow  # the CLI path of audio; the pipeline's audio metrics are checked in-process
 def test_cli_hears_a_wav_and_reports_audio_metrics(tiny_dir, load_tiny, tmp_path):
-    proc = run_cli(f"model.path={tiny_dir('qwen2-audio')}", "input=examples/tone.wav", "prompt=What do you hear?",
-                   f"max_new_tokens={N}", "model.dtype=float32", f"hydra.run.dir={tmp_path}")
+    proc = run_cli(
+        f"model.path={tiny_dir('qwen2-audio')}",
+        "input=examples/tone.wav",
+        "prompt=What do you hear?",
+        f"max_new_tokens={N}",
+        "model.dtype=float32",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "result.json").read_text())
     m = result["metrics"]

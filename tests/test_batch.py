@@ -1,4 +1,5 @@
 """mode=batch (resume, per-item errors, shared prefix, accelerate scale-out) and mode=report."""
+
 from __future__ import annotations
 
 import csv
@@ -63,8 +64,10 @@ def test_jsonl_media_paths_are_relative_to_the_file_and_settings_normalised(tmp_
     (tmp_path / "sub").mkdir()
     p = tmp_path / "sub" / "p.jsonl"
     p.write_text(
-        json.dumps({"id": "x", "prompt": "Hi", "images": "cat.png", "audios": ["/abs/a.wav"], "stop": "END"}) + "\n\n"
-        + json.dumps({"prompt": "Bye", "max_new_tokens": 3}) + "\n",
+        json.dumps({"id": "x", "prompt": "Hi", "images": "cat.png", "audios": ["/abs/a.wav"], "stop": "END"})
+        + "\n\n"
+        + json.dumps({"prompt": "Bye", "max_new_tokens": 3})
+        + "\n",
         encoding="utf-8",
     )
     first, second = batch.read_items(p)
@@ -128,10 +131,16 @@ def test_bad_input_fails_before_the_model_loads(tmp_path, monkeypatch):
         ('{"id": 1, "prompt": "a", "logprobs": 21}', [], r"p\.jsonl line 2: logprobs must be a whole number"),
         ('{"id": 1, "prompt": "a"}', ["batch.logprobs=21"], r"^batch\.logprobs must be a whole number from 0 to 20"),
         ('{"id": 1, "prompt": "a"}', ["batch.logprobs_mode=top"], r"^batch\.logprobs_mode must be one of raw"),
-        ('{"id": 1, "prompt": "a", "logprobs": 0}', ["decode.speculative=ngram"],
-         r"p\.jsonl line 2: logprobs with speculative decoding"),
-        ('{"id": 1, "prompt": "a"}', ["batch.logprobs=1", "decode.speculative=ngram"],
-         r"^batch\.logprobs: logprobs with speculative decoding"),
+        (
+            '{"id": 1, "prompt": "a", "logprobs": 0}',
+            ["decode.speculative=ngram"],
+            r"p\.jsonl line 2: logprobs with speculative decoding",
+        ),
+        (
+            '{"id": 1, "prompt": "a"}',
+            ["batch.logprobs=1", "decode.speculative=ngram"],
+            r"^batch\.logprobs: logprobs with speculative decoding",
+        ),
     ],
 )
 def test_bad_logprob_settings_fail_before_the_model_loads(tmp_path, monkeypatch, line, overrides, pattern):
@@ -182,12 +191,15 @@ def test_batch_equals_one_by_one_runs(tmp_path, tiny_dir, load_tiny, monkeypatch
     run_batch(monkeypatch, out, f"input={p}", f"model.path={tiny_dir('qwen3')}")
 
     records = lines(out / "results.jsonl")
-    expected = one_by_one(load_tiny("qwen3"), [
-        Request(prompt=PROMPTS[0], max_new_tokens=N),
-        Request(prompt=PROMPTS[1], max_new_tokens=3),
-        Request(prompt=PROMPTS[2], max_new_tokens=N, system_prompt="Be brief.", ignore_eos=True),
-        Request(prompt=PROMPTS[3], max_new_tokens=N, stop=["e"], thinking=False),
-    ])
+    expected = one_by_one(
+        load_tiny("qwen3"),
+        [
+            Request(prompt=PROMPTS[0], max_new_tokens=N),
+            Request(prompt=PROMPTS[1], max_new_tokens=3),
+            Request(prompt=PROMPTS[2], max_new_tokens=N, system_prompt="Be brief.", ignore_eos=True),
+            Request(prompt=PROMPTS[3], max_new_tokens=N, stop=["e"], thinking=False),
+        ],
+    )
     assert [r["id"] for r in records] == ["a", "b", 7, 4]
     assert {tuple(r) for r in records} == {("id", "prompt", "text", "token_ids", "finish_reason", "metrics")}
     assert [(r["text"], r["token_ids"]) for r in records] == [(e.text, e.token_ids) for e in expected]
@@ -224,8 +236,9 @@ def logprob_values(records: list[dict], key: str) -> list[float | None]:
     return [e and e["logprob"] for r in records for e in r.get(key) or []]
 
 
-def test_logprobs_are_written_for_the_items_that_ask_and_match_a_plain_forward(tmp_path, tiny_dir, load_tiny,
-                                                                              monkeypatch):
+def test_logprobs_are_written_for_the_items_that_ask_and_match_a_plain_forward(
+    tmp_path, tiny_dir, load_tiny, monkeypatch
+):
     """batch.logprobs=0 is every item's default; a, b and c override it for themselves."""
     p = tmp_path / "p.jsonl"
     rows = [
@@ -244,7 +257,7 @@ def test_logprobs_are_written_for_the_items_that_ask_and_match_a_plain_forward(t
 
     ids = prompt_ids(lm, PROMPTS[0])
     assert len(a["logprobs"]) == len(a["token_ids"]) == N and "prompt_logprobs" not in a
-    assert_oracle(a["logprobs"], a["token_ids"], logprob_oracle(lm, ids + a["token_ids"])[len(ids) - 1:], 2, text)
+    assert_oracle(a["logprobs"], a["token_ids"], logprob_oracle(lm, ids + a["token_ids"])[len(ids) - 1 :], 2, text)
 
     ids = prompt_ids(lm, PROMPTS[1])
     assert b["prompt_ids"] == ids and len(b["prompt_logprobs"]) == len(ids) and b["prompt_logprobs"][0] is None
@@ -267,9 +280,12 @@ def test_logprobs_are_written_for_the_items_that_ask_and_match_a_plain_forward(t
 def test_item_error_keeps_the_others_and_is_retried_on_resume(tmp_path, tiny_dir, monkeypatch):
     p = tmp_path / "p.jsonl"
     p.write_text(
-        json.dumps({"id": 1, "prompt": PROMPTS[0]}) + "\n"
-        + json.dumps({"id": 2, "prompt": "Look.", "images": "missing.png"}) + "\n"
-        + json.dumps({"id": 3, "prompt": PROMPTS[1]}) + "\n",
+        json.dumps({"id": 1, "prompt": PROMPTS[0]})
+        + "\n"
+        + json.dumps({"id": 2, "prompt": "Look.", "images": "missing.png"})
+        + "\n"
+        + json.dumps({"id": 3, "prompt": PROMPTS[1]})
+        + "\n",
         encoding="utf-8",
     )
     out = tmp_path / "out"
@@ -307,8 +323,14 @@ def test_interrupted_batch_resumes_without_loss_or_duplicates(tmp_path, tiny_dir
     p = write_text_prompts(tmp_path / "p.txt")
     model = f"model.path={tiny_dir('qwen3')}"
     out = tmp_path / "killed"
-    proc = run_cli("mode=batch", f"input={p}", model, f"max_new_tokens={N}", f"hydra.run.dir={out}",
-                   env={batch.EXIT_AFTER_ENV: "2"})
+    proc = run_cli(
+        "mode=batch",
+        f"input={p}",
+        model,
+        f"max_new_tokens={N}",
+        f"hydra.run.dir={out}",
+        env={batch.EXIT_AFTER_ENV: "2"},
+    )
     assert proc.returncode == 3, proc.stderr[-2000:]
     journal = out / "results.part0.jsonl"
     done = lines(journal)
@@ -335,10 +357,27 @@ def test_two_process_accelerate_launch_equals_one_process(tmp_path, held_out_dir
     model = f"model.path={held_out_dir('qwen3')}"
     out = tmp_path / "two"
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(free_port()),
-        "-m", "pipeline", "mode=batch", f"input={p}", model, f"max_new_tokens={N}", f"hydra.run.dir={out}",
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "pipeline",
+        "mode=batch",
+        f"input={p}",
+        model,
+        f"max_new_tokens={N}",
+        f"hydra.run.dir={out}",
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
@@ -366,8 +405,15 @@ def read_csv(path: Path) -> list[dict]:
 @pytest.mark.slow
 def test_report_over_a_two_job_multirun(tmp_path, tiny_dir, monkeypatch):
     sweep = tmp_path / "sweep"
-    proc = run_cli("-m", "max_new_tokens=2,3", f"hydra.sweep.dir={sweep}", f"model.path={tiny_dir('qwen3')}",
-                   "prompt=Hi", "ignore_eos=true", "metrics_table=false")
+    proc = run_cli(
+        "-m",
+        "max_new_tokens=2,3",
+        f"hydra.sweep.dir={sweep}",
+        f"model.path={tiny_dir('qwen3')}",
+        "prompt=Hi",
+        "ignore_eos=true",
+        "metrics_table=false",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     for job, n in (("0", 2), ("1", 3)):  # every job wrote its own result in its own folder
         assert len(json.loads((sweep / job / "result.json").read_text())["token_ids"]) == n
@@ -394,16 +440,36 @@ def fake_job(folder: Path, overrides: list[str], name: str | None = None, data: 
 
 
 def test_report_reads_batch_summaries_bench_grids_and_failed_jobs(tmp_path):
-    fake_job(tmp_path / "0", ["mode=batch", "+model=qwen3"], "summary.json", {
-        "items": 3, "errors": 1, "ttft_s": {"mean": 0.5, "p50": 0.4}, "tpot_s": {"mean": 0.02},
-        "prefill_tok_s": 100.0, "decode_tok_s": 50.0, "peak_memory_bytes": 10, "weights_bytes": 20, "quant": "nf4",
-    })
+    fake_job(
+        tmp_path / "0",
+        ["mode=batch", "+model=qwen3"],
+        "summary.json",
+        {
+            "items": 3,
+            "errors": 1,
+            "ttft_s": {"mean": 0.5, "p50": 0.4},
+            "tpot_s": {"mean": 0.02},
+            "prefill_tok_s": 100.0,
+            "decode_tok_s": 50.0,
+            "peak_memory_bytes": 10,
+            "weights_bytes": 20,
+            "quant": "nf4",
+        },
+    )
     sample = {"ttft_s": 0.1, "tg_tok_s": 40.0, "prefill_tok_s": 300.0, "decode_tok_s": 40.0, "peak_memory_bytes": 7}
-    fake_job(tmp_path / "1", ["mode=bench", "quant=none"], "bench.json", {
-        "quant": "none", "weights_bytes": 30,
-        "rows": [{"test": "pp32+tg16", "pipeline": {"samples": [sample, dict(sample, ttft_s=0.3)]}},
-                 {"test": "pp128+tg16", "pipeline": {"samples": [sample]}}],
-    })
+    fake_job(
+        tmp_path / "1",
+        ["mode=bench", "quant=none"],
+        "bench.json",
+        {
+            "quant": "none",
+            "weights_bytes": 30,
+            "rows": [
+                {"test": "pp32+tg16", "pipeline": {"samples": [sample, dict(sample, ttft_s=0.3)]}},
+                {"test": "pp128+tg16", "pipeline": {"samples": [sample]}},
+            ],
+        },
+    )
     fake_job(tmp_path / "10", ["mode=run"])  # a job that crashed: no result file
     run_report(f"dir={tmp_path}")
     rows = read_csv(tmp_path / "report.csv")
@@ -425,8 +491,9 @@ def test_report_has_one_column_per_quantity_when_a_reported_setting_is_swept(tmp
     header = (tmp_path / "report.csv").read_text(encoding="utf-8").splitlines()[0].split(",")
     assert header.count("quant") == 1 and len(header) == len(set(header)), header
     assert header[:2] == ["job", "quant"]
-    md_header = next(line for line in (tmp_path / "report.md").read_text(encoding="utf-8").splitlines()
-                     if line.startswith("| job |"))
+    md_header = next(
+        line for line in (tmp_path / "report.md").read_text(encoding="utf-8").splitlines() if line.startswith("| job |")
+    )
     assert md_header.count("quant") == 1 and md_header.startswith("| job | quant | ttft_s |")
     assert [r["quant"] for r in read_csv(tmp_path / "report.csv")] == ["nf4", "none", "int8"]
     columns, rows = report.gather(tmp_path)
@@ -434,7 +501,11 @@ def test_report_has_one_column_per_quantity_when_a_reported_setting_is_swept(tmp
 
 
 def test_report_errors_are_one_line(tmp_path):
-    cases = [([], "needs dir="), ([f"dir={tmp_path / 'nope'}"], "does not exist"), ([f"dir={tmp_path}"], "no Hydra job folders")]
+    cases = [
+        ([], "needs dir="),
+        ([f"dir={tmp_path / 'nope'}"], "does not exist"),
+        ([f"dir={tmp_path}"], "no Hydra job folders"),
+    ]
     for args, words in cases:
         with pytest.raises(UserError) as err:
             run_report(*args)

@@ -12,6 +12,7 @@ The hub is simulated: ``HF_ENDPOINT`` on a local port nothing listens on (no ans
 server answering 404, and ``HF_HUB_CACHE`` in a temporary folder, so the tests do the same with
 or without network.
 """
+
 from __future__ import annotations
 
 import http.server
@@ -36,7 +37,9 @@ from pipeline.tiny import default_model_dir
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 README_MAX_MEMORY = "model.max_memory={0: 10GiB, cpu: 30GiB}"
 NO_ANSWER = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused at once
-NO_CUDA = "model.max_memory names CUDA device 0 but no CUDA device is available: use {cpu: 30GiB} or drop model.max_memory"
+NO_CUDA = (
+    "model.max_memory names CUDA device 0 but no CUDA device is available: use {cpu: 30GiB} or drop model.max_memory"
+)
 
 
 def make_cfg(*overrides: str):
@@ -54,6 +57,7 @@ def one_line_error(proc) -> str:
 
 
 # --- model.max_memory ----------------------------------------------------------------------------
+
 
 @pytest.fixture
 def no_cuda(monkeypatch):
@@ -75,8 +79,11 @@ def test_max_memory_naming_a_gpu_index_beyond_the_ones_here(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert parse_max_memory({0: "10GiB", "cpu": "30GiB"}) == {0: 10 << 30, "cpu": 30 << 30}
-    with pytest.raises(UserError, match=r"names CUDA device 1 but only 1 CUDA device\(s\) are here \(0-0\): "
-                                        r"use \{0: 10GiB, cpu: 30GiB\} or drop"):
+    with pytest.raises(
+        UserError,
+        match=r"names CUDA device 1 but only 1 CUDA device\(s\) are here \(0-0\): "
+        r"use \{0: 10GiB, cpu: 30GiB\} or drop",
+    ):
         parse_max_memory({0: "10GiB", 1: "10GiB", "cpu": "30GiB"})
 
 
@@ -88,6 +95,7 @@ def test_readme_max_memory_example_on_the_cli_without_cuda(tmp_path):
 
 
 # --- hub ids -------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def hub(monkeypatch, tmp_path):
@@ -115,8 +123,9 @@ def test_hub_id_without_network_is_one_line(hub):
             refuse("no-such-org/not-cached")
         message = str(err.value)
         assert message.startswith("cannot reach the Hugging Face hub to fetch 'no-such-org/not-cached' (no network? ")
-        assert message.endswith("download it elsewhere and pass model.path=DIR, or set HF_HUB_OFFLINE=1 to use "
-                                "the local cache only")
+        assert message.endswith(
+            "download it elsewhere and pass model.path=DIR, or set HF_HUB_OFFLINE=1 to use the local cache only"
+        )
         assert "\n" not in message
 
 
@@ -162,17 +171,28 @@ def test_a_hub_that_answers_is_left_to_from_pretrained(hub, monkeypatch):
 
 def test_hub_id_without_network_on_the_cli(tmp_path):
     """Before: 28 s and 23 lines of retry warnings (each twice) before the error."""
-    proc = run_cli("model.path=no-such-org/not-cached", f"hydra.run.dir={tmp_path}",
-                   env={"HF_ENDPOINT": NO_ANSWER, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "0",
-                        "TRANSFORMERS_OFFLINE": "0"})
+    proc = run_cli(
+        "model.path=no-such-org/not-cached",
+        f"hydra.run.dir={tmp_path}",
+        env={
+            "HF_ENDPOINT": NO_ANSWER,
+            "HF_HUB_CACHE": str(tmp_path / "hub"),
+            "HF_HUB_OFFLINE": "0",
+            "TRANSFORMERS_OFFLINE": "0",
+        },
+    )
     error = one_line_error(proc)
     assert error.startswith("error: cannot reach the Hugging Face hub to fetch 'no-such-org/not-cached'")
-    hub_lines = [line for line in proc.stderr.splitlines() if any(
-        word in line.lower() for word in ("retry", "retrying", "huggingface", "hugging face", NO_ANSWER))]
+    hub_lines = [
+        line
+        for line in proc.stderr.splitlines()
+        if any(word in line.lower() for word in ("retry", "retrying", "huggingface", "hugging face", NO_ANSWER))
+    ]
     assert hub_lines == [error], proc.stderr
 
 
 # --- kv settings judged on config.json -----------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def default_config():
@@ -191,15 +211,18 @@ def test_kv_memory_below_one_block_is_refused(default_config, recurrent_config):
     for memory in (1, block - 1):
         with pytest.raises(UserError) as err:
             check_kv_bytes_hold_a_block(memory, 16, 1024, default_config, [torch.float32], "shapes")
-        assert str(err.value) == (f"kv.memory={memory:,} bytes cannot hold one KV block of 16 tokens ({block:,} "
-                                  "bytes for shapes in float32): raise kv.memory or use kv.memory=auto")
+        assert str(err.value) == (
+            f"kv.memory={memory:,} bytes cannot hold one KV block of 16 tokens ({block:,} "
+            "bytes for shapes in float32): raise kv.memory or use kv.memory=auto"
+        )
     check_kv_bytes_hold_a_block(block, 16, 1024, default_config, [torch.float32], "shapes")
     # the smallest dtype the cache may use decides: never refuse what the pool would take
     check_kv_bytes_hold_a_block(block // 2, 16, 1024, default_config, [torch.float32, torch.bfloat16], "shapes")
     # a model with linear-attention layers also needs one sequence's recurrent-state slots
     with pytest.raises(UserError, match="plus the recurrent-state slots of one sequence"):
-        check_kv_bytes_hold_a_block(kv_bytes(recurrent_config, 16, torch.float32), 16, 1024, recurrent_config,
-                                    [torch.float32], "qwen3.5")
+        check_kv_bytes_hold_a_block(
+            kv_bytes(recurrent_config, 16, torch.float32), 16, 1024, recurrent_config, [torch.float32], "qwen3.5"
+        )
     check_kv_bytes_hold_a_block(1 << 30, 16, 1024, recurrent_config, [torch.float32], "qwen3.5")
     # an int8 pool's block is smaller: what it would take is not refused, what it would not is, by its size
     small = kv_bytes(default_config, 16, torch.float32, kv_dtype="int8")
@@ -222,17 +245,22 @@ def test_offload_that_the_pool_cannot_serve_is_refused_before_loading(default_co
 def test_state_checkpoint_every_is_for_linear_attention_models(default_config, recurrent_config):
     with pytest.raises(UserError) as err:
         check_state_checkpoint_setting(64, default_config, "shapes")
-    assert str(err.value) == ("kv.state_checkpoint_every applies to models with linear-attention layers (Qwen3.5); "
-                              "shapes has none: drop the setting")
+    assert str(err.value) == (
+        "kv.state_checkpoint_every applies to models with linear-attention layers (Qwen3.5); "
+        "shapes has none: drop the setting"
+    )
     check_state_checkpoint_setting(KVSettings.state_checkpoint_every, default_config, "shapes")  # the default
     check_state_checkpoint_setting(64, recurrent_config, "qwen3.5")
     assert make_cfg().kv.state_checkpoint_every == KVSettings.state_checkpoint_every  # conf/ and the schema agree
 
 
-@pytest.mark.parametrize("override, message", [
-    ("kv.memory=1", "kv.memory=1 bytes cannot hold one KV block of 16 tokens"),
-    ("kv.state_checkpoint_every=64", "kv.state_checkpoint_every applies to models with linear-attention layers"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("kv.memory=1", "kv.memory=1 bytes cannot hold one KV block of 16 tokens"),
+        ("kv.state_checkpoint_every=64", "kv.state_checkpoint_every applies to models with linear-attention layers"),
+    ],
+)
 def test_model_dependent_kv_settings_are_refused_before_the_weights_load(monkeypatch, override, message):
     def no_weights(*args, **kwargs):
         raise AssertionError("the weights were loaded")

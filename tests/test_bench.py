@@ -1,4 +1,5 @@
 """mode=bench: every grid cell reported, files written, the HF baseline beside it, bad grids refused."""
+
 from __future__ import annotations
 
 import csv
@@ -73,8 +74,9 @@ def test_grid_longer_than_the_model_or_the_kv_pool_is_refused(lm):
 
 
 def test_batch_axis_reports_aggregate_figures(lm):
-    rows = bench.run_grid(bench.bench_pipeline(lm), BenchSettings((6,), (4,), batch_sizes=(1, 4), repetitions=1,
-                                                                   warmup=0, baseline="hf"))
+    rows = bench.run_grid(
+        bench.bench_pipeline(lm), BenchSettings((6,), (4,), batch_sizes=(1, 4), repetitions=1, warmup=0, baseline="hf")
+    )
     assert [(r.test, r.batch) for r in rows] == [("pp6+tg4", 1), ("pp6+tg4 B4", 4)]
     for r in rows:
         assert r.stats()["tg_tok_s"]["mean"] > 0 and r.ratios()["pptg_tok_s"] > 0
@@ -88,8 +90,9 @@ def test_python_api_runs_a_grid_without_baseline(lm):
 
 
 def test_speculative_rows_compare_methods_on_the_same_prompts(lm):
-    rows = bench.run_grid(bench.bench_pipeline(lm), BenchSettings((8,), (12,), repetitions=1, warmup=0,
-                                                                   speculative=("none", "ngram")))
+    rows = bench.run_grid(
+        bench.bench_pipeline(lm), BenchSettings((8,), (12,), repetitions=1, warmup=0, speculative=("none", "ngram"))
+    )
     assert [(r.test, r.speculative) for r in rows] == [("pp8+tg12 none", "none"), ("pp8+tg12 ngram", "ngram")]
     assert rows[0].pipeline[0]["spec_accept_rate"] is None
     assert rows[1].pipeline[0]["spec_tokens_per_step"] >= 1.0
@@ -141,8 +144,13 @@ def test_bench_with_hf_baseline_reports_every_cell(tiny_dir, tmp_path, monkeypat
 def test_cli_bench_without_baseline(tiny_dir, tmp_path):
     run = tmp_path / "run"
     proc = run_cli(
-        "mode=bench", f"model.path={tiny_dir('qwen3')}", "bench.prompt_lengths=[4]", "bench.gen_lengths=[1,2]",
-        "bench.repetitions=1", "bench.warmup=0", f"hydra.run.dir={run}",
+        "mode=bench",
+        f"model.path={tiny_dir('qwen3')}",
+        "bench.prompt_lengths=[4]",
+        "bench.gen_lengths=[1,2]",
+        "bench.repetitions=1",
+        "bench.warmup=0",
+        f"hydra.run.dir={run}",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()

@@ -1,4 +1,5 @@
 """mode=ceval: letters from one prefill, accuracy, prefix reuse, and one-line errors for bad CSVs."""
+
 from __future__ import annotations
 
 import csv
@@ -171,7 +172,9 @@ def test_folder_mode_writes_answers_and_per_subject_accuracy(lm, tiny_dir, tmp_p
 
     with open(out / "answers.csv", encoding="utf-8", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["subject"], r["id"]) for r in rows] == [("alpha", "0"), ("alpha", "1")] + [("beta", str(i)) for i in range(4)]
+    assert [(r["subject"], r["id"]) for r in rows] == [("alpha", "0"), ("alpha", "1")] + [
+        ("beta", str(i)) for i in range(4)
+    ]
     assert [r["answer"] for r in rows] == [oracle_letter(lm, q) for q in alpha + beta]
     summary = json.loads((out / "ceval.json").read_text(encoding="utf-8"))
     assert summary["accuracy"] == 4 / 6 and summary["total"] == 6 and summary["correct"] == 4

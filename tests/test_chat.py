@@ -1,5 +1,6 @@
 """Chat: every turn equals a fresh greedy run of the whole conversation, while the KV cache is
 reused across turns (only new tokens are prefilled), rolled back by /undo and after Ctrl-C."""
+
 from __future__ import annotations
 
 import io
@@ -27,9 +28,9 @@ def make_pipe(lm) -> Pipeline:
 
 def oracle(lm, messages: list[dict], n: int = N) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy generate ids) of a conversation rendered by the model's own template."""
-    ids = lm.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )["input_ids"].to(lm.device)
+    ids = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ].to(lm.device)
     return ids[0].tolist(), generate_oracle(lm, ids, n)
 
 
@@ -97,11 +98,15 @@ def test_undo_then_other_message_equals_fresh_run_without_recompute(lm, pipe, tm
     assert chat.cache.keys == after_first[:kept]  # back to the first turn's cache, nothing recomputed
     other = chat.send("What is a cloud?")
     system = [{"role": "system", "content": "Be brief."}]
-    prompt, tokens = oracle(lm, system + [
-        {"role": "user", "content": "Hi there."},
-        {"role": "assistant", "content": first.text},
-        {"role": "user", "content": "What is a cloud?"},
-    ])
+    prompt, tokens = oracle(
+        lm,
+        system
+        + [
+            {"role": "user", "content": "Hi there."},
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "What is a cloud?"},
+        ],
+    )
     assert other.prompt_ids == prompt and other.token_ids == tokens
     assert other.metrics["kv_reused_tokens"] == expected_reuse(after_first[:kept], prompt)
     assert chat.undo() is not None and chat.undo() is not None and chat.undo() is None
@@ -135,8 +140,9 @@ def test_interrupt_from_stream_drops_turn_and_keeps_cache_consistent(lm, pipe, t
     assert chat.cache.keys == before[: chat.cache.length]
     assert len(chat.cache.blocks) == -(-chat.cache.length // chat.cache.block_size)  # no block past the keys
     again = chat.send("Tell me about the sea.")
-    ids = lm.tokenizer.apply_chat_template(chat.messages[:-1], add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)["input_ids"]
+    ids = lm.tokenizer.apply_chat_template(
+        chat.messages[:-1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     assert again.token_ids == generate_oracle(lm, ids, N, ignore_eos=True)
     assert [r["event"] for r in read_log(tmp_path)] == ["turn", "interrupted", "turn"]
 
@@ -160,8 +166,9 @@ def test_interrupt_between_layers_is_recovered(lm, pipe):
         handle.remove()
     assert len(chat.cache.blocks) == -(-chat.cache.length // chat.cache.block_size) and len(chat.turns) == 1
     again = chat.send("Tell me about the sea.")
-    ids = lm.tokenizer.apply_chat_template(chat.messages[:-1], add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)["input_ids"]
+    ids = lm.tokenizer.apply_chat_template(
+        chat.messages[:-1], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     assert again.token_ids == generate_oracle(lm, ids, N, ignore_eos=True)
 
 
@@ -252,8 +259,15 @@ def test_images_are_reused_only_when_the_pixels_match(load_tiny, tmp_path):
     from stages import VisionEncoder
 
     lm = load_tiny("qwen2-vl")
-    pipe = Pipeline(lm, {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(),
-                         "decode": DecodeLoop(Sampler())})
+    pipe = Pipeline(
+        lm,
+        {
+            "tokenize": Tokenize(),
+            "vision_encoder": VisionEncoder(),
+            "prefill": Prefill(),
+            "decode": DecodeLoop(Sampler()),
+        },
+    )
     pad = int(lm.config.image_token_id)
     red, blue = (Image.new("RGB", (56, 56), c) for c in ((220, 30, 30), (30, 30, 220)))
     blue.save(tmp_path / "blue.png")
@@ -304,10 +318,29 @@ def repl(pipe, lines: str, stdout: io.StringIO | None = None, **kwargs) -> tuple
 def test_repl_commands_in_process(pipe, tmp_path):
     wav = tmp_path / "tone.wav"
     sf.write(wav, np.zeros(1600, dtype=np.float32), 16000)
-    script = "\n".join([
-        "/stats", "", "   ", "/bogus", "/help", "/undo", "/image", f"/audio {wav}", f"/image {tmp_path}/none.png",
-        "Hi there.", "/stats", "//slash at the start", "/undo", "/reset", "/exit", "never sent",
-    ]) + "\n"
+    script = (
+        "\n".join(
+            [
+                "/stats",
+                "",
+                "   ",
+                "/bogus",
+                "/help",
+                "/undo",
+                "/image",
+                f"/audio {wav}",
+                f"/image {tmp_path}/none.png",
+                "Hi there.",
+                "/stats",
+                "//slash at the start",
+                "/undo",
+                "/reset",
+                "/exit",
+                "never sent",
+            ]
+        )
+        + "\n"
+    )
     chat, out, err = repl(pipe, script)
     lines = err.splitlines()
     assert "no turn yet" in lines and "nothing to undo" in lines
@@ -337,8 +370,14 @@ def test_repl_ctrl_c_drops_the_answer_and_keeps_the_session(lm, pipe):
 
 def test_repl_through_cli_with_piped_stdin(tiny_dir, lm, tmp_path):
     script = "\n/stats\n/bogus\n/undo\nTell me about the sea.\n/image /no/such/cat.png\nCount to three.\n"
-    proc = run_cli("mode=chat", f"model.path={tiny_dir('qwen3')}", f"max_new_tokens={N}", "prompt=Hi there.",
-                   f"hydra.run.dir={tmp_path}", input=script)  # ends with EOF, as Ctrl-D does
+    proc = run_cli(
+        "mode=chat",
+        f"model.path={tiny_dir('qwen3')}",
+        f"max_new_tokens={N}",
+        "prompt=Hi there.",
+        f"hydra.run.dir={tmp_path}",
+        input=script,
+    )  # ends with EOF, as Ctrl-D does
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     log = read_log(tmp_path)
@@ -353,8 +392,10 @@ def test_repl_through_cli_with_piped_stdin(tiny_dir, lm, tmp_path):
     history = [{"role": "user", "content": "Tell me about the sea."}]
     _, tokens = oracle(lm, history)
     assert turns[1]["token_ids"] == tokens
-    prompt, tokens = oracle(lm, history + [{"role": "assistant", "content": turns[1]["text"]},
-                                           {"role": "user", "content": "Count to three."}])
+    prompt, tokens = oracle(
+        lm,
+        history + [{"role": "assistant", "content": turns[1]["text"]}, {"role": "user", "content": "Count to three."}],
+    )
     assert turns[2]["token_ids"] == tokens
     assert turns[2]["metrics"]["kv_reused_tokens"] > 0
     assert turns[2]["metrics"]["prefill_tokens"] == len(prompt) - turns[2]["metrics"]["kv_reused_tokens"]

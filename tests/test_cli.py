@@ -1,4 +1,5 @@
 """The command-line contract, end to end through `python -m pipeline` in a subprocess."""
+
 from __future__ import annotations
 
 import json
@@ -16,31 +17,58 @@ def read_result(folder) -> dict:
 
 
 def test_model_path_alone_matches_generate_and_stdout_is_only_the_answer(tiny_dir, load_tiny, tmp_path):
-    proc = run_cli(f"model.path={tiny_dir('qwen3')}", "prompt=Name three colours.", "max_new_tokens=10",
-                   f"hydra.run.dir={tmp_path}")
+    proc = run_cli(
+        f"model.path={tiny_dir('qwen3')}",
+        "prompt=Name three colours.",
+        "max_new_tokens=10",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr
     result = read_result(tmp_path)
     assert set(result) >= {"text", "token_ids", "prompt_ids", "prompt_tokens", "metrics"}
     assert proc.stdout == result["text"] + "\n"  # logs and the table went to stderr
     assert "ttft_s" in proc.stderr and "decode_tok_s" in proc.stderr
     lm = load_tiny("qwen3")
-    ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three colours."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     assert result["prompt_ids"] == ids[0].tolist()
     assert result["prompt_tokens"] == len(result["prompt_ids"])
     assert result["token_ids"] == generate_oracle(lm, ids, 10)
     m = result["metrics"]
-    for key in ("ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s", "sample_s", "kv_cache_bytes",
-                "kv_reused_tokens", "peak_memory_bytes", "bandwidth_gb_s"):
+    for key in (
+        "ttft_s",
+        "tpot_s",
+        "prefill_tok_s",
+        "decode_tok_s",
+        "sample_s",
+        "kv_cache_bytes",
+        "kv_reused_tokens",
+        "peak_memory_bytes",
+        "bandwidth_gb_s",
+    ):
         assert key in m, key
     for stage in ("tokenize", "prefill", "decode"):
         assert m["stages"][stage]["seconds"] > 0
 
 
 def test_named_model_with_local_path_system_prompt_and_sampler_settings(tiny_dir, tmp_path):
-    proc = run_cli("+model=qwen3", f"model.path={tiny_dir('qwen3')}", "system_prompt=Be terse.",
-                   "prompt=Hi", "thinking=false", "max_new_tokens=6", "ignore_eos=true",
-                   "sampler=sample", "sampler.temperature=0.9", "sampler.seed=3", f"hydra.run.dir={tmp_path}")
+    proc = run_cli(
+        "+model=qwen3",
+        f"model.path={tiny_dir('qwen3')}",
+        "system_prompt=Be terse.",
+        "prompt=Hi",
+        "thinking=false",
+        "max_new_tokens=6",
+        "ignore_eos=true",
+        "sampler=sample",
+        "sampler.temperature=0.9",
+        "sampler.seed=3",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr
     result = read_result(tmp_path)
     assert len(result["token_ids"]) == 6
@@ -78,8 +106,14 @@ def test_cfg_job_prints_the_composed_config():
 
 @pytest.mark.slow  # test_cli_hygiene's sweep checks one result per job too (suite time)
 def test_multirun_writes_one_result_per_job(tiny_dir, tmp_path):
-    proc = run_cli("-m", f"model.path={tiny_dir('qwen3')}", "prompt=Hi", "max_new_tokens=2,3",
-                   "ignore_eos=true", f"hydra.sweep.dir={tmp_path}")
+    proc = run_cli(
+        "-m",
+        f"model.path={tiny_dir('qwen3')}",
+        "prompt=Hi",
+        "max_new_tokens=2,3",
+        "ignore_eos=true",
+        f"hydra.sweep.dir={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr
     lengths = sorted(len(read_result(tmp_path / str(i))["token_ids"]) for i in range(2))
     assert lengths == [2, 3]
@@ -88,9 +122,14 @@ def test_multirun_writes_one_result_per_job(tiny_dir, tmp_path):
 @pytest.mark.slow  # a sampler swapped by an override also runs in test_stage_hooks' CLI case (with both phases)
 def test_custom_stage_swapped_with_one_override(tiny_dir, tmp_path):
     # The chain is config: one override swaps the sampler the decode stage uses for a user class.
-    proc = run_cli(f"model.path={tiny_dir('qwen3')}", "prompt=Hi", "max_new_tokens=4", "ignore_eos=true",
-                   "sampler._target_=tests.helpers.FirstTokenSampler",
-                   f"hydra.run.dir={tmp_path}")
+    proc = run_cli(
+        f"model.path={tiny_dir('qwen3')}",
+        "prompt=Hi",
+        "max_new_tokens=4",
+        "ignore_eos=true",
+        "sampler._target_=tests.helpers.FirstTokenSampler",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr
     assert read_result(tmp_path)["token_ids"] == [0, 0, 0, 0]
 
@@ -103,23 +142,34 @@ def test_help_introduces_the_program():
     assert "powered by Hydra" not in proc.stdout
 
 
-@pytest.mark.parametrize("args, code", [(["--help"], 0), (["--cfg", "job"], 0), (["max_new_tokens=0"], 2),
-                                        (["foo=1"], 2), (["+model=no-such-model"], 2)])
+@pytest.mark.parametrize(
+    "args, code",
+    [(["--help"], 0), (["--cfg", "job"], 0), (["max_new_tokens=0"], 2), (["foo=1"], 2), (["+model=no-such-model"], 2)],
+)
 def test_help_and_refused_settings_answer_before_torch_loads(args, code):
     """What needs no model answers without importing torch or transformers (a second, not ten)."""
-    probe = ("import runpy, sys\n"
-             "sys.argv[0], code = 'pipeline', 0\n"
-             "try:\n    runpy.run_module('pipeline', run_name='__main__')\n"
-             "except SystemExit as stop:\n    code = stop.code or 0\n"
-             "print('loaded:', 'torch' in sys.modules, 'transformers' in sys.modules, code, file=sys.stderr)")
-    proc = subprocess.run([sys.executable, "-c", probe, *args], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    probe = (
+        "import runpy, sys\n"
+        "sys.argv[0], code = 'pipeline', 0\n"
+        "try:\n    runpy.run_module('pipeline', run_name='__main__')\n"
+        "except SystemExit as stop:\n    code = stop.code or 0\n"
+        "print('loaded:', 'torch' in sys.modules, 'transformers' in sys.modules, code, file=sys.stderr)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.stderr.splitlines()[-1] == f"loaded: False False {code}", proc.stderr
 
 
 def test_a_stage_valueerror_is_one_line(tmp_path):
-    proc = run_cli("+stages.check._target_=tests.helpers.RefusingStage", "max_new_tokens=2",
-                   f"hydra.run.dir={tmp_path}")
+    proc = run_cli(
+        "+stages.check._target_=tests.helpers.RefusingStage", "max_new_tokens=2", f"hydra.run.dir={tmp_path}"
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == "error: RefusingStage: this context is not what I expected"
     assert "Traceback" not in proc.stderr

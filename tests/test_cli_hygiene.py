@@ -1,6 +1,7 @@
 """What a new user meets around the answer (issue 25): a misspelt key is refused with the closest
 one, stdout of a sweep is only answers, metrics always carry preemptions, a failed run leaves no
 folder, and the run's log file holds the run's report."""
+
 from __future__ import annotations
 
 import json
@@ -32,18 +33,36 @@ def refusal(capsys, *argv: str) -> str:
 
 # --- 1. unknown keys ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv, line", [
-    (["+max_new_token=5"], "error: Could not add 'max_new_token': no such setting; did you mean max_new_tokens=5?"),
-    (["++max_new_token=5"], "error: Could not add 'max_new_token': no such setting; did you mean max_new_tokens=5?"),
-    (["+model.pth=DIR"], "error: Could not add 'model.pth': no such setting; did you mean model.path=DIR?"),
-    (["-m", "+max_new_token=1,2"], "error: Could not add 'max_new_token': no such setting; did you mean max_new_tokens=1,2?"),
-    (["+foo=1"], "error: Could not add 'foo': no such setting; python -m pipeline --cfg job lists them"),
-    (["foo=1"], "error: Could not override 'foo': no such setting; python -m pipeline --cfg job lists them"),
-    (["max_new_token=5"], "error: Could not override 'max_new_token': no such setting; did you mean max_new_tokens=5?"),
-    (["sampler=sample", "+temperature=0.7"],
-     "error: Could not add 'temperature': no such setting; did you mean sampler.temperature=0.7?"),
-    (["ceval.shots=3"], "error: Could not override 'ceval.shots': the ceval settings are read with mode=ceval only"),
-])
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["+max_new_token=5"], "error: Could not add 'max_new_token': no such setting; did you mean max_new_tokens=5?"),
+        (
+            ["++max_new_token=5"],
+            "error: Could not add 'max_new_token': no such setting; did you mean max_new_tokens=5?",
+        ),
+        (["+model.pth=DIR"], "error: Could not add 'model.pth': no such setting; did you mean model.path=DIR?"),
+        (
+            ["-m", "+max_new_token=1,2"],
+            "error: Could not add 'max_new_token': no such setting; did you mean max_new_tokens=1,2?",
+        ),
+        (["+foo=1"], "error: Could not add 'foo': no such setting; python -m pipeline --cfg job lists them"),
+        (["foo=1"], "error: Could not override 'foo': no such setting; python -m pipeline --cfg job lists them"),
+        (
+            ["max_new_token=5"],
+            "error: Could not override 'max_new_token': no such setting; did you mean max_new_tokens=5?",
+        ),
+        (
+            ["sampler=sample", "+temperature=0.7"],
+            "error: Could not add 'temperature': no such setting; did you mean sampler.temperature=0.7?",
+        ),
+        (
+            ["ceval.shots=3"],
+            "error: Could not override 'ceval.shots': the ceval settings are read with mode=ceval only",
+        ),
+    ],
+)
 def test_an_unknown_key_is_refused_with_the_closest_one(capsys, argv, line):
     assert refusal(capsys, *argv) == line
 
@@ -52,16 +71,19 @@ def test_the_refusal_of_an_unknown_key_does_not_advise_adding_it(capsys):
     assert "+foo" not in refusal(capsys, "foo=1")
 
 
-@pytest.mark.parametrize("argv", [
-    ["+model=qwen3"],                                                    # a config group
-    ["+stages.check._target_=tests.helpers.RefusingStage", "+stages.check.arg=1"],  # a user's stage
-    ["+stages.decode.compile_backend=aot_eager"],                        # an argument of a stage
-    ["+sampler.seed=3"],                                                 # the sampler's class takes it
-    ["+model.processor.do_pan_and_scan=true"],                           # extra AutoProcessor kwargs
-    ["+hydra.job.env_set.OMP_NUM_THREADS=1"],                            # Hydra's own settings
-    ["mode=ceval", "ceval.shots=3"],
-    ["-m", "max_new_tokens=1,2", "quant=none,auto"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["+model=qwen3"],  # a config group
+        ["+stages.check._target_=tests.helpers.RefusingStage", "+stages.check.arg=1"],  # a user's stage
+        ["+stages.decode.compile_backend=aot_eager"],  # an argument of a stage
+        ["+sampler.seed=3"],  # the sampler's class takes it
+        ["+model.processor.do_pan_and_scan=true"],  # extra AutoProcessor kwargs
+        ["+hydra.job.env_set.OMP_NUM_THREADS=1"],  # Hydra's own settings
+        ["mode=ceval", "ceval.shots=3"],
+        ["-m", "max_new_tokens=1,2", "quant=none,auto"],
+    ],
+)
 def test_legitimate_overrides_pass(capsys, argv):
     check_overrides(argv)
     assert capsys.readouterr().err == ""
@@ -88,6 +110,7 @@ def test_an_unknown_plus_key_is_one_line_from_the_cli(tmp_path):
 
 
 # --- 2, 3, 5. a sweep: stdout only answers, preemptions reported, each job's log holds its report ------
+
 
 def test_hydra_logs_to_stderr():
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
@@ -119,6 +142,7 @@ def test_a_sweep_prints_only_answers_and_logs_each_run(tmp_path):
 
 
 # --- 4. a failed run leaves no folder -----------------------------------------------------------
+
 
 @pytest.mark.slow  # suite time; in-process: the failed-run cases below (hydra_job)
 def test_a_failed_run_leaves_no_folder(tmp_path):

@@ -5,6 +5,7 @@ Compiling with inductor costs tens of seconds on a small CPU, so most compiled t
 ``aot_eager`` backend: the same graph capture (dynamo over the model and the paged attention),
 no code generation. One test compiles with inductor.
 """
+
 from __future__ import annotations
 
 import os
@@ -68,6 +69,7 @@ def run_twice(pipe: Pipeline, ids: list[int]):
 
 # --- compiled step ----------------------------------------------------------------------------
 
+
 def test_compiled_step_equals_eager_and_generate(lm, prompt):
     pipe = pipe_of(lm, compile=True, compile_backend="aot_eager")
     with warnings.catch_warnings(record=True) as record:
@@ -84,8 +86,9 @@ def test_compiled_step_equals_eager_and_generate(lm, prompt):
 def test_compiled_batches_equal_their_solo_runs(lm, prompt):
     pipe = pipe_of(lm, compile=True, compile_backend="aot_eager")
     prompts = [prompt[: 6 + 3 * i] for i in range(5)]
-    handles = [pipe.submit(Request(max_new_tokens=N - i, ignore_eos=True), ids=p, result=False)
-               for i, p in enumerate(prompts)]
+    handles = [
+        pipe.submit(Request(max_new_tokens=N - i, ignore_eos=True), ids=p, result=False) for i, p in enumerate(prompts)
+    ]
     for i, (p, h) in enumerate(zip(prompts, handles)):
         assert pipe.wait(h).generated == oracle(lm, p, N - i)
 
@@ -155,8 +158,14 @@ def test_inductor_compiled_step(tiny_dir):
     """The real code generation once (CPU inductor), a batch of two then of one. In its own
     process: dynamo has crashed here when one process compiled the same function with aot_eager
     on one thread and then with inductor on another (torch 2.11), which users never do."""
-    proc = subprocess.run([sys.executable, "-c", INDUCTOR_SCRIPT, str(tiny_dir("qwen3"))], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-c", INDUCTOR_SCRIPT, str(tiny_dir("qwen3"))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
@@ -183,6 +192,7 @@ def test_nf4_falls_back_with_one_warning(load_tiny, prompt):
 
 # --- warm-up ----------------------------------------------------------------------------------
 
+
 def test_warmup_is_reported_apart_and_requests_compile_nothing(lm, prompt):
     from torch._dynamo.utils import counters
 
@@ -192,15 +202,18 @@ def test_warmup_is_reported_apart_and_requests_compile_nothing(lm, prompt):
     assert seconds > 0 and pipe.warmup_s == seconds
     graphs = counters["stats"]["unique_graphs"]
     ctx = run_ids(pipe, prompt)
-    batch = [pipe.submit(Request(max_new_tokens=4 + n, ignore_eos=True), ids=prompt[: 6 + 3 * n], result=False)
-             for n in range(5)]
+    batch = [
+        pipe.submit(Request(max_new_tokens=4 + n, ignore_eos=True), ids=prompt[: 6 + 3 * n], result=False)
+        for n in range(5)
+    ]
     for h in batch:
         pipe.wait(h)
     # More requests than max_seqs: some wait, so decode steps run one at a time (no bursts).
     queued = pipe_of(lm, compile=True, compile_backend="aot_eager")
     queued.max_seqs, queued.stages["decode"] = 2, pipe.stages["decode"]
-    for h in [queued.submit(Request(max_new_tokens=9, ignore_eos=True), ids=prompt[: 5 + n], result=False)
-              for n in range(5)]:
+    for h in [
+        queued.submit(Request(max_new_tokens=9, ignore_eos=True), ids=prompt[: 5 + n], result=False) for n in range(5)
+    ]:
         queued.wait(h)
     assert counters["stats"]["unique_graphs"] == graphs  # batches of 1 to 5, bursts or not: compiled in the warm-up
     m = pipe.result(ctx).metrics
@@ -209,6 +222,7 @@ def test_warmup_is_reported_apart_and_requests_compile_nothing(lm, prompt):
 
 
 # --- chunked prefill -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("chunk", [1, 5])
 def test_chunked_prefill_equals_one_shot(lm, prompt, chunk):
@@ -239,8 +253,12 @@ def test_chunked_prefill_with_3d_positions(load_tiny):
     request = Request(prompt="What is in the picture?", images=[image], max_new_tokens=8, ignore_eos=True)
 
     def pipe(chunk: int | None) -> Pipeline:
-        stages = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(chunk),
-                  "decode": DecodeLoop()}
+        stages = {
+            "tokenize": Tokenize(),
+            "vision_encoder": VisionEncoder(),
+            "prefill": Prefill(chunk),
+            "decode": DecodeLoop(),
+        }
         return Pipeline(vl, stages)
 
     one = pipe(None).run(request)
@@ -252,12 +270,20 @@ def test_chunked_prefill_with_3d_positions(load_tiny):
 
 # --- config --------------------------------------------------------------------------------------
 
+
 def test_config_keys_reach_the_stages_and_the_engine():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         default = compose(config_name="config")
-        fast = compose(config_name="config", overrides=[
-            "decode.compile=true", "prefill.chunk_size=64", "kv.memory=0.5", "engine.max_seqs=3", "engine.burst=1",
-        ])
+        fast = compose(
+            config_name="config",
+            overrides=[
+                "decode.compile=true",
+                "prefill.chunk_size=64",
+                "kv.memory=0.5",
+                "engine.max_seqs=3",
+                "engine.burst=1",
+            ],
+        )
     assert default.decode.compile is False and kv_memory(default) == "auto" and max_seqs(default) is None
     stages = stages_from_cfg(fast)
     assert stages["decode"].compile is True and stages["decode"].compiled is not None
@@ -267,11 +293,17 @@ def test_config_keys_reach_the_stages_and_the_engine():
     assert stages_from_cfg(default)["decode"].compiled is None
 
 
-@pytest.mark.parametrize("override, message", [
-    ("kv.memory=-1", "kv.memory must be auto"), ("kv.memory=1.5", "kv.memory must be auto"),
-    ("engine.max_seqs=0", "engine.max_seqs must be"), ("engine.max_batch_tokens=0", "engine.max_batch_tokens must be"),
-    ("kv.block_size=0", "kv.block_size must be"), ("engine.burst=0", "engine.burst must be"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("kv.memory=-1", "kv.memory must be auto"),
+        ("kv.memory=1.5", "kv.memory must be auto"),
+        ("engine.max_seqs=0", "engine.max_seqs must be"),
+        ("engine.max_batch_tokens=0", "engine.max_batch_tokens must be"),
+        ("kv.block_size=0", "kv.block_size must be"),
+        ("engine.burst=0", "engine.burst must be"),
+    ],
+)
 def test_bad_engine_settings_are_refused_where_the_config_enters(override, message):
     from pipeline.settings import check
 
@@ -289,8 +321,10 @@ def test_stage_level_compile_is_warmed_up_like_decode_compile(lm):
     from pipeline.assemble import pipeline_from_cfg
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose(config_name="config", overrides=[
-            "stages.decode.compile=true", "+stages.decode.compile_backend=aot_eager", f"kv.memory={POOL}"])
+        cfg = compose(
+            config_name="config",
+            overrides=["stages.decode.compile=true", "+stages.decode.compile_backend=aot_eager", f"kv.memory={POOL}"],
+        )
     assert cfg.decode.compile is False
     pipe = pipeline_from_cfg(cfg, lm)
     assert pipe.stages["decode"].compiled is not None and pipe.warmup_s is not None

@@ -7,6 +7,7 @@ exactly the pipeline's own, the loss sees only the answer, finished models are w
 and reused, an interrupted one is retrained, and ``benchmarks/speculative.py`` runs every path
 and insists on plain greedy's tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,17 @@ from pipeline.tiny.common import MARKER_FILE
 from pipeline.tiny.tokenizer import make_tokenizer
 from stages import DecodeLoop, Prefill, Tokenize
 
-TINY = {"hidden": 32, "intermediate": 64, "heads": 2, "kv_heads": 2, "steps": 3, "warmup": 1,
-        "short_steps": 1, "ramp_steps": 1, "batch": 4}
+TINY = {
+    "hidden": 32,
+    "intermediate": 64,
+    "heads": 2,
+    "kv_heads": 2,
+    "steps": 3,
+    "warmup": 1,
+    "short_steps": 1,
+    "ramp_steps": 1,
+    "batch": 4,
+}
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +140,26 @@ def test_benchmark_runs_every_path_and_keeps_the_tokens(tiny_pair, tmp_path):
     must give plain greedy's tokens or it exits non-zero; its tables are written."""
     root, _, _ = tiny_pair
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "speculative.py"), "--models", str(root), "--prompts", "1",
-         "--reps", "1", "--max-new-tokens", "24", "--paths", "plain,ngram-3,draft-2", "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "speculative.py"),
+            "--models",
+            str(root),
+            "--prompts",
+            "1",
+            "--reps",
+            "1",
+            "--max-new-tokens",
+            "24",
+            "--paths",
+            "plain,ngram-3,draft-2",
+            "--out-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "speculative.json").read_text())["rows"]

@@ -2,6 +2,7 @@
 the stand-in capture: it records the step's ATen calls once and replays them with their
 arguments frozen, as a CUDA graph does, and refuses host reads. So a step that would go wrong
 under capture (a shape or value computed on the host, a read of the device) goes wrong here."""
+
 from __future__ import annotations
 
 import importlib
@@ -149,9 +150,16 @@ def test_cpu_decoding_ignores_the_cuda_graph_setting(lm, capsys):
 def test_cuda_graphs_on_cuda_give_eager_tokens(lm, attention):
     """The real capture (``torch.cuda.CUDAGraph``) at every bucket mixed batches reach, greedy
     bursts and single steps: eager decoding's tokens, and every bucket captured once."""
+
     def pipe(graphs: bool, burst: int) -> Pipeline:
-        p = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(cuda_graphs=graphs)}, kv_memory=16 << 20,
-                     kv_block_size=4, max_seqs=16, kv_attention=attention)
+        p = Pipeline(
+            lm,
+            {"prefill": Prefill(), "decode": DecodeLoop(cuda_graphs=graphs)},
+            kv_memory=16 << 20,
+            kv_block_size=4,
+            max_seqs=16,
+            kv_attention=attention,
+        )
         p.engine.burst = burst
         return p
 

@@ -1,6 +1,7 @@
 """The native CPU decode attention (pipeline/runner/decode_attention.cpp): the numbers of SDPA
 over gathered keys, and the engine's decode rows on it (eager and compiled) give generate()'s
 tokens."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,13 @@ def reference(q, k, v, slots, mask, scale):
     rows, heads, dim = q.shape
     kv_heads = k.shape[1]
     ks, vs = (t[slots].transpose(1, 2).double() for t in (k, v))  # [rows, kv_heads, keys, dim]
-    o = F.scaled_dot_product_attention(q.double().view(rows, kv_heads, heads // kv_heads, dim), ks, vs,
-                                       attn_mask=None if mask is None else mask.view(rows, 1, 1, -1), scale=scale)
+    o = F.scaled_dot_product_attention(
+        q.double().view(rows, kv_heads, heads // kv_heads, dim),
+        ks,
+        vs,
+        attn_mask=None if mask is None else mask.view(rows, 1, 1, -1),
+        scale=scale,
+    )
     return o.reshape(rows, heads, dim)
 
 

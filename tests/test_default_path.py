@@ -7,6 +7,7 @@ and loaded with ``quant="auto"``. The oracle is ``generate()`` (and a plain forw
 log-softmax) on the same quantised weights, token for token. The default run keeps one int8wo
 case of each feature; the same cases on full-precision weights are slow.
 """
+
 from __future__ import annotations
 
 import io
@@ -43,8 +44,11 @@ TEXT = "qwen3"
 VL = "qwen2-vl"
 # How each scheme loads a held-out checkpoint: int8wo is what quant=auto picks on a CPU (the fixture
 # asserts it), none the checkpoint's own float32 weights, bf16 its weights in bfloat16.
-LOADS = {"int8wo": dict(quant="auto", dtype=torch.float32), "none": dict(quant="none", dtype=torch.float32),
-         "bf16": dict(quant="none", dtype=torch.bfloat16)}
+LOADS = {
+    "int8wo": dict(quant="auto", dtype=torch.float32),
+    "none": dict(quant="none", dtype=torch.float32),
+    "bf16": dict(quant="none", dtype=torch.bfloat16),
+}
 IN_FORCE = {"int8wo": "int8wo", "none": "none", "bf16": "none"}  # what lm.quant reads for each
 SCHEMES = ["int8wo", pytest.param("none", marks=pytest.mark.slow)]
 # bf16 weights too, where the answer does not hang on a near tie: logits of 8 significant bits tie
@@ -64,6 +68,7 @@ def picture(seed: int, w: int = 112, h: int = 84) -> Image.Image:
 
 
 # --- held-out models ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def held_out(held_out_dir, tmp_path_factory) -> Callable[[str], Path]:
@@ -94,7 +99,9 @@ def models(held_out) -> Callable[[str, str], LoadedModel]:
             if scheme == "int8wo" and (why := matvec.load()) is not None:
                 pytest.skip(f"quant=auto keeps full precision without the native kernel: {why}")
             lm = load_model(str(held_out(name)), **LOADS[scheme])
-            assert lm.quant == IN_FORCE[scheme], f"{name}: quant={LOADS[scheme]['quant']} loaded {lm.quant}"  # the default path
+            assert lm.quant == IN_FORCE[scheme], (
+                f"{name}: quant={LOADS[scheme]['quant']} loaded {lm.quant}"
+            )  # the default path
             loaded[(name, scheme)] = lm
         return loaded[(name, scheme)]
 
@@ -114,13 +121,19 @@ def no_cached_blocks(models):
 
 
 def text_pipe(lm: LoadedModel, chunk: int | None = None, spec: Speculative | None = None, **engine) -> Pipeline:
-    return Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(chunk_size=chunk),
-                         "decode": DecodeLoop(speculative=spec)}, **engine)
+    return Pipeline(
+        lm,
+        {"tokenize": Tokenize(), "prefill": Prefill(chunk_size=chunk), "decode": DecodeLoop(speculative=spec)},
+        **engine,
+    )
 
 
 def vl_pipe(lm: LoadedModel, **engine) -> Pipeline:
-    return Pipeline(lm, {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(),
-                         "decode": DecodeLoop()}, **engine)
+    return Pipeline(
+        lm,
+        {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(), "decode": DecodeLoop()},
+        **engine,
+    )
 
 
 def oracle(lm: LoadedModel, prompt_ids: list[int], n: int = N) -> list[int]:
@@ -131,8 +144,15 @@ def oracle(lm: LoadedModel, prompt_ids: list[int], n: int = N) -> list[int]:
 def vl_oracle(lm: LoadedModel, image: Image.Image, text: str, n: int = N) -> tuple[list[int], list[int]]:
     """(prompt ids, generate() tokens) from the processor's own template on the same message."""
     content = [{"type": "image", "image": image}, {"type": "text", "text": text}]
-    inputs = dict(lm.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=True, return_tensors="pt"))
+    inputs = dict(
+        lm.processor.apply_chat_template(
+            [{"role": "user", "content": content}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+        )
+    )
     ids = inputs.pop("input_ids")
     inputs.pop("attention_mask")
     return ids[0].tolist(), generate_oracle(lm, ids, n, ignore_eos=True, **inputs)
@@ -143,6 +163,7 @@ def ask(prompt: str, n: int = N, **kw) -> Request:
 
 
 # --- the plain answer --------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("scheme", WITH_BF16)
 def test_text_answer_equals_generate(models, scheme):
@@ -162,6 +183,7 @@ def test_image_answer_equals_generate(models, scheme):
 
 
 # --- prefix cache, rollback, fork ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("scheme", WITH_BF16)
 def test_a_shared_prefix_is_reused_with_the_tokens_of_generate(models, scheme):
@@ -220,6 +242,7 @@ def test_rollback_and_fork_give_the_tokens_of_generate(models, scheme):
 
 # --- scheduling -----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("scheme", WITH_BF16)
 def test_chunked_prefill_equals_generate(models, scheme):
     lm = models(TEXT, scheme)
@@ -246,15 +269,18 @@ def test_a_batch_preempted_on_a_small_pool_equals_generate(models, scheme):
 
 # --- speculative decoding -------------------------------------------------------------------------
 
+
 def test_speculative_decoding_gives_the_tokens_of_plain_greedy(models, scheme):
     """Prompt lookup, a draft model (a noisy held-out copy, loaded the same way) and drafts known
     to be partly right (so accepted drafts and rollbacks both happen): plain greedy's tokens."""
     lm = models(TEXT, scheme)
     plain = text_pipe(lm, kv_memory=4 << 20).run(ask(REPEATING, n=48))  # long enough for lookup to find repeats
     assert plain.token_ids == oracle(lm, plain.prompt_ids, 48)
-    specs = {"ngram": Speculative("ngram", num_draft=4),
-             "draft": Speculative("draft", num_draft=3, draft=models(f"{TEXT}-draft", scheme)),
-             "knowing": Knowing(plain.token_ids, plain.prompt_tokens)}
+    specs = {
+        "ngram": Speculative("ngram", num_draft=4),
+        "draft": Speculative("draft", num_draft=3, draft=models(f"{TEXT}-draft", scheme)),
+        "knowing": Knowing(plain.token_ids, plain.prompt_tokens),
+    }
     for name, spec in specs.items():
         got = text_pipe(lm, spec=spec, kv_memory=4 << 20).run(ask(REPEATING, n=48))
         assert got.token_ids == plain.token_ids, name
@@ -265,16 +291,25 @@ def test_speculative_decoding_gives_the_tokens_of_plain_greedy(models, scheme):
 
 # --- constrained output and tools ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("scheme", WITH_BF16)
 def test_regex_and_json_schema_answers_match(models, scheme):
     lm = models(TEXT, scheme)
     pipe = text_pipe(lm, kv_memory=8 << 20, max_seqs=4)
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                               "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-              "required": ["city", "days"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
     regex = r"\d{3}-[a-z]{2}"
-    handles = [pipe.submit(Request(prompt="Code?", regex=regex, max_new_tokens=20)),
-               pipe.submit(Request(prompt="Trip?", json_schema=schema, max_new_tokens=64))]
+    handles = [
+        pipe.submit(Request(prompt="Code?", regex=regex, max_new_tokens=20)),
+        pipe.submit(Request(prompt="Trip?", json_schema=schema, max_new_tokens=64)),
+    ]
     code, trip = (h.result(timeout=300) for h in handles)
     assert re.fullmatch(regex, code.text) and code.finish_reason == "eos"
     jsonschema.validate(json.loads(trip.text), schema)
@@ -288,14 +323,21 @@ def test_a_required_tool_call_parses(models, scheme):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
     fmt = tool_format(lm.tokenizer.chat_template, lm.tokenizer.get_vocab())
     tag = call_grammar(fmt, tools, "required", parallel=False)
-    got = text_pipe(lm, kv_memory=4 << 20).run(Request(messages=[{"role": "user", "content": "Weather in Paris?"}],
-                                                       tools=tools, structural_tag=tag, max_new_tokens=80))
+    got = text_pipe(lm, kv_memory=4 << 20).run(
+        Request(
+            messages=[{"role": "user", "content": "Weather in Paris?"}],
+            tools=tools,
+            structural_tag=tag,
+            max_new_tokens=80,
+        )
+    )
     (call,) = parse(got.text, fmt, params={"get_weather": params}).calls
     assert call.complete and call.name == "get_weather", got.text
     jsonschema.validate(json.loads(call.arguments), params)
 
 
 # --- log-probabilities ----------------------------------------------------------------------------
+
 
 def assert_logprobs(entries, ids: list[int], reference: torch.Tensor, k: int) -> None:
     """Entry j scores ids[j] as reference row j does, with its k best alternatives (within 1e-4,
@@ -314,12 +356,13 @@ def test_logprobs_equal_a_plain_forward_on_the_same_weights(models, scheme):
     ids = list(range(5, 40))
     got = pipe.run_ids(ids, Request(max_new_tokens=6, ignore_eos=True, logprobs=5, prompt_logprobs=3))
     reference = logprob_oracle(lm, ids + got.generated[:-1])
-    assert_logprobs(got.logprobs, got.generated, reference[len(ids) - 1:], 5)
+    assert_logprobs(got.logprobs, got.generated, reference[len(ids) - 1 :], 5)
     assert sorted(got.prompt_logprobs) == list(range(1, len(ids)))  # the first position has no score
     assert_logprobs([got.prompt_logprobs[p] for p in range(1, len(ids))], ids[1:], reference[: len(ids) - 1], 3)
 
 
 # --- the KV cache's own settings ------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_quantised_kv_batches_as_each_request_alone(models, scheme, kind):
@@ -328,8 +371,10 @@ def test_quantised_kv_batches_as_each_request_alone(models, scheme, kind):
     lm = models(TEXT, scheme)
     rng = random.Random(6)
     requests = [ask(words(rng, rng.randint(20, 50))) for _ in range(3)]
-    batched = [h.result(timeout=300) for h in [text_pipe(lm, chunk=16, kv_dtype=kind, max_seqs=3,
-                                                         kv_memory=2 << 20).submit(r) for r in requests]]
+    batched = [
+        h.result(timeout=300)
+        for h in [text_pipe(lm, chunk=16, kv_dtype=kind, max_seqs=3, kv_memory=2 << 20).submit(r) for r in requests]
+    ]
     alone = text_pipe(lm, kv_dtype=kind, max_seqs=1, kv_memory=3 << 20)
     for req, res in zip(requests, batched):
         assert len(res.token_ids) == N and res.text
@@ -354,13 +399,15 @@ def test_the_host_tier_brings_back_evicted_blocks_with_the_tokens_of_generate(mo
 
 # --- through the command line, with no quant= given ----------------------------------------------
 
+
 def turns(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "chat.jsonl").read_text().splitlines()]
 
 
 def chat_oracle(lm: LoadedModel, messages: list[dict], n: int) -> list[int]:
-    ids = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)["input_ids"]
+    ids = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     return generate_oracle(lm, ids, n)
 
 
@@ -370,8 +417,12 @@ def test_chat_undo_in_the_repl(models, tmp_path):
     lm = models(TEXT, "int8wo")
     chat = ChatSession(text_pipe(lm, kv_memory=8 << 20), max_new_tokens=N, log_path=tmp_path / "chat.jsonl")
     out = io.StringIO()
-    Repl(chat, stdin=io.StringIO("Hi there.\n/undo\nTell me about the sea.\nAnd the sky?\n"), stdout=out,
-         stderr=io.StringIO()).loop()
+    Repl(
+        chat,
+        stdin=io.StringIO("Hi there.\n/undo\nTell me about the sea.\nAnd the sky?\n"),
+        stdout=out,
+        stderr=io.StringIO(),
+    ).loop()
     log = turns(tmp_path)
     assert [(r["event"], r["turn"]) for r in log] == [("turn", 1), ("undo", 1), ("turn", 1), ("turn", 2)]
     first, second = log[2:]
@@ -390,8 +441,15 @@ def test_an_interrupted_batch_resumes_on_the_default_weights(held_out, models, t
     p = tmp_path / "p.jsonl"
     p.write_text("".join(json.dumps({"id": i, "prompt": q, "ignore_eos": True}) + "\n" for i, q in enumerate(prompts)))
     out, model = tmp_path / "out", f"model.path={held_out(TEXT)}"
-    proc = run_cli("mode=batch", f"input={p}", model, "max_new_tokens=6", "batch.progress=false",
-                   f"hydra.run.dir={out}", env={batch.EXIT_AFTER_ENV: "2"})
+    proc = run_cli(
+        "mode=batch",
+        f"input={p}",
+        model,
+        "max_new_tokens=6",
+        "batch.progress=false",
+        f"hydra.run.dir={out}",
+        env={batch.EXIT_AFTER_ENV: "2"},
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
     done = [json.loads(line) for line in (out / "results.part0.jsonl").read_text().splitlines()]
     assert [r["id"] for r in done] == [0, 1]
@@ -410,11 +468,13 @@ def test_serve_answers_the_openai_client_on_the_default_weights(held_out, models
     assert alone.token_ids == oracle(lm, alone.prompt_ids)
     with serving(tmp_path, f"model.path={held_out(TEXT)}", "kv.memory=16000000", "serve.model_name=held-out") as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        got = client.chat.completions.create(model="held-out", messages=messages, max_tokens=N, temperature=0,
-                                             extra_body={"ignore_eos": True})
+        got = client.chat.completions.create(
+            model="held-out", messages=messages, max_tokens=N, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert "weights (quant=int8wo): quant=auto chose int8wo on CPU" in server.stderr()
     assert got.choices[0].message.content == alone.text
     assert got.usage.completion_tokens == N and got.usage.prompt_tokens == alone.prompt_tokens
-    full = text_pipe(models(TEXT, "none"), kv_memory=4 << 20).run(Request(messages=messages, max_new_tokens=N,
-                                                                          ignore_eos=True))
+    full = text_pipe(models(TEXT, "none"), kv_memory=4 << 20).run(
+        Request(messages=messages, max_new_tokens=N, ignore_eos=True)
+    )
     assert full.text != alone.text, "the prompt was chosen so that int8wo and float32 answer differently"

@@ -1,6 +1,7 @@
 """The documentation a newcomer meets (issue 49): a README short enough to read, and a docs site
 that builds without a warning (a page the nav misses, a broken link, an API reference entry whose
 object moved)."""
+
 from __future__ import annotations
 
 import re
@@ -33,8 +34,13 @@ def test_every_docs_page_is_in_the_nav_and_every_relative_link_resolves():
 
 @pytest.mark.skipif(shutil.which("mkdocs") is None, reason="mkdocs is installed with the test extra")
 def test_the_site_builds_strict(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"})
+    run = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "site" / "reference" / "index.html").read_text().count("load_model") > 1

@@ -5,6 +5,7 @@ Exactness rule (the issue's): in float64 the tokens are identical; in float32 a 
 only start at a step where the solo run's top two logits are within 1e-4 (a near-tie that the
 order of a reduction may flip). ``assert_same_or_tie`` checks that condition, never a rate.
 """
+
 from __future__ import annotations
 
 import random
@@ -56,8 +57,12 @@ def text_pipe(lm, **engine) -> Pipeline:
 
 
 def vl_pipe(lm, **engine) -> Pipeline:
-    stages = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(chunk_size=48),
-              "decode": DecodeLoop()}
+    stages = {
+        "tokenize": Tokenize(),
+        "vision_encoder": VisionEncoder(),
+        "prefill": Prefill(chunk_size=48),
+        "decode": DecodeLoop(),
+    }
     return Pipeline(lm, stages, **engine)
 
 
@@ -72,8 +77,14 @@ def mixed_requests(n: int, images: bool) -> list[Request]:
     out = []
     for i in range(n):
         pics = [picture(rng.choice([56, 84, 112]), rng.choice([56, 84]), seed=i)] if images and i % 3 == 0 else []
-        out.append(Request(prompt=words(rng, rng.randint(3, 40)), images=pics,
-                           max_new_tokens=rng.randint(4, 14), ignore_eos=bool(i % 2)))
+        out.append(
+            Request(
+                prompt=words(rng, rng.randint(3, 40)),
+                images=pics,
+                max_new_tokens=rng.randint(4, 14),
+                ignore_eos=bool(i % 2),
+            )
+        )
     return out
 
 
@@ -143,8 +154,11 @@ def test_audio_and_text_requests_batch_together(load_tiny):
     for i in range(12):
         t = torch.arange(int(rate * rng.uniform(0.3, 1.5))) / rate
         clip = (0.3 * torch.sin(2 * torch.pi * rng.choice([220, 440, 660]) * t), rate)
-        requests.append(Request(prompt=words(rng, rng.randint(2, 12)), audios=[clip] if i % 2 else [],
-                                max_new_tokens=8, ignore_eos=True))
+        requests.append(
+            Request(
+                prompt=words(rng, rng.randint(2, 12)), audios=[clip] if i % 2 else [], max_new_tokens=8, ignore_eos=True
+            )
+        )
     batched = submit_staggered(Pipeline(lm, stages, max_seqs=12), requests)
     one = Pipeline(lm, stages, max_seqs=1)
     for i, (req, res) in enumerate(zip(requests, batched)):
@@ -204,8 +218,10 @@ def test_shared_200_token_prefix_is_prefilled_once(load_tiny):
     assert second.metrics["prefill_tokens"] <= 16 + own
     assert second.metrics["kv_reused_tokens"] == second.prompt_tokens - second.metrics["prefill_tokens"]
     fresh = text_pipe(lm, kv_memory=9 << 20)  # another pool: nothing cached
-    assert second.token_ids == fresh.run(Request(prompt="Why is snow white?", system_prompt=system,
-                                                 max_new_tokens=4)).token_ids
+    assert (
+        second.token_ids
+        == fresh.run(Request(prompt="Why is snow white?", system_prompt=system, max_new_tokens=4)).token_ids
+    )
 
 
 def test_same_size_images_never_share_blocks(load_tiny):
@@ -261,11 +277,21 @@ def test_handle_streams_the_tokens_of_the_result(load_tiny):
 def test_engine_metrics(load_tiny):
     lm = load_tiny("qwen3")
     pipe = text_pipe(lm, max_seqs=4)
-    results = [h.result(timeout=120) for h in
-               [pipe.submit(Request(prompt=f"Say {i}.", max_new_tokens=5, ignore_eos=True)) for i in range(6)]]
+    results = [
+        h.result(timeout=120)
+        for h in [pipe.submit(Request(prompt=f"Say {i}.", max_new_tokens=5, ignore_eos=True)) for i in range(6)]
+    ]
     stats = pipe.engine.stats()
-    for key in ("running", "waiting", "kv_blocks_used", "kv_blocks_free", "prefix_cache_hit_rate", "preemptions",
-                "tokens_in", "tokens_out"):
+    for key in (
+        "running",
+        "waiting",
+        "kv_blocks_used",
+        "kv_blocks_free",
+        "prefix_cache_hit_rate",
+        "preemptions",
+        "tokens_in",
+        "tokens_out",
+    ):
         assert key in stats
     assert stats["tokens_out"] >= 30
     m = results[-1].metrics
@@ -277,8 +303,9 @@ def test_requests_arriving_together_compute_a_shared_prefix_once(load_tiny):
     lm = load_tiny("qwen3")
     pipe = text_pipe(lm, kv_memory=10 << 20, max_seqs=8)
     system = words(random.Random(5), 200)
-    requests = [Request(prompt=f"Question {i}: why?", system_prompt=system, max_new_tokens=4, ignore_eos=True)
-                for i in range(8)]
+    requests = [
+        Request(prompt=f"Question {i}: why?", system_prompt=system, max_new_tokens=4, ignore_eos=True) for i in range(8)
+    ]
     pipe.engine.counters["kv_blocks_peak"] = 0
     results = [h.result(timeout=120) for h in [pipe.submit(r) for r in requests]]
     shared = next(i for i, (a, b) in enumerate(zip(results[0].prompt_ids, results[1].prompt_ids)) if a != b)
@@ -305,8 +332,9 @@ def test_decode_bursts_end_rows_mid_burst_exactly(load_tiny):
         for burst in (1, 8):
             pipe = text_pipe(lm, burst=burst, max_seqs=3)
             used = pipe.pool.used_blocks
-            ctxs = [pipe.wait(h) for h in [pipe.submit(Request(prompt=p, max_new_tokens=20), result=False)
-                                           for p in prompts]]
+            ctxs = [
+                pipe.wait(h) for h in [pipe.submit(Request(prompt=p, max_new_tokens=20), result=False) for p in prompts]
+            ]
             runs[burst] = [(c.generated, c.finish_reason, c.cache.length) for c in ctxs]
             for c in ctxs:
                 assert c.cache.length == len(c.token_keys) + len(c.generated) - 1

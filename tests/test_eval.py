@@ -2,6 +2,7 @@
 perplexities and generations as lm-eval's own ``hf`` model on the same weights, a question's
 choices sharing its context through the prefix cache, image tasks on a vision family, and the
 CLI's results files and one-line errors."""
+
 from __future__ import annotations
 
 import json
@@ -17,21 +18,27 @@ from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 
 pytest.importorskip("lm_eval")
 
-CONTEXT = ("Read the passage and finish the sentence. The harbour town wakes early: boats leave before dawn, "
-           "the market opens at six, and by noon the square is full of people buying fish and bread. ")
+CONTEXT = (
+    "Read the passage and finish the sentence. The harbour town wakes early: boats leave before dawn, "
+    "the market opens at six, and by noon the square is full of people buying fish and bread. "
+)
 IMAGE_QUESTIONS = ["What colour is it?", "Name the colour."]
-SHARED = [(CONTEXT + "In the morning the boats", [" leave the harbour", " sing", " sleep all day", " fly"], 0),
-          (CONTEXT + "At noon the square is", [" full of people", " empty", " under water", " on fire"], 0)]
+SHARED = [
+    (CONTEXT + "In the morning the boats", [" leave the harbour", " sing", " sleep all day", " fly"], 0),
+    (CONTEXT + "At noon the square is", [" full of people", " empty", " under water", " on fire"], 0),
+]
 
 
 def write_shared_task(folder) -> None:
     """A multiple-choice task whose questions share a long context (several KV blocks)."""
-    (folder / "shared.jsonl").write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n"
-                                                 for q, c, a in SHARED))
+    (folder / "shared.jsonl").write_text(
+        "".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in SHARED)
+    )
     (folder / "mm_shared.yaml").write_text(
         f"task: mm_shared\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {folder / 'shared.jsonl'}\n"
         "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
-        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n")
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n"
+    )
 
 
 def write_image_task(folder) -> list:
@@ -46,7 +53,8 @@ def write_image_task(folder) -> list:
         f"task: mm_image\ndataset_path: parquet\ndataset_kwargs:\n  data_files:\n    test: {folder / 'images.parquet'}\n"
         "test_split: test\noutput_type: generate_until\ndoc_to_image: [image]\n"
         "doc_to_text: '<image>{{question}}'\ndoc_to_target: '{{answer}}'\n"
-        "generation_kwargs:\n  until: ['\\n\\n']\n  max_gen_toks: 6\nmetric_list:\n  - metric: exact_match\n")
+        "generation_kwargs:\n  until: ['\\n\\n']\n  max_gen_toks: 6\nmetric_list:\n  - metric: exact_match\n"
+    )
     return images
 
 
@@ -114,13 +122,18 @@ def test_image_tasks_generate_as_the_chain_does(load_tiny, tasks):
     from pipeline.evaluation import EngineLM
 
     lm = load_tiny("qwen2-vl")
-    pipe = Pipeline(lm, {"tokenize": Tokenize(), "vision": VisionEncoder(), "prefill": Prefill(),
-                         "decode": DecodeLoop()}, kv_memory=32 << 20)
+    pipe = Pipeline(
+        lm,
+        {"tokenize": Tokenize(), "vision": VisionEncoder(), "prefill": Prefill(), "decode": DecodeLoop()},
+        kv_memory=32 << 20,
+    )
     out = evaluate(EngineLM(pipe, progress=False), tasks, ["mm_image"])
     answers = [s["resps"][0][0] for s in sorted(out["samples"]["mm_image"], key=lambda s: s["doc_id"])]
     stop = ["\n\n", lm.tokenizer.eos_token]
-    direct = [pipe.run(Request(prompt=q, images=[im], max_new_tokens=6, stop=stop)).text
-              for q, im in zip(IMAGE_QUESTIONS, tasks[2])]
+    direct = [
+        pipe.run(Request(prompt=q, images=[im], max_new_tokens=6, stop=stop)).text
+        for q, im in zip(IMAGE_QUESTIONS, tasks[2])
+    ]
     assert answers == direct and len(answers) == 2
 
 
@@ -136,8 +149,9 @@ def test_chat_template_generation_runs_the_same_messages_through_the_chain(load_
     stop = [".", lm.tokenizer.eos_token]
     for sample, (question, _, _) in zip(samples, QUESTIONS):
         assert "<|im_start|>user" in sample["arguments"][0][0]
-        direct = pipe.run(Request(messages=[{"role": "user", "content": question}], max_new_tokens=5, stop=stop,
-                                  thinking=False))
+        direct = pipe.run(
+            Request(messages=[{"role": "user", "content": question}], max_new_tokens=5, stop=stop, thinking=False)
+        )
         assert sample["resps"][0][0] == direct.text
 
 
@@ -147,7 +161,10 @@ def test_unsupported_generation_settings_are_named(load_tiny):
     model = EngineLM(Pipeline(load_tiny("qwen3"), {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=8 << 20))
     with pytest.raises(UserError, match="num_beams are not supported"):
         model._generation(0, "Hello", {"until": ["."], "num_beams": 4})
-    assert model._generation(0, "Hello", {"do_sample": True, "temperature": 0.5, "seed": 1}).request.sampler.temperature == 0.5
+    assert (
+        model._generation(0, "Hello", {"do_sample": True, "temperature": 0.5, "seed": 1}).request.sampler.temperature
+        == 0.5
+    )
 
 
 @pytest.mark.parametrize("quant, scheme", [(None, "none"), ("int8wo", "int8wo")])
@@ -160,9 +177,16 @@ def test_mode_eval_writes_results_and_a_table(held_out_dir, tasks, tmp_path, mon
 
     monkeypatch.setattr(processes, "run_dir", lambda: tmp_path)
     monkeypatch.setattr(eval_mode, "task_manager", lambda include_path: tasks[1])  # indexed once per module
-    eval_mode.main(make_cfg(f"model.path={held_out_dir('qwen3')}", "eval.tasks=[mm_mc,mm_rolling]",
-                            f"eval.include_path={tasks[0]}", "eval.limit=2", "eval.log_samples=true",
-                            *([f"quant={quant}"] if quant else [])))
+    eval_mode.main(
+        make_cfg(
+            f"model.path={held_out_dir('qwen3')}",
+            "eval.tasks=[mm_mc,mm_rolling]",
+            f"eval.include_path={tasks[0]}",
+            "eval.limit=2",
+            "eval.log_samples=true",
+            *([f"quant={quant}"] if quant else []),
+        )
+    )
     out = capsys.readouterr()
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["results"]["mm_mc"]["sample_len"] == 2 and "word_perplexity,none" in results["results"]["mm_rolling"]
@@ -186,11 +210,14 @@ def make_cfg(*overrides: str):
         return compose("config", overrides=["mode=eval", "model.path=/nonexistent", "kv.memory=67108864", *overrides])
 
 
-@pytest.mark.parametrize("args, message", [
-    ([], "mode=eval needs eval.tasks="),
-    (["eval.tasks=[mm_mc]", "eval.limit=-3"], "eval.limit must be an integer >= 1"),
-    (["eval.tasks=mm_mc", "eval.include_path=/nonexistent"], "eval.include_path '/nonexistent' is not a folder"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "mode=eval needs eval.tasks="),
+        (["eval.tasks=[mm_mc]", "eval.limit=-3"], "eval.limit must be an integer >= 1"),
+        (["eval.tasks=mm_mc", "eval.include_path=/nonexistent"], "eval.include_path '/nonexistent' is not a folder"),
+    ],
+)
 def test_mode_eval_refuses_bad_settings_before_loading(args, message):
     from pipeline.modes.eval import main
 
@@ -220,11 +247,33 @@ def test_two_process_accelerate_launch_equals_one_process(tiny_dir, tasks, tmp_p
     every sample on the first; the results equal one process's."""
     from serving import free_port
 
-    common = ["-m", "pipeline", "mode=eval", f"model.path={tiny_dir('qwen3')}", "eval.tasks=[mm_mc,mm_gen]",
-              f"eval.include_path={tasks[0]}", "eval.log_samples=true"]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(free_port()), *common, f"hydra.run.dir={tmp_path / 'two'}"]
+    common = [
+        "-m",
+        "pipeline",
+        "mode=eval",
+        f"model.path={tiny_dir('qwen3')}",
+        "eval.tasks=[mm_mc,mm_gen]",
+        f"eval.include_path={tasks[0]}",
+        "eval.log_samples=true",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        *common,
+        f"hydra.run.dir={tmp_path / 'two'}",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,5 @@
 """The shipped examples run as written (on the embedded default model), in this process."""
+
 from __future__ import annotations
 
 import importlib.util

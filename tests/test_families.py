@@ -1,5 +1,6 @@
 """Which architectures run: a model no family covers runs as a generic text model only when its
 layers are plain attention; anything else is refused in one line before its weights load."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,14 +12,18 @@ from conftest import run_cli
 SIZES = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
 
 
-@pytest.mark.parametrize("make, arch, kind", [
-    # transformers names Jamba's Mamba layers linear_attention, as it does Qwen3.5's Gated
-    # DeltaNet: only a family that knows the layer (qwen3.5) runs it, the generic text one never
-    # both through the CLI, slow (suite time): the refusal itself is checked in-process below
-    pytest.param(lambda: JambaConfig(**SIZES), "JambaForCausalLM", "linear_attention", marks=pytest.mark.slow),
-    pytest.param(lambda: Llama4TextConfig(**SIZES), "Llama4ForCausalLM", "chunked_attention",
-                 marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "make, arch, kind",
+    [
+        # transformers names Jamba's Mamba layers linear_attention, as it does Qwen3.5's Gated
+        # DeltaNet: only a family that knows the layer (qwen3.5) runs it, the generic text one never
+        # both through the CLI, slow (suite time): the refusal itself is checked in-process below
+        pytest.param(lambda: JambaConfig(**SIZES), "JambaForCausalLM", "linear_attention", marks=pytest.mark.slow),
+        pytest.param(
+            lambda: Llama4TextConfig(**SIZES), "Llama4ForCausalLM", "chunked_attention", marks=pytest.mark.slow
+        ),
+    ],
+)
 def test_unknown_architecture_with_other_layers_is_refused_in_one_line(tmp_path, make, arch, kind):
     config = make()
     config.architectures = [arch]

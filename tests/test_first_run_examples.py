@@ -4,6 +4,7 @@ benchmarks/serve_load.py's default workload is the embedded default's own task (
 images as OpenAI image content, its two questions), so every request gets content; the answers
 are checked here through the server's own image decoding and the pipeline, without a server.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -41,9 +42,10 @@ def test_serve_load_defaults_to_image_requests_the_embedded_default_answers(serv
     all_msgs, expected = serve_load.workload(args)
     assert len(all_msgs) == len(expected) == 6 and all(expected)
     assert all_msgs == serve_load.workload(args)[0]  # seeded: the same requests every phase and run
-    pipe = Pipeline(load_model(str(default_model_dir())),
-                    {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(),
-                     "decode": DecodeLoop()})
+    pipe = Pipeline(
+        load_model(str(default_model_dir())),
+        {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(), "decode": DecodeLoop()},
+    )
     answers = []
     for msgs in all_msgs:
         [message] = msgs

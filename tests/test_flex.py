@@ -8,6 +8,7 @@ tokens equal to SDPA's mean the masks alone are exact (a key of another row, the
 key past the window would each change them). One test runs the compiled CPU kernel where it
 compiles; one breaks it and checks the fallback.
 """
+
 from __future__ import annotations
 
 import random
@@ -56,8 +57,14 @@ def unfused(kernel):
 def run_batch(lm, attention: str, prompts: list[list[int]], n: int = 12, **engine) -> list[list[int]]:
     """Greedy tokens of ``prompts`` submitted together (then again: the second wave starts from the
     prefix cache and decodes next to rows still prefilling)."""
-    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=16 << 20, max_seqs=8,
-                    kv_attention=attention, **engine)
+    pipe = Pipeline(
+        lm,
+        {"prefill": Prefill(), "decode": DecodeLoop()},
+        kv_memory=16 << 20,
+        max_seqs=8,
+        kv_attention=attention,
+        **engine,
+    )
     out = []
     for _ in range(2):
         handles = [pipe.submit(Request(max_new_tokens=n, ignore_eos=True), ids=p, result=True) for p in prompts]
@@ -94,11 +101,22 @@ def test_flex_with_images_windows_and_mrope(load_tiny, unfused, family):
     images = [picture(160, 120, 1), picture(64, 64, 3)]
 
     def answers(attention: str) -> list[list[int]]:
-        stages = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(chunk_size=16),
-                  "decode": DecodeLoop()}
+        stages = {
+            "tokenize": Tokenize(),
+            "vision_encoder": VisionEncoder(),
+            "prefill": Prefill(chunk_size=16),
+            "decode": DecodeLoop(),
+        }
         pipe = Pipeline(lm, stages, kv_memory=16 << 20, kv_attention=attention)
-        asks = [Request(prompt=f"What is in picture {i}? Say it in many words.", images=images[: 1 + i % 2],
-                        max_new_tokens=10, ignore_eos=True) for i in range(4)]
+        asks = [
+            Request(
+                prompt=f"What is in picture {i}? Say it in many words.",
+                images=images[: 1 + i % 2],
+                max_new_tokens=10,
+                ignore_eos=True,
+            )
+            for i in range(4)
+        ]
         handles = [pipe.submit(r) for r in asks]
         out = [h.result().token_ids for h in handles]
         pipe.pool.clear_prefix_cache()
@@ -129,8 +147,10 @@ def test_a_failing_kernel_falls_back_in_one_line(load_tiny, kernel, monkeypatch,
         got = run_batch(lm, "flex", ps)
     assert got == run_batch(lm, "sdpa", ps)
     lines = [line for line in capsys.readouterr().err.splitlines() if "kv.attention" in line]
-    assert lines == ["mm-pipeline: kv.attention=flex: FlexAttention failed (RuntimeError: no kernel for this); "
-                     "attention gathers each row's keys instead"]
+    assert lines == [
+        "mm-pipeline: kv.attention=flex: FlexAttention failed (RuntimeError: no kernel for this); "
+        "attention gathers each row's keys instead"
+    ]
 
 
 def test_auto_is_flex_on_cuda_and_sdpa_on_cpu(load_tiny, kernel):

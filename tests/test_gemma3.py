@@ -7,6 +7,7 @@ bidirectional image masks), token for token; where a test says so, also the pref
 against one full forward of the model. The tiny model's window is 8 tokens and an image is 16
 soft tokens, so every prompt crosses the window and the window cuts through image blocks.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,8 +24,10 @@ from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 
 N = 10
 PROMPT = "What is in the picture?"
-LONG = ("The river flows through the valley between the mountains, and the trees on the hills are green. "
-        "She opened the window, looked at the garden, and saw the flowers.")
+LONG = (
+    "The river flows through the valley between the mountains, and the trees on the hills are green. "
+    "She opened the window, looked at the garden, and saw the flowers."
+)
 
 
 def picture(w: int, h: int, seed: int) -> Image.Image:
@@ -41,8 +44,12 @@ def lm(load_tiny):
 
 
 def make_pipe(lm, chunk_size: int | None = None, **engine) -> Pipeline:
-    stages = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(chunk_size=chunk_size),
-              "decode": DecodeLoop()}
+    stages = {
+        "tokenize": Tokenize(),
+        "vision_encoder": VisionEncoder(),
+        "prefill": Prefill(chunk_size=chunk_size),
+        "decode": DecodeLoop(),
+    }
     return Pipeline(lm, stages, **engine)
 
 
@@ -53,8 +60,9 @@ def user(images: list, text: str) -> dict:
 
 def oracle_inputs(lm, messages: list[dict]) -> dict:
     """The processor's own inputs for ``messages`` (ids, pixels, token_type_ids)."""
-    inputs = lm.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                              return_tensors="pt")
+    inputs = lm.processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
     inputs = dict(inputs)
     inputs.pop("attention_mask")
     return inputs
@@ -191,8 +199,10 @@ def test_batched_requests_get_their_solo_answers(load_tiny):
     equal its solo run and generate()."""
     lm = load_tiny("gemma3", dtype="float64")
     cases = [([A], PROMPT), ([], LONG), ([B, C], "Compare the two."), ([], "Hi."), ([C, A], LONG)]
-    requests = [Request(prompt=text, images=images, max_new_tokens=5 + i, ignore_eos=True)
-                for i, (images, text) in enumerate(cases)]
+    requests = [
+        Request(prompt=text, images=images, max_new_tokens=5 + i, ignore_eos=True)
+        for i, (images, text) in enumerate(cases)
+    ]
     pipe = make_pipe(lm, chunk_size=12, max_seqs=5, max_batch_tokens=40)
     handles = [pipe.submit(r) for r in requests]
     batched = [h.result(timeout=300) for h in handles]
@@ -236,8 +246,9 @@ def test_text_only_gemma3_checkpoint_runs_through_its_family(tmp_path):
     assert lm.family.name == "gemma3-text" and lm.processor is None
     pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(chunk_size=7), "decode": DecodeLoop()})
     result = pipe.run(Request(prompt=LONG, max_new_tokens=16, ignore_eos=True))
-    ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": LONG}], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)["input_ids"]
+    ids = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": LONG}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     assert result.prompt_ids == ids[0].tolist()
     assert result.token_ids == generate_oracle(lm, ids, 16, ignore_eos=True)
 

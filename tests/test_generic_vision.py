@@ -2,6 +2,7 @@
 project knows, built as users build them (``tests/vlm_models.py``: their own config, model and
 processor classes, ``save_pretrained``), run through the pipeline with greedy output equal to
 ``generate()`` on the model's own chat-template rendering."""
+
 from __future__ import annotations
 
 import subprocess
@@ -44,11 +45,12 @@ def stages() -> dict:
 def reference(lm, image: Image.Image, prompt: str, n: int) -> list[int]:
     """``generate()`` on the processor's own chat-template rendering of one user message."""
     messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": prompt}]}]
-    inputs = lm.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                              return_tensors="pt").to(lm.device)
+    inputs = lm.processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    ).to(lm.device)
     with torch.inference_mode():
         out = lm.model.generate(**inputs, max_new_tokens=n, do_sample=False, eos_token_id=None)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -66,8 +68,10 @@ def test_greedy_output_equals_generate(vlm_dir, arch):
 def test_two_images_batched_equal_their_solo_runs_and_the_cache_knows_them_apart(vlm_dir, arch):
     lm = load_model(str(vlm_dir(arch)), dtype=torch.float32, quant="none")
     pipe = Pipeline(lm, stages(), kv_memory=32 << 20)
-    asks = [Request(prompt="Describe it.", images=[Image.open(p).convert("RGB")], max_new_tokens=8, ignore_eos=True)
-            for p in (PHOTO, SHAPES)]
+    asks = [
+        Request(prompt="Describe it.", images=[Image.open(p).convert("RGB")], max_new_tokens=8, ignore_eos=True)
+        for p in (PHOTO, SHAPES)
+    ]
     solo = [pipe.run(r).token_ids for r in asks]
     pipe.pool.clear_prefix_cache()
     handles = [pipe.submit(r) for r in asks]
@@ -88,14 +92,20 @@ def test_a_video_through_get_video_features_equals_generate(vlm_dir, arch, tmp_p
     assert lm.family.media == ("image", "video")
     video = load_video(write_clip(tmp_path / "clip.mp4", drawn(16), 8, "h264"))
     got = Pipeline(lm, stages(), kv_memory=32 << 20).run(
-        Request(prompt="What happens?", videos=[video], max_new_tokens=10, ignore_eos=True))
+        Request(prompt="What happens?", videos=[video], max_new_tokens=10, ignore_eos=True)
+    )
     messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
     text = lm.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    inputs = lm.processor(text=[text], videos=[video.frames], video_metadata=[video.metadata()], do_sample_frames=False,
-                          return_tensors="pt")
+    inputs = lm.processor(
+        text=[text],
+        videos=[video.frames],
+        video_metadata=[video.metadata()],
+        do_sample_frames=False,
+        return_tensors="pt",
+    )
     with torch.inference_mode():
         out = lm.model.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=None)
-    assert got.token_ids == out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert got.token_ids == out[0, inputs["input_ids"].shape[1] :].tolist()
     assert got.metrics["video_frames"] == video.num_frames and got.metrics["video_tokens"] > 0
 
 
@@ -113,21 +123,40 @@ def test_audio_through_get_audio_features_equals_generate(vlm_dir):
 
     lm = load_model(str(vlm_dir("apertus1p5")), dtype=torch.float32, quant="none")
     assert lm.family.media == ("image", "audio")
-    chain = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "audio_encoder": AudioEncoder(),
-             "prefill": Prefill(), "decode": DecodeLoop()}
+    chain = {
+        "tokenize": Tokenize(),
+        "vision_encoder": VisionEncoder(),
+        "audio_encoder": AudioEncoder(),
+        "prefill": Prefill(),
+        "decode": DecodeLoop(),
+    }
     pipe = Pipeline(lm, chain, kv_memory=32 << 20)
     wave, image = chirp(), Image.open(PHOTO).convert("RGB")
     for with_image in (False, True):
-        got = pipe.run(Request(prompt="What do you hear?", audios=[(torch.from_numpy(wave), 24_000)],
-                               images=[image] if with_image else [], max_new_tokens=10, ignore_eos=True))
+        got = pipe.run(
+            Request(
+                prompt="What do you hear?",
+                audios=[(torch.from_numpy(wave), 24_000)],
+                images=[image] if with_image else [],
+                max_new_tokens=10,
+                ignore_eos=True,
+            )
+        )
         content = [{"type": "image"}] * with_image + [{"type": "audio"}, {"type": "text", "text": "What do you hear?"}]
-        text = lm.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                                tokenize=False)
-        inputs = lm.processor(text=[text], audio=[wave], sampling_rate=24_000, images=[image] if with_image else None,
-                              add_special_tokens=False, return_tensors="pt")  # as apply_chat_template: BOS once
+        text = lm.processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+        inputs = lm.processor(
+            text=[text],
+            audio=[wave],
+            sampling_rate=24_000,
+            images=[image] if with_image else None,
+            add_special_tokens=False,
+            return_tensors="pt",
+        )  # as apply_chat_template: BOS once
         with torch.inference_mode():
             out = lm.model.generate(**inputs, max_new_tokens=10, do_sample=False, eos_token_id=None)
-        assert got.token_ids == out[0, inputs["input_ids"].shape[1]:].tolist()
+        assert got.token_ids == out[0, inputs["input_ids"].shape[1] :].tolist()
         assert got.metrics["audio_tokens"] == 40  # one code per 600 samples
 
 
@@ -147,22 +176,35 @@ def test_engine_features_on_a_generic_model(vlm_dir):
     want = reference(lm, image, "What is in the picture?", 6)
     chunked = {**stages(), "prefill": Prefill(chunk_size=5)}
     got = Pipeline(lm, chunked, kv_memory=32 << 20).run(
-        Request(prompt="What is in the picture?", images=[image], max_new_tokens=6, ignore_eos=True, logprobs=2))
+        Request(prompt="What is in the picture?", images=[image], max_new_tokens=6, ignore_eos=True, logprobs=2)
+    )
     assert got.token_ids == want
-    messages = [{"role": "user", "content": [{"type": "image", "image": image},
-                                             {"type": "text", "text": "What is in the picture?"}]}]
-    inputs = lm.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                              return_tensors="pt")
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is in the picture?"}],
+        }
+    ]
+    inputs = lm.processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
     with torch.inference_mode():
-        out = lm.model.generate(**inputs, max_new_tokens=6, do_sample=False, eos_token_id=None, output_scores=True,
-                                return_dict_in_generate=True)
+        out = lm.model.generate(
+            **inputs,
+            max_new_tokens=6,
+            do_sample=False,
+            eos_token_id=None,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     for step, (token, scores) in enumerate(zip(got.logprobs, out.scores)):
         expected = torch.log_softmax(scores[0].float(), -1)
         assert abs(token.logprob - float(expected[want[step]])) < 1e-4
         assert [t for t, _ in token.top] == expected.topk(2).indices.tolist()
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     shaped = Pipeline(lm, stages(), kv_memory=32 << 20).run(
-        Request(prompt="How many?", images=[image], max_new_tokens=40, json_schema=schema))
+        Request(prompt="How many?", images=[image], max_new_tokens=40, json_schema=schema)
+    )
     assert isinstance(json.loads(shaped.text)["n"], int)
 
 
@@ -185,14 +227,24 @@ def test_two_images_in_one_prompt(vlm_dir):
     lm = load_model(str(vlm_dir("llava")), dtype=torch.float32, quant="none")
     images = [Image.open(p).convert("RGB") for p in (PHOTO, SHAPES)]
     got = Pipeline(lm, stages(), kv_memory=32 << 20).run(
-        Request(prompt="Compare them.", images=images, max_new_tokens=8, ignore_eos=True))
-    messages = [{"role": "user", "content": [{"type": "image", "image": images[0]}, {"type": "image", "image": images[1]},
-                                             {"type": "text", "text": "Compare them."}]}]
-    inputs = lm.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                              return_tensors="pt")
+        Request(prompt="Compare them.", images=images, max_new_tokens=8, ignore_eos=True)
+    )
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image", "image": images[0]},
+                {"type": "image", "image": images[1]},
+                {"type": "text", "text": "Compare them."},
+            ],
+        }
+    ]
+    inputs = lm.processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
     with torch.inference_mode():
         out = lm.model.generate(**inputs, max_new_tokens=8, do_sample=False, eos_token_id=None)
-    assert got.token_ids == out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert got.token_ids == out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def test_a_prompt_attended_both_ways_is_computed_whole_and_reused_only_whole(vlm_dir):
@@ -222,10 +274,12 @@ def test_blocks_read_off_a_models_own_mask(tmp_path):
 
     lm = load_model(str(build_tiny("gemma3", tmp_path / "gemma3")), dtype=torch.float32, quant="none")
     content = [{"type": "image"}, {"type": "text", "text": "a"}, {"type": "image"}, {"type": "text", "text": "b"}]
-    text = lm.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                            tokenize=False)
-    types = lm.processor(text=[text], images=[Image.open(p).convert("RGB") for p in (PHOTO, SHAPES)],
-                         return_tensors="pt")["token_type_ids"]
+    text = lm.processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    types = lm.processor(
+        text=[text], images=[Image.open(p).convert("RGB") for p in (PHOTO, SHAPES)], return_tensors="pt"
+    )["token_type_ids"]
     assert attention_blocks(lm.model, types) == runs((types[0] == 1).tolist()) and len(runs(types[0].tolist())) == 2
     sideways = torch.ones(4, 4, dtype=torch.bool).tril()
     sideways[0, 2] = True  # a token seeing one later token but not the one between
@@ -237,9 +291,21 @@ def test_the_cli_with_default_settings_equals_generate_on_the_same_weights(vlm_d
     """``python -m pipeline model.path=DIR input=IMG prompt=TEXT``, nothing else: a held-out checkpoint
     on CPU loads in int8wo (``quant=auto``); ``generate()`` on those int8wo weights says the same."""
     path = vlm_dir("idefics3")
-    run = subprocess.run([sys.executable, "-m", "pipeline", f"model.path={path}", f"input={PHOTO}",
-                          "prompt=What is in the picture?", "max_new_tokens=10", "metrics_table=false"],
-                         capture_output=True, cwd=ROOT, timeout=300)  # bytes: a "\r" in the answer stays one
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            f"model.path={path}",
+            f"input={PHOTO}",
+            "prompt=What is in the picture?",
+            "max_new_tokens=10",
+            "metrics_table=false",
+        ],
+        capture_output=True,
+        cwd=ROOT,
+        timeout=300,
+    )  # bytes: a "\r" in the answer stays one
     stdout, stderr = run.stdout.decode(), run.stderr.decode()
     assert run.returncode == 0, stderr[-2000:]
     assert "quant=auto chose int8wo" in stderr
@@ -264,16 +330,29 @@ def test_served_to_the_openai_client_with_an_image_part_answers_as_the_cli(vlm_d
     from serving import serving
 
     path = vlm_dir(arch)
-    cli = subprocess.run([sys.executable, "-m", "pipeline", f"model.path={path}", f"input={SHAPES}",
-                          "prompt=Describe this image.", "max_new_tokens=12", "metrics_table=false"],
-                         capture_output=True, cwd=ROOT, timeout=300)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            f"model.path={path}",
+            f"input={SHAPES}",
+            "prompt=Describe this image.",
+            "max_new_tokens=12",
+            "metrics_table=false",
+        ],
+        capture_output=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert cli.returncode == 0, cli.stderr.decode()[-2000:]
     png = "data:image/png;base64," + base64.b64encode(SHAPES.read_bytes()).decode()
     content = [{"type": "image_url", "image_url": {"url": png}}, {"type": "text", "text": "Describe this image."}]
     with serving(tmp_path, f"model.path={path}") as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        got = client.chat.completions.create(model=str(path), messages=[{"role": "user", "content": content}],
-                                             max_tokens=12)
+        got = client.chat.completions.create(
+            model=str(path), messages=[{"role": "user", "content": content}], max_tokens=12
+        )
     assert got.choices[0].message.content == cli.stdout.decode().strip()
     assert got.usage.completion_tokens >= 1
 
@@ -286,8 +365,9 @@ def test_the_tested_list_is_what_the_tests_build():
 
 @pytest.mark.slow  # imports every mapped model's modeling code (~17 s); the refusal cases below run by default
 def test_list_models_says_what_runs_through_which_family():
-    run = subprocess.run([sys.executable, "-m", "pipeline", "--list-models"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "pipeline", "--list-models"], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = {line.split("|")[1].strip(" `"): line for line in run.stdout.splitlines() if line.startswith("| `")}
     assert "runs (tested)" in rows["llava"] and "| vision |" in rows["llava"]
@@ -300,14 +380,17 @@ def test_list_models_says_what_runs_through_which_family():
         assert page.split("\n\n", 2)[2].strip() == run.stdout.strip()
 
 
-@pytest.mark.parametrize("model_type, why", [
-    ("mllama", "cross-attend to the image"),
-    ("florence2", "encoder-decoder"),
-    ("chameleon", "discrete VQ tokens"),
-    ("gemma3n", "per-layer inputs"),
-    ("llama4", "chunked_attention"),
-    ("qwen3_vl_moe", "deepstack"),
-])
+@pytest.mark.parametrize(
+    "model_type, why",
+    [
+        ("mllama", "cross-attend to the image"),
+        ("florence2", "encoder-decoder"),
+        ("chameleon", "discrete VQ tokens"),
+        ("gemma3n", "per-layer inputs"),
+        ("llama4", "chunked_attention"),
+        ("qwen3_vl_moe", "deepstack"),
+    ],
+)
 def test_what_cannot_run_is_refused_before_the_weights_load(tmp_path, model_type, why):
     """A config alone (no weights in the folder): refused in one line naming the reason."""
     from transformers import AutoConfig

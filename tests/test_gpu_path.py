@@ -2,6 +2,7 @@
 device at most once, new blocks are zeroed in one call, and the compiled step's bucketed shapes
 mean no recompilation after warm-up, whatever the batch size or context length.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -39,8 +40,9 @@ def test_a_greedy_batch_step_waits_for_the_device_once(lm, burst):
 
 
 def test_sampled_rows_wait_once_too(lm):
-    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(Sampler(temperature=0.7, seed=3))},
-                    kv_memory=4 << 20)
+    pipe = Pipeline(
+        lm, {"prefill": Prefill(), "decode": DecodeLoop(Sampler(temperature=0.7, seed=3))}, kv_memory=4 << 20
+    )
     submit_sizes(pipe, lm, [5, 9, 12], 6)
     assert pipe.engine.counters["blocking_transfers_step_max"] <= 2
 
@@ -65,8 +67,19 @@ def test_new_blocks_are_zeroed_together_and_copy_on_write_keeps_them(lm):
 
 
 def test_buckets_bound_the_shapes():
-    assert [batch_bucket(n) for n in (1, 2, 3, 5, 9, 17, 33, 64, 65, 200, 300)] == \
-        [1, 2, 4, 8, 16, 24, 48, 64, 96, 256, 320]
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 9, 17, 33, 64, 65, 200, 300)] == [
+        1,
+        2,
+        4,
+        8,
+        16,
+        24,
+        48,
+        64,
+        96,
+        256,
+        320,
+    ]
     assert [width_bucket(n) for n in (1, 2, 3, 5, 64, 65)] == [2, 2, 4, 8, 64, 128]
 
 
@@ -74,8 +87,12 @@ def test_buckets_bound_the_shapes():
 def test_no_recompilation_after_warmup_for_any_batch_or_context(lm, request):
     from torch._dynamo.utils import counters
 
-    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=True, compile_backend="aot_eager")},
-                    kv_memory=64 << 20, max_seqs=64)
+    pipe = Pipeline(
+        lm,
+        {"prefill": Prefill(), "decode": DecodeLoop(compile=True, compile_backend="aot_eager")},
+        kv_memory=64 << 20,
+        max_seqs=64,
+    )
     pipe.warmup()
     graphs = counters["stats"]["unique_graphs"]
     torch._logging.set_logs(recompiles=True)  # a failure's captured log says why dynamo recompiled
@@ -101,8 +118,9 @@ def test_cuda_greedy_step_synchronises_at_most_twice(load_tiny):
     pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=8 << 20)
     pipe.engine.burst = 1
     submit_sizes(pipe, lm, [5, 9], 2)  # allocate, warm
-    handles = [pipe.submit(Request(max_new_tokens=12, ignore_eos=True), ids=[5, 6, 7, 8 + i], result=False)
-               for i in range(4)]
+    handles = [
+        pipe.submit(Request(max_new_tokens=12, ignore_eos=True), ids=[5, 6, 7, 8 + i], result=False) for i in range(4)
+    ]
     pipe.engine.step()  # the prefill
     steps = 0
     torch.cuda.set_sync_debug_mode("warn")

@@ -2,6 +2,7 @@
 together and with room for activations (a simulated free CUDA memory), a sweep that frees each
 job, ``quant=auto`` choosing by the weights' size (a simulated GPU), and ``decode.compile``
 under a scheme that cannot compile saying so in one line."""
+
 from __future__ import annotations
 
 import gc
@@ -64,6 +65,7 @@ def held_bytes(pool) -> int:
 
 # --- pools sized together --------------------------------------------------------------------
 
+
 def test_target_and_draft_pools_share_one_budget(tiny_dir, load_tiny, cuda_free):
     """Sized one after the other, target and draft each took 80% of the same free memory; from
     one budget they fit in it together, holding the same number of tokens each."""
@@ -94,6 +96,7 @@ def test_a_draft_with_its_own_memory_setting_sizes_its_own_pool(tiny_dir, load_t
 
 # --- memory kept for activations --------------------------------------------------------------
 
+
 def test_auto_keeps_room_for_a_full_prefill_and_the_largest_image(load_tiny, cuda_free):
     """kv.memory=auto on a GPU: 80% of what is free once a max_batch_tokens prefill and the
     vision encoder's largest input are kept free; a larger token budget leaves a smaller pool,
@@ -122,19 +125,33 @@ def test_auto_is_sized_after_a_warm_up_of_the_largest_steps(tiny_dir, cuda_free,
     cuda_free.update(bytes=512 * MiB, peak=40 * MiB)
     steps, pixels, scratch_pools = [], [], []
     forward, encode, scratch = ModelRunner.forward, vl.family.encode_images, Pipeline.scratch
-    monkeypatch.setattr(ModelRunner, "forward", lambda self, chunks: steps.append([c.count for c in chunks])
-                        or forward(self, chunks))
-    monkeypatch.setattr(vl.family, "encode_images", lambda ctx, todo: pixels.append(
-        sum(int(t.prod()) for t in ctx.model_inputs["image_grid_thw"])) or encode(ctx, todo))
-    monkeypatch.setattr(Pipeline, "scratch", lambda self, nbytes: scratch_pools.append(scratch(self, nbytes))
-                        or scratch_pools[-1])
-    pipe = Pipeline(vl, {"tokenize": Tokenize(), "vision": VisionEncoder(), "prefill": Prefill(),
-                         "decode": DecodeLoop()}, max_batch_tokens=256, max_seqs=4)
+    monkeypatch.setattr(
+        ModelRunner, "forward", lambda self, chunks: steps.append([c.count for c in chunks]) or forward(self, chunks)
+    )
+    monkeypatch.setattr(
+        vl.family,
+        "encode_images",
+        lambda ctx, todo: (
+            pixels.append(sum(int(t.prod()) for t in ctx.model_inputs["image_grid_thw"])) or encode(ctx, todo)
+        ),
+    )
+    monkeypatch.setattr(
+        Pipeline, "scratch", lambda self, nbytes: scratch_pools.append(scratch(self, nbytes)) or scratch_pools[-1]
+    )
+    pipe = Pipeline(
+        vl,
+        {"tokenize": Tokenize(), "vision": VisionEncoder(), "prefill": Prefill(), "decode": DecodeLoop()},
+        max_batch_tokens=256,
+        max_seqs=4,
+    )
     pools = pipe.pools
     assert cuda_free["meters"][0].started == 1
     assert pools.budget.reserved == int(40 * MiB * headroom.MARGIN)
     assert pools.budget.nbytes == int(0.8 * (512 * MiB - pools.budget.reserved))
-    assert "for activations: a 256-token prefill and the largest image peaked at 40.00 MiB in a warm-up" in pools.describe()
+    assert (
+        "for activations: a 256-token prefill and the largest image peaked at 40.00 MiB in a warm-up"
+        in pools.describe()
+    )
     assert pixels == [sizing.largest_image_patches(vl)]  # the encoder saw the processor's largest image
     assert [256] in steps and [64, 64, 64, 64] in steps  # a lone full step, and max_seqs chunks filling one
     pool = weakref.ref(scratch_pools.pop().pool)
@@ -179,6 +196,7 @@ def test_cpu_auto_keeps_its_rule(load_tiny, monkeypatch):
 
 # --- a sweep frees each job -------------------------------------------------------------------
 
+
 def resident_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
@@ -202,9 +220,21 @@ def test_a_sweep_frees_each_job_before_the_next(monkeypatch, tmp_path):
 
     monkeypatch.setattr(bench, "load_from_cfg", loading_job)
     monkeypatch.setattr(entry, "release_job", released)
-    monkeypatch.setattr(sys, "argv", ["pipeline", "-m", "mode=bench", "bench.seed=0,1,2", "bench.prompt_lengths=[8]",
-                                      "bench.gen_lengths=[4]", "bench.repetitions=1", "bench.warmup=0",
-                                      f"hydra.sweep.dir={tmp_path}"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "pipeline",
+            "-m",
+            "mode=bench",
+            "bench.seed=0,1,2",
+            "bench.prompt_lengths=[8]",
+            "bench.gen_lengths=[4]",
+            "bench.repetitions=1",
+            "bench.warmup=0",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+    )
     try:
         entry.hydra_main()
     finally:
@@ -215,6 +245,7 @@ def test_a_sweep_frees_each_job_before_the_next(monkeypatch, tmp_path):
 
 
 # --- quant=auto by the weights' size ----------------------------------------------------------
+
 
 @pytest.fixture
 def real_model(held_out_dir):
@@ -231,7 +262,9 @@ def test_auto_keeps_16_bit_weights_that_fit_in_half_the_gpu(real_model, monkeypa
     on_gpu_of(monkeypatch, 2 * weights + 1)
     lm = load_model(real_model, dtype=torch.float32, quant="auto")
     assert lm.quant == "none"
-    assert lm.quant_note.startswith("quant=auto kept float32: the weights") and "at most half of cuda:0" in lm.quant_note
+    assert (
+        lm.quant_note.startswith("quant=auto kept float32: the weights") and "at most half of cuda:0" in lm.quant_note
+    )
 
 
 def test_auto_picks_nf4_for_weights_over_half_the_gpu(real_model, monkeypatch):
@@ -285,13 +318,20 @@ def test_auto_on_cpu_picks_int8wo_which_decodes_like_generate(real_model, monkey
 def test_auto_on_cpu_without_the_kernel_and_for_project_models_says_why(real_model, tiny_dir, monkeypatch):
     monkeypatch.setattr(matvec, "load", lambda: "the CPU has no AVX2 (DEFAULT)")
     assert loading.auto_scheme(real_model, loading.read_config(real_model), torch.float32, "cpu", {}) == (
-        "none", "quant=auto: none on CPU (no native kernel: the CPU has no AVX2 (DEFAULT); int8 would dequantise "
-        "in every matmul)")
-    assert loading.auto_scheme(str(tiny_dir("qwen3")), loading.read_config(str(tiny_dir("qwen3"))), torch.float32,
-                               None, {})[1] == "quant=auto: none for a model built by this project"
+        "none",
+        "quant=auto: none on CPU (no native kernel: the CPU has no AVX2 (DEFAULT); int8 would dequantise "
+        "in every matmul)",
+    )
+    assert (
+        loading.auto_scheme(
+            str(tiny_dir("qwen3")), loading.read_config(str(tiny_dir("qwen3"))), torch.float32, None, {}
+        )[1]
+        == "quant=auto: none for a model built by this project"
+    )
 
 
 # --- decode.compile under a scheme that cannot compile -------------------------------------------
+
 
 def test_compile_under_nf4_says_so_in_one_line(load_tiny, capsys):
     lm4 = load_tiny("qwen3", quant="nf4")

@@ -2,6 +2,7 @@
 tokens of a fresh run, and the blocks are accounted for (shared, copied on write, returned).
 Every case runs on a full-precision pool and on an int8 one (``kv.dtype``): a quantised pool
 gives the tokens of a fresh run with the same ``kv.dtype``."""
+
 from __future__ import annotations
 
 import gc
@@ -212,7 +213,12 @@ def test_uninitialised_pool_memory_never_reaches_the_answer(lm, prompt, monkeypa
     pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=1 << 20)
     got = pipe.run_ids(prompt, Request(max_new_tokens=N, ignore_eos=True)).generated
     monkeypatch.undo()
-    want = lm.model.generate(input_ids=torch.tensor([prompt], device=lm.device),
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=lm.device),
-                             do_sample=False, max_new_tokens=N, eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+    want = lm.model.generate(
+        input_ids=torch.tensor([prompt], device=lm.device),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=lm.device),
+        do_sample=False,
+        max_new_tokens=N,
+        eos_token_id=None,
+        pad_token_id=0,
+    )[0, len(prompt) :]
     assert got == want.tolist()

@@ -2,6 +2,7 @@
 that outlive the process); a later request with that prefix loads them instead of recomputing,
 with the tokens of a recompute. A corrupt or foreign file is refused and recomputed. The tier runs
 on the weights ``quant=auto`` gives a real checkpoint on CPU (int8wo) as on full precision."""
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,9 @@ def fresh_lm(model_dir, quant: str = "none"):
 
 def pipe_for(lm, **kv) -> Pipeline:
     memory = BLOCKS * kv_bytes(lm.config, 16, lm.model.dtype, kv_dtype=kv.get("kv_dtype", "auto"))
-    return Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=memory,
-                    max_seqs=1, **kv)
+    return Pipeline(
+        lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=memory, max_seqs=1, **kv
+    )
 
 
 def text(seed: int, n: int) -> str:
@@ -76,7 +78,9 @@ def test_an_evicted_prefix_is_loaded_back_with_the_tokens_of_a_recompute(model_d
     assert first.token_ids == again.token_ids == recomputed
     loaded = stats["kv_tier_hits"] - before["kv_tier_hits"]
     assert loaded >= 20 and again.metrics["kv_reused_tokens"] >= 16 * loaded
-    assert stats["kv_tier_bytes_loaded"] == stats["kv_tier_hits"] * pipe.pool.block_bytes and stats["kv_tier_load_s"] > 0
+    assert (
+        stats["kv_tier_bytes_loaded"] == stats["kv_tier_hits"] * pipe.pool.block_bytes and stats["kv_tier_load_s"] > 0
+    )
 
 
 @pytest.mark.parametrize("quant", ["none", "int8wo"])
@@ -156,17 +160,25 @@ def test_tier_figures_reach_the_metrics_endpoint(model_dir):
     push_out(pipe)
     ask(pipe)
     exposition = generate_latest(ServerMetrics(pipe.engine).registry).decode()
-    for name in ("mm_kv_tier_blocks", "mm_kv_tier_hits_total", "mm_kv_tier_loaded_bytes_total",
-                 "mm_kv_tier_load_seconds_total", "mm_kv_bytes_per_token"):
+    for name in (
+        "mm_kv_tier_blocks",
+        "mm_kv_tier_hits_total",
+        "mm_kv_tier_loaded_bytes_total",
+        "mm_kv_tier_load_seconds_total",
+        "mm_kv_bytes_per_token",
+    ):
         assert name in exposition
     assert 'mm_kv_tier_hits_total{tier="host"} 0.0' not in exposition
 
 
-@pytest.mark.parametrize("override, message", [
-    ("kv.offload=cloud", "kv.offload must be one of none, host, disk"),
-    ("kv.offload=disk", "kv.offload=disk needs kv.offload_dir"),
-    ("kv.offload_bytes=-5", "kv.offload_bytes must be a positive number"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("kv.offload=cloud", "kv.offload must be one of none, host, disk"),
+        ("kv.offload=disk", "kv.offload=disk needs kv.offload_dir"),
+        ("kv.offload_bytes=-5", "kv.offload_bytes must be a positive number"),
+    ],
+)
 def test_bad_offload_settings_are_refused_before_the_model_loads(override, message):
     from pipeline.settings import check
 

@@ -3,6 +3,7 @@ pool holds about twice the tokens, and every engine path (batches with preemptio
 prefill, prefix hits, speculative decoding, each family) gives the tokens of a lone fresh run with
 the same ``kv.dtype``. Agreement with full precision is measured, not asserted:
 ``benchmarks/kv_quality.py``."""
+
 from __future__ import annotations
 
 import random
@@ -55,8 +56,13 @@ def test_fp8_round_trip_is_within_its_mantissa():
 def test_a_quantised_pool_holds_at_least_1_9x_the_tokens_on_real_shapes():
     """Per position and head: head_dim bytes + a 2-byte scale, against 2 bytes an element."""
     for head_dim in (64, 128, 256):
-        config = LlamaConfig(hidden_size=16 * head_dim, num_attention_heads=16, num_key_value_heads=4,
-                             num_hidden_layers=8, head_dim=head_dim)
+        config = LlamaConfig(
+            hidden_size=16 * head_dim,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            num_hidden_layers=8,
+            head_dim=head_dim,
+        )
         full = kv_bytes(config, 16, torch.bfloat16)
         for kind in ("int8", "fp8"):
             assert full / kv_bytes(config, 16, torch.bfloat16, kv_dtype=kind) >= 1.9
@@ -66,8 +72,10 @@ def test_a_quantised_pool_holds_at_least_1_9x_the_tokens_on_real_shapes():
 def test_same_memory_gives_the_pool_the_blocks_its_bytes_allow(load_tiny):
     lm = load_tiny("qwen3")
     memory = 4 << 20
-    pools = {d: Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=memory, kv_dtype=d).pool
-             for d in ("auto", "int8")}
+    pools = {
+        d: Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=memory, kv_dtype=d).pool
+        for d in ("auto", "int8")
+    }
     assert pools["int8"].block_bytes < pools["auto"].block_bytes
     for pool in pools.values():
         assert (pool.num_blocks - 1) == memory // pool.block_bytes
@@ -79,8 +87,12 @@ def test_a_batch_with_images_and_preemption_equals_each_request_alone(load_tiny,
     lm = load_tiny("qwen2-vl", dtype="float64")
     requests = mixed_requests(18, images=True)
     bytes_per_block = kv_bytes(lm.config, 16, lm.model.dtype, kv_dtype=kind)
-    stages = lambda: {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(chunk_size=24),  # noqa: E731
-                      "decode": DecodeLoop()}
+    stages = lambda: {
+        "tokenize": Tokenize(),
+        "vision_encoder": VisionEncoder(),
+        "prefill": Prefill(chunk_size=24),  # noqa: E731
+        "decode": DecodeLoop(),
+    }
     pipe = Pipeline(lm, stages(), kv_memory=14 * bytes_per_block, kv_dtype=kind, max_seqs=18, max_batch_tokens=128)
     before = pipe.engine.counters["preemptions"]
     batched = submit_staggered(pipe, requests)
@@ -101,8 +113,12 @@ def test_scores_read_from_a_quantised_pool_stay_close_to_full_precision(load_tin
     prompt = words(random.Random(7), 60)
 
     def scores(kv_dtype: str, chunk: int | None) -> torch.Tensor:
-        pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(chunk_size=chunk), "decode": DecodeLoop()},
-                        kv_dtype=kv_dtype, max_seqs=1)
+        pipe = Pipeline(
+            lm,
+            {"tokenize": Tokenize(), "prefill": Prefill(chunk_size=chunk), "decode": DecodeLoop()},
+            kv_dtype=kv_dtype,
+            max_seqs=1,
+        )
         pipe.pool.clear_prefix_cache()
         result = pipe.run(Request(prompt=prompt, max_new_tokens=1, prompt_logprobs=0))
         return torch.tensor([t.logprob for t in result.prompt_logprobs[1:]])
@@ -120,8 +136,12 @@ def test_chunked_prefill_and_prefix_hits_read_the_keys_as_stored(load_tiny):
     prompt = words(random.Random(3), 120)
 
     def run(chunk: int | None, fresh: bool) -> list[int]:
-        pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(chunk_size=chunk), "decode": DecodeLoop()},
-                        kv_memory=8 << 20, kv_dtype="int8")
+        pipe = Pipeline(
+            lm,
+            {"tokenize": Tokenize(), "prefill": Prefill(chunk_size=chunk), "decode": DecodeLoop()},
+            kv_memory=8 << 20,
+            kv_dtype="int8",
+        )
         if fresh:
             pipe.pool.clear_prefix_cache()
         result = pipe.run(Request(prompt=prompt, max_new_tokens=12, ignore_eos=True))
@@ -139,8 +159,12 @@ def test_speculative_decoding_keeps_the_tokens_of_plain_decoding(load_tiny):
     request = Request(prompt="one two three one two three one two three one two", max_new_tokens=24, ignore_eos=True)
 
     def run(spec) -> list[int]:
-        pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop(speculative=spec)},
-                        kv_dtype="int8", max_seqs=1)
+        pipe = Pipeline(
+            lm,
+            {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop(speculative=spec)},
+            kv_dtype="int8",
+            max_seqs=1,
+        )
         pipe.pool.clear_prefix_cache()
         return pipe.run(request).token_ids
 
@@ -155,26 +179,38 @@ def test_the_compiled_step_reads_a_quantised_pool_as_eager_does(load_tiny):
     prompts = [words(rng, rng.randint(5, 30)) for _ in range(3)]  # one batch size to the end: one graph
 
     def run(**decode) -> list[list[int]]:
-        pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop(**decode)},
-                        kv_memory=1 << 20, kv_dtype="int8", max_seqs=3)
+        pipe = Pipeline(
+            lm,
+            {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop(**decode)},
+            kv_memory=1 << 20,
+            kv_dtype="int8",
+            max_seqs=3,
+        )
         pipe.pool.clear_prefix_cache()
-        results = [h.result(timeout=300) for h in [pipe.submit(Request(prompt=p, max_new_tokens=8, ignore_eos=True))
-                                                  for p in prompts]]
+        results = [
+            h.result(timeout=300)
+            for h in [pipe.submit(Request(prompt=p, max_new_tokens=8, ignore_eos=True)) for p in prompts]
+        ]
         assert all(r.metrics["decode_compiled"] is bool(decode) for r in results)  # no silent fallback
         return [r.token_ids for r in results]
 
     assert run(compile=True, compile_backend="aot_eager") == run()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3.5", "qwen2-audio", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni",
-                                    "llama"])
+@pytest.mark.parametrize(
+    "family", ["gemma3", "qwen3.5", "qwen2-audio", "qwen2.5-vl", "qwen3-vl", "qwen2.5-omni", "llama"]
+)
 def test_every_family_batches_on_a_quantised_pool(load_tiny, family):
     """Sliding windows (Gemma 3), recurrent states kept in full precision beside int8 keys
     (Qwen3.5), audio placeholders (Qwen2-Audio), each family's positions (M-RoPE, deepstack,
     the thinker): three requests at once equal each alone. (Qwen2-VL with images: above.)"""
     lm = load_tiny(family, dtype="float64")
-    stages = {"tokenize": Tokenize(), "audio_encoder": AudioEncoder(), "prefill": Prefill(chunk_size=16),
-              "decode": DecodeLoop()}
+    stages = {
+        "tokenize": Tokenize(),
+        "audio_encoder": AudioEncoder(),
+        "prefill": Prefill(chunk_size=16),
+        "decode": DecodeLoop(),
+    }
     rng = random.Random(1)
     requests = [Request(prompt=words(rng, rng.randint(20, 60)), max_new_tokens=8, ignore_eos=True) for _ in range(3)]
     pipe = Pipeline(lm, stages, kv_dtype="int8", max_seqs=3)

@@ -1,5 +1,6 @@
 """The second KV tier: evicted blocks come back byte for byte under the same keys, the bounds hold,
 and a corrupt, truncated or foreign block file is refused (None, the block is recomputed)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -185,8 +186,19 @@ def test_disk_stats_fields(tmp_path):
     assert tier.get(2, keys(2)) is None
     tier.flush()
     s = tier.stats()
-    assert set(s) == {"tier", "blocks", "bytes", "max_bytes", "hits", "misses", "stores", "evictions",
-                      "bytes_loaded", "load_s", "refused"}
+    assert set(s) == {
+        "tier",
+        "blocks",
+        "bytes",
+        "max_bytes",
+        "hits",
+        "misses",
+        "stores",
+        "evictions",
+        "bytes_loaded",
+        "load_s",
+        "refused",
+    }
     assert (s["tier"], s["blocks"], s["bytes"], s["max_bytes"]) == ("disk", 1, FILE, 4 * FILE)
     assert (s["hits"], s["misses"], s["stores"], s["evictions"], s["bytes_loaded"], s["refused"]) == (1, 1, 1, 0, N, 0)
     assert s["load_s"] > 0

@@ -2,6 +2,7 @@
 (``Request.prompt_logprobs``): equal to a plain transformers forward's log-softmax at each
 position (the oracle), batched with other requests, with the prompt in the prefix cache, in
 chunks, with an image in the prompt; read with the step's tokens in one transfer."""
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,9 @@ def test_generated_logprobs_match_a_plain_forward_batched_and_cached(load_tiny, 
     prompts = [list(range(5, 40)), list(range(7, 19)), list(range(5, 40)) + [60, 61]]  # the third: a cache hit
     asks = [5, None, 0]
     for wave in range(2):  # the second wave starts from the prefix cache
-        handles = [pipe.submit(Request(max_new_tokens=6, ignore_eos=True, logprobs=k), ids=p) for p, k in
-                   zip(prompts, asks)]
+        handles = [
+            pipe.submit(Request(max_new_tokens=6, ignore_eos=True, logprobs=k), ids=p) for p, k in zip(prompts, asks)
+        ]
         results = [h.result() for h in handles]
         for p, k, r in zip(prompts, asks, results):
             if k is None:
@@ -59,8 +61,12 @@ def test_asking_for_logprobs_leaves_the_tokens_unchanged(load_tiny):
     ids = list(range(9, 30))
     plain = pipe.run_ids(ids, Request(max_new_tokens=10, ignore_eos=True)).generated
     asked = pipe.run_ids(ids, Request(max_new_tokens=10, ignore_eos=True, logprobs=20)).generated
-    sampled = [pipe.run_ids(ids, Request(max_new_tokens=10, ignore_eos=True, logprobs=k,
-                                         sampler=Sampler(temperature=0.9, seed=3))).generated for k in (None, 4)]
+    sampled = [
+        pipe.run_ids(
+            ids, Request(max_new_tokens=10, ignore_eos=True, logprobs=k, sampler=Sampler(temperature=0.9, seed=3))
+        ).generated
+        for k in (None, 4)
+    ]
     assert asked == plain and sampled[0] == sampled[1]
 
 
@@ -71,8 +77,9 @@ def test_raw_is_the_models_distribution_and_processed_what_the_sampler_drew_from
     sampler = Sampler(temperature=0.7, top_k=3, seed=0)
     raw = pipe.run_ids(ids, Request(max_new_tokens=4, ignore_eos=True, logprobs=5, sampler=sampler))
     assert_matches(raw.logprobs, raw.generated, oracle(lm, ids, raw.generated), 5)
-    processed = pipe.run_ids(ids, Request(max_new_tokens=4, ignore_eos=True, logprobs=5, sampler=sampler,
-                                          logprobs_mode="processed"))
+    processed = pipe.run_ids(
+        ids, Request(max_new_tokens=4, ignore_eos=True, logprobs=5, sampler=sampler, logprobs_mode="processed")
+    )
     assert processed.generated == raw.generated  # same seed, same draws
     reference = oracle(lm, ids, raw.generated)
     for j, e in enumerate(processed.logprobs):
@@ -112,13 +119,15 @@ def test_scoring_from_a_position_reuses_the_shared_context(load_tiny, family):
     pipe = Pipeline(lm, {"prefill": Prefill()}, kv_memory=16 << 20, max_batch_tokens=16)
     context = list(range(5, 55))
     choices = [[60, 61, 62], [70, 71], list(range(80, 100)), [90]]
-    results = [pipe.run_ids(context + c, Request(prompt_logprobs=1, prompt_logprobs_from=len(context)))
-               for c in choices]
+    results = [
+        pipe.run_ids(context + c, Request(prompt_logprobs=1, prompt_logprobs_from=len(context))) for c in choices
+    ]
     for c, ctx in zip(choices, results):
         reference = logprob_oracle(lm, context + c)
         assert sorted(ctx.prompt_logprobs) == list(range(len(context), len(context) + len(c)))
-        assert_matches([ctx.prompt_logprobs[p] for p in sorted(ctx.prompt_logprobs)], c,
-                       reference[len(context) - 1 : -1], 1)
+        assert_matches(
+            [ctx.prompt_logprobs[p] for p in sorted(ctx.prompt_logprobs)], c, reference[len(context) - 1 : -1], 1
+        )
     assert results[0].metrics.counters["kv_reused_tokens"] == 0
     assert all(ctx.metrics.counters["kv_reused_tokens"] >= 32 for ctx in results[1:])
     with pytest.raises(UserError, match="prompt_logprobs_from must be a prompt position from 1 to 52"):
@@ -142,8 +151,9 @@ def media_request(kind: str, **kwargs) -> Request:
     if kind == "image":
         return Request(prompt="What colour?", images=[Image.new("RGB", (56, 56), (200, 30, 30))], **kwargs)
     t = torch.arange(32000, dtype=torch.float64) / 16000  # 2 s of a 440 Hz tone at 16 kHz
-    return Request(prompt="What do you hear?", audios=[((0.4 * torch.sin(2 * torch.pi * 440 * t)).float(), 16000)],
-                   **kwargs)
+    return Request(
+        prompt="What do you hear?", audios=[((0.4 * torch.sin(2 * torch.pi * 440 * t)).float(), 16000)], **kwargs
+    )
 
 
 @pytest.mark.parametrize("family, kind", [("qwen2-vl", "image"), ("qwen2-audio", "audio")])
@@ -154,8 +164,9 @@ def test_logprobs_with_media_in_the_prompt(load_tiny, family, kind):
 
     lm = load_tiny(family)
     encoder = {"vision": VisionEncoder()} if kind == "image" else {"audio": AudioEncoder()}
-    pipe = Pipeline(lm, {"tokenize": Tokenize(), **encoder, "prefill": Prefill(), "decode": DecodeLoop()},
-                    kv_memory=16 << 20)
+    pipe = Pipeline(
+        lm, {"tokenize": Tokenize(), **encoder, "prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=16 << 20
+    )
     ctx = pipe.run_context(media_request(kind, max_new_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1))
     prompt = ctx.input_ids[0].tolist()
     ids = prompt + ctx.generated[:-1]
@@ -169,10 +180,17 @@ def test_logprobs_with_media_in_the_prompt(load_tiny, family, kind):
     assert_matches([ctx.prompt_logprobs[p] for p in range(1, len(prompt))], prompt[1:], logits[: len(prompt) - 1], 1)
     start = len(prompt) - 3
     again = pipe.run_context(media_request(kind, max_new_tokens=1, prompt_logprobs=1, prompt_logprobs_from=start))
-    assert again.metrics.counters["kv_reused_tokens"] >= 16 and sorted(again.prompt_logprobs) == [start, start + 1,
-                                                                                                    start + 2]
-    assert_matches([again.prompt_logprobs[p] for p in range(start, len(prompt))], prompt[start:],
-                   logits[start - 1 : len(prompt) - 1], 1)
+    assert again.metrics.counters["kv_reused_tokens"] >= 16 and sorted(again.prompt_logprobs) == [
+        start,
+        start + 1,
+        start + 2,
+    ]
+    assert_matches(
+        [again.prompt_logprobs[p] for p in range(start, len(prompt))],
+        prompt[start:],
+        logits[start - 1 : len(prompt) - 1],
+        1,
+    )
 
 
 @pytest.mark.parametrize("bad", [21, -1, True, 2.5])

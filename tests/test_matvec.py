@@ -1,5 +1,6 @@
 """The native one-row linear kernel (pipeline.runner.matvec): same numbers as PyTorch's linear,
 used by the engine's one-sequence steps only, and greedy tokens equal to stock generate()."""
+
 from __future__ import annotations
 
 import threading

@@ -2,6 +2,7 @@
 ``peak_memory_bytes`` without the KV pool, which is ``kv_pool_bytes`` of its own; each request's
 peak over the steps it took part in, right when requests overlap; ``bandwidth_gb_s`` counting
 the keys and values every decode step reads, besides the weights."""
+
 from __future__ import annotations
 
 import pytest
@@ -77,8 +78,9 @@ def test_bandwidth_counts_every_rows_kv_reads(load_tiny, burst):
     m = pipe.result(solo).metrics
     decode = m["stages"]["decode"]
     assert decode["calls"] == new - 1
-    assert m["bandwidth_gb_s"] == pytest.approx((m["decode_weights_bytes"] * decode["calls"] + own)
-                                                / decode["seconds"] / 1e9)
+    assert m["bandwidth_gb_s"] == pytest.approx(
+        (m["decode_weights_bytes"] * decode["calls"] + own) / decode["seconds"] / 1e9
+    )
     pipe.pool.clear_prefix_cache()
     pair = [pipe.submit(Request(max_new_tokens=new, ignore_eos=True), ids=prompt, result=False) for _ in range(2)]
     assert [pipe.wait(h).metrics.kv_read_bytes for h in pair] == pytest.approx([2 * own, 2 * own])

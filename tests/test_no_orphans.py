@@ -4,6 +4,7 @@ whatever killed it (SIGKILL included, as the out-of-memory killer sends), and gi
 The unit cases start a small parent that starts a child calling ``pipeline.lifetime``, SIGKILL
 the parent and watch the child; the end-to-end case SIGKILLs a real ``torchrun`` serving on two
 tensor-parallel ranks. Every case kills what it started in ``finally``, even when it fails."""
+
 from __future__ import annotations
 
 import ast
@@ -83,8 +84,13 @@ def gone_within(pids: list[int], seconds: float) -> float | None:
 def orphaned_child(env: dict[str, str], patch: str = "") -> Iterator[int]:
     """A parent whose child has called ``end_with_launcher`` under ``env``, the parent SIGKILLed
     (it forwards nothing): yields the child's pid; both are killed at the end, whatever happened."""
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD.format(patch=patch)], cwd=ROOT,
-                              env={**env, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, CHILD.format(patch=patch)],
+        cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     child = None
     try:
         child = int(parent.stdout.readline())
@@ -111,7 +117,9 @@ def test_launched_processes_are_told_by_their_environment():
 
     assert all(launched({name: "0"}) for name in ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK"))
     assert not launched({}) and not launched({"RANK": ""})
-    assert not launched({"ACCELERATE_USE_CPU": "True", "ACCELERATE_DYNAMO_MODE": "default"})  # one process: see launched()
+    assert not launched(
+        {"ACCELERATE_USE_CPU": "True", "ACCELERATE_DYNAMO_MODE": "default"}
+    )  # one process: see launched()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -131,12 +139,20 @@ def test_a_process_started_by_hand_outlives_its_parent():
 def test_a_parent_that_died_while_binding_ends_the_process():
     """The race: the parent dies between reading its pid and prctl (the death signal then went to
     nobody); the second reading ends the process at once."""
-    script = ("import os, itertools\nimport pipeline.lifetime as lifetime\n"
-              "pids = itertools.chain([os.getppid()], itertools.repeat(1))\n"
-              "os.getppid = lambda: next(pids)\n"
-              "lifetime.end_with_parent()\nprint('survived')")
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=60)
+    script = (
+        "import os, itertools\nimport pipeline.lifetime as lifetime\n"
+        "pids = itertools.chain([os.getppid()], itertools.repeat(1))\n"
+        "os.getppid = lambda: next(pids)\n"
+        "lifetime.end_with_parent()\nprint('survived')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == -lifetime_signal() and "survived" not in proc.stdout, proc.stderr
 
 
@@ -149,7 +165,9 @@ def lifetime_signal() -> int:
 def test_lifetime_imports_only_the_standard_library():
     """It runs first in every process the CLI starts, before Hydra and torch: nothing of the project."""
     tree = ast.parse((ROOT / "pipeline" / "lifetime.py").read_text())
-    names = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    names = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
     names |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert names <= set(sys.stdlib_module_names) | {"__future__"}, names
 
@@ -161,11 +179,23 @@ def test_killing_torchrun_ends_both_serving_ranks_and_frees_the_port(tiny_dir, t
     log = tmp_path / "tp.log"
     with open(log, "wb") as err:
         launcher = subprocess.Popen(
-            torchrun("-m", "pipeline", "mode=serve", "model.tp=2", f"model.path={tiny_dir('llama')}",
-                     "model.dtype=float32", "kv.memory=64000000", f"serve.port={port}",
-                     f"hydra.run.dir={tmp_path / 'run'}"),
-            cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL, stderr=err,
-            start_new_session=True)
+            torchrun(
+                "-m",
+                "pipeline",
+                "mode=serve",
+                "model.tp=2",
+                f"model.path={tiny_dir('llama')}",
+                "model.dtype=float32",
+                "kv.memory=64000000",
+                f"serve.port={port}",
+                f"hydra.run.dir={tmp_path / 'run'}",
+            ),
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 240

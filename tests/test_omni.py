@@ -5,6 +5,7 @@ reuses the cache, in nf4 with both towers unquantised, and from the command line
 Oracle: the model's own processor on the same media (a heard video's track given as that video's
 audio, which transformers would decode itself with torchcodec), then ``generate(do_sample=False)``.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,7 +62,7 @@ def write_clip(path: Path, seconds: int = 4, fps: int = 4, hz: float | None = No
         sound = None if hz is None else out.add_stream("pcm_s16le", rate=RATE, layout="mono")
         for i in range(seconds * fps):
             frame = rng.integers(0, 60, (48, 64, 3), dtype=np.uint8)
-            frame[10:24, 3 * i: 3 * i + 12] = (240, 20, 20)
+            frame[10:24, 3 * i : 3 * i + 12] = (240, 20, 20)
             out.mux(video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         out.mux(video.encode())
         if sound is not None:
@@ -78,8 +79,12 @@ def files(tmp_path_factory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("omni")
     A.save(tmp / "a.png")
     sf.write(tmp / "hum.wav", HUM.numpy(), RATE)
-    return {"clip": write_clip(tmp / "clip.mov", hz=330), "silent": write_clip(tmp / "silent.mov"),
-            "png": tmp / "a.png", "wav": tmp / "hum.wav"}
+    return {
+        "clip": write_clip(tmp / "clip.mov", hz=330),
+        "silent": write_clip(tmp / "silent.mov"),
+        "png": tmp / "a.png",
+        "wav": tmp / "hum.wav",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +100,29 @@ def lm(load_tiny):
 
 
 def make_pipe(lm, heard: bool = False, chunk: int | None = None, **engine) -> Pipeline:
-    return Pipeline(lm, {"tokenize": Tokenize(use_audio_in_video=heard), "vision_encoder": VisionEncoder(),
-                         "audio_encoder": AudioEncoder(), "prefill": Prefill(chunk_size=chunk),
-                         "decode": DecodeLoop()}, **engine)
+    return Pipeline(
+        lm,
+        {
+            "tokenize": Tokenize(use_audio_in_video=heard),
+            "vision_encoder": VisionEncoder(),
+            "audio_encoder": AudioEncoder(),
+            "prefill": Prefill(chunk_size=chunk),
+            "decode": DecodeLoop(),
+        },
+        **engine,
+    )
 
 
 def request(kinds, images=(), audios=(), videos=(), text: str = PROMPT) -> Request:
-    return Request(prompt=text, images=list(images), audios=[(w, RATE) for w in audios], videos=list(videos),
-                   media_order=list(kinds), max_new_tokens=N, ignore_eos=True)
+    return Request(
+        prompt=text,
+        images=list(images),
+        audios=[(w, RATE) for w in audios],
+        videos=list(videos),
+        media_order=list(kinds),
+        max_new_tokens=N,
+        ignore_eos=True,
+    )
 
 
 def oracle(lm, kinds=(), images=(), audios=(), videos=(), heard: bool = False, messages=None):
@@ -123,8 +143,12 @@ def oracle(lm, kinds=(), images=(), audios=(), videos=(), heard: bool = False, m
     clips = [(next(waves) if k is None else videos[k].audio[0]).numpy() for k in slots]
     kwargs: dict = {"images": list(images) or None}
     if videos:
-        kwargs.update(videos=[v.frames for v in videos], fps=videos[0].sampled_fps, do_sample_frames=False,
-                      cap_pixels_per_frame=True)
+        kwargs.update(
+            videos=[v.frames for v in videos],
+            fps=videos[0].sampled_fps,
+            do_sample_frames=False,
+            cap_pixels_per_frame=True,
+        )
     if clips:
         kwargs.update(audio=clips, sampling_rate=RATE)
     if heard:
@@ -161,8 +185,11 @@ def test_one_medium_matches_generate(lm, kinds):
     assert (result.prompt_ids, result.token_ids) == oracle(lm, kinds, **media)
 
 
-@pytest.mark.parametrize("kinds, heard", [(["audio", "image", "video"], False), (["video", "image", "audio"], True)],
-                         ids=["watched", "heard"])
+@pytest.mark.parametrize(
+    "kinds, heard",
+    [(["audio", "image", "video"], False), (["video", "image", "audio"], True)],
+    ids=["watched", "heard"],
+)
 def test_audio_image_video_in_one_prompt_match_generate(lm, clip, kinds, heard):
     result = make_pipe(lm, heard).run(request(kinds, [A], [HUM], [clip]))
     prompt_ids, tokens = oracle(lm, kinds, [A], [HUM], [clip], heard=heard)
@@ -203,8 +230,13 @@ def test_long_clip_is_split_in_the_order_given(lm):
 
 def test_batched_requests_each_get_their_solo_answer(lm, clip):
     """Packed with the others and prefilled in chunks whose borders fall inside the heard video."""
-    requests = [request([], text="Hello there."), request(["image"], [A]), request(["audio"], audios=[HUM]),
-                request(["video", "audio"], audios=[HUM], videos=[clip]), request(["image", "audio"], [A], [HUM])]
+    requests = [
+        request([], text="Hello there."),
+        request(["image"], [A]),
+        request(["audio"], audios=[HUM]),
+        request(["video", "audio"], audios=[HUM], videos=[clip]),
+        request(["image", "audio"], [A], [HUM]),
+    ]
     batched = submit_staggered(make_pipe(lm, heard=True, chunk=48, max_seqs=5), requests)
     forget(lm)  # solo runs encode and prefill everything again
     solo = [make_pipe(lm, heard=True, max_seqs=1).run(r).token_ids for r in requests]
@@ -267,14 +299,27 @@ def test_use_audio_in_video_setting_flows_from_the_config():
 
 @pytest.mark.slow  # the CLI's media path; the pipeline's heard video is checked in-process here
 def test_cli_hears_the_video_and_matches_generate(tiny_dir, lm, files, tmp_path):
-    proc = run_cli(f"model.path={tiny_dir(FAMILY)}", f"input=[{files['clip']},{files['png']},{files['wav']}]",
-                   f"prompt={PROMPT}", f"max_new_tokens={N}", "ignore_eos=true", "media.video_fps=1",
-                   "media.use_audio_in_video=true", f"hydra.run.dir={tmp_path}")
+    proc = run_cli(
+        f"model.path={tiny_dir(FAMILY)}",
+        f"input=[{files['clip']},{files['png']},{files['wav']}]",
+        f"prompt={PROMPT}",
+        f"max_new_tokens={N}",
+        "ignore_eos=true",
+        "media.video_fps=1",
+        "media.use_audio_in_video=true",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "result.json").read_text())
     video = load_video(files["clip"], fps=1)
-    expected = oracle(lm, ["video", "image", "audio"], [load_image(files["png"])], [load_audio(files["wav"], RATE)[0]],
-                      [video], heard=True)
+    expected = oracle(
+        lm,
+        ["video", "image", "audio"],
+        [load_image(files["png"])],
+        [load_audio(files["wav"], RATE)[0]],
+        [video],
+        heard=True,
+    )
     assert (result["prompt_ids"], result["token_ids"]) == expected
 
 
@@ -290,21 +335,42 @@ def test_served_and_batched_answers_equal_generate(tiny_dir, lm, files, tmp_path
     expected = oracle(lm, ["image", "audio"], [load_image(files["png"])], [load_audio(files["wav"], RATE)[0]])
     want = lm.tokenizer.decode(expected[1], skip_special_tokens=True)
     png = "data:image/png;base64," + base64.b64encode(files["png"].read_bytes()).decode()
-    content = [{"type": "image_url", "image_url": {"url": png}},
-               {"type": "input_audio", "input_audio": {"data": base64.b64encode(files["wav"].read_bytes()).decode(),
-                                                       "format": "wav"}},
-               {"type": "text", "text": PROMPT}]
+    content = [
+        {"type": "image_url", "image_url": {"url": png}},
+        {
+            "type": "input_audio",
+            "input_audio": {"data": base64.b64encode(files["wav"].read_bytes()).decode(), "format": "wav"},
+        },
+        {"type": "text", "text": PROMPT},
+    ]
     with serving(tmp_path, f"model.path={tiny_dir(FAMILY)}") as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        got = client.chat.completions.create(model=str(tiny_dir(FAMILY)), messages=[{"role": "user", "content": content}],
-                                             max_tokens=N, extra_body={"ignore_eos": True})
+        got = client.chat.completions.create(
+            model=str(tiny_dir(FAMILY)),
+            messages=[{"role": "user", "content": content}],
+            max_tokens=N,
+            extra_body={"ignore_eos": True},
+        )
     assert got.choices[0].message.content == want
     assert got.usage.prompt_tokens == len(expected[0])
 
     items = tmp_path / "items.jsonl"
-    items.write_text(json.dumps({"id": "a", "prompt": PROMPT, "images": [str(files["png"])],
-                                 "audios": [str(files["wav"])], "max_new_tokens": N, "ignore_eos": True}) + "\n")
-    proc = run_cli(f"model.path={tiny_dir(FAMILY)}", "mode=batch", f"input={items}", f"hydra.run.dir={tmp_path / 'batch'}")
+    items.write_text(
+        json.dumps(
+            {
+                "id": "a",
+                "prompt": PROMPT,
+                "images": [str(files["png"])],
+                "audios": [str(files["wav"])],
+                "max_new_tokens": N,
+                "ignore_eos": True,
+            }
+        )
+        + "\n"
+    )
+    proc = run_cli(
+        f"model.path={tiny_dir(FAMILY)}", "mode=batch", f"input={items}", f"hydra.run.dir={tmp_path / 'batch'}"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in next((tmp_path / "batch").glob("*.jsonl")).read_text().splitlines()]
     assert [(r["id"], r["token_ids"]) for r in rows] == [("a", expected[1])]

@@ -4,6 +4,7 @@ Property-style, with seeded random texts (emoji, CJK, accents, random code point
 special tokens: every intermediate ``text`` is a prefix of the final one and never ends in half
 a character, and the last one equals ``tokenizer.decode(ids, skip_special_tokens=True)``.
 """
+
 from __future__ import annotations
 
 import random
@@ -14,7 +15,7 @@ from tokenizers.models import WordLevel
 
 from pipeline.engine.output import Output, TextStream, _fast_backend
 
-CHARS = "abcxyz XYZ 019 .,!?'\n\t" "éèçñüßøå" "中文字符测试漢字かなカナ한국어" "😀🎉👍🏽🇫🇷\u200d\ufe0f" "Ωπ∑√∞€"
+CHARS = "abcxyz XYZ 019 .,!?'\n\téèçñüßøå中文字符测试漢字かなカナ한국어😀🎉👍🏽🇫🇷\u200d\ufe0fΩπ∑√∞€"
 
 
 def random_text(rng: random.Random) -> str:

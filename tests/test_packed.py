@@ -1,6 +1,7 @@
 """Batched bfloat16 products on oneDNN's prepacked weights (pipeline.runner.packed), on CPUs
 with native bfloat16 matmuls: the same numbers as PyTorch's linear up to the order of the sums,
 a changed weight is the one read, too little RAM falls back, and engine tokens equal generate()."""
+
 from __future__ import annotations
 
 import copy
@@ -112,8 +113,9 @@ def test_the_compiled_step_calls_the_packed_product_and_matches_generate(tiny_di
 
     monkeypatch.setattr(packed, "linear", counted)
     lm = load_model(str(tiny_dir("qwen3")), dtype="bfloat16")
-    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=True, compile_backend="aot_eager")},
-                    kv_memory=1 << 20)
+    pipe = Pipeline(
+        lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=True, compile_backend="aot_eager")}, kv_memory=1 << 20
+    )
     prompts = [list(range(5, 5 + n)) for n in (6, 11, 17)]
     got, attention_calls = kernel_calls(lambda: submit_all(pipe, prompts, 6))
     assert all(c.metrics.info["decode_compiled"] for c in got) and attention_calls > 0

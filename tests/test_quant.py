@@ -3,6 +3,7 @@
 Everything runs on CPU: bitsandbytes >= 0.49 has CPU 4-bit and int8 kernels, and the tiny
 models keep every Linear at in_features >= 64 (the CPU 4-bit path's floor).
 """
+
 from __future__ import annotations
 
 import json
@@ -104,12 +105,26 @@ def test_nf4_vision_model_keeps_its_tower_unquantised_and_matches_generate(load_
     assert any(".merger." in n for n in plain)  # the projector into the LM stays unquantised too
     assert four_bit and all(n.startswith("model.language_model.") for n in four_bit)
     image = Image.fromarray((torch.arange(112 * 112 * 3) % 251).to(torch.uint8).reshape(112, 112, 3).numpy(), "RGB")
-    pipe = Pipeline(lm, {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(),
-                         "decode": DecodeLoop(Sampler())})
+    pipe = Pipeline(
+        lm,
+        {
+            "tokenize": Tokenize(),
+            "vision_encoder": VisionEncoder(),
+            "prefill": Prefill(),
+            "decode": DecodeLoop(Sampler()),
+        },
+    )
     result = pipe.run(Request(prompt="What is it?", images=[image], max_new_tokens=N, ignore_eos=True))
     content = [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]
-    inputs = dict(lm.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=True, return_tensors="pt"))
+    inputs = dict(
+        lm.processor.apply_chat_template(
+            [{"role": "user", "content": content}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+        )
+    )
     ids = inputs.pop("input_ids")
     inputs.pop("attention_mask")
     assert result.prompt_ids == ids[0].tolist()
@@ -125,9 +140,14 @@ def test_int8wo_weights_are_torchao_int8_with_row_scales_and_skips_stay_plain(lo
     kept = load_tiny("qwen3", quant={"name": "int8wo", "skip_modules": ["lm_head"]})
     assert type(kept.model.lm_head.weight) is torch.nn.Parameter
     assert type(kept.model.model.layers[0].mlp.up_proj.weight).__name__ == "Int8Tensor"
-    linear_bytes = sum(m.in_features * m.out_features + 5 * m.out_features for m in lm.model.modules()
-                       if type(getattr(m, "weight", None)).__name__ == "Int8Tensor")
-    assert lm.placement[str(lm.device)]["int8wo"] == linear_bytes  # int8 weights, a float32 scale and an int8 zero per row
+    linear_bytes = sum(
+        m.in_features * m.out_features + 5 * m.out_features
+        for m in lm.model.modules()
+        if type(getattr(m, "weight", None)).__name__ == "Int8Tensor"
+    )
+    assert (
+        lm.placement[str(lm.device)]["int8wo"] == linear_bytes
+    )  # int8 weights, a float32 scale and an int8 zero per row
     # what a decode step reads (the bandwidth figure) counts the int8 bytes, not the logical float32 ones
     plain = load_tiny("qwen3")
     int8 = [m for m in lm.model.modules() if type(getattr(m, "weight", None)).__name__ == "Int8Tensor"]
@@ -153,10 +173,19 @@ def test_skip_names_match_towers_anywhere_at_module_boundaries():
 
     encoders = Qwen2VLFamily.encoder_modules + Qwen2AudioFamily.encoder_modules
     patterns = quantization_config({"name": "nf4"}, encoders=encoders).llm_int8_skip_modules
-    kept = ["lm_head", "model.visual.blocks.0.attn.qkv", "model.visual.merger.mlp.0",
-            "audio_tower.layers.0.fc1", "model.multi_modal_projector.linear"]
-    converted = ["model.language_model.layers.0.mlp.up_proj", "model.layers.1.self_attn.q_proj",
-                 "model.visual_proj", "model.layers.0.lm_head_gate"]
+    kept = [
+        "lm_head",
+        "model.visual.blocks.0.attn.qkv",
+        "model.visual.merger.mlp.0",
+        "audio_tower.layers.0.fc1",
+        "model.multi_modal_projector.linear",
+    ]
+    converted = [
+        "model.language_model.layers.0.mlp.up_proj",
+        "model.layers.1.self_attn.q_proj",
+        "model.visual_proj",
+        "model.layers.0.lm_head_gate",
+    ]
     assert not any(should_convert_module(name, patterns) for name in kept)
     assert all(should_convert_module(name, patterns) for name in converted)
 
@@ -173,8 +202,9 @@ def test_tied_lm_head_is_never_quantised():
 # --- accelerate placement: offloaded weights count where they live ----------------------------
 def test_disk_offloaded_weights_are_reported_on_disk_and_output_unchanged(load_tiny, tiny_dir, tmp_path):
     reference = load_tiny("qwen3")
-    lm = load_model(str(tiny_dir("qwen3")), device_map={"model": "cpu", "lm_head": "disk"},
-                    offload_folder=str(tmp_path / "offload"))
+    lm = load_model(
+        str(tiny_dir("qwen3")), device_map={"model": "cpu", "lm_head": "disk"}, offload_folder=str(tmp_path / "offload")
+    )
     head = reference.model.lm_head.weight
     assert lm.placement["disk"] == {"float32": head.numel() * 4}
     assert "meta" not in lm.placement
@@ -201,8 +231,11 @@ def test_kv_arithmetic_equals_the_real_cache(load_tiny):
 def test_kv_arithmetic_reads_the_text_config_of_multimodal_models():
     from transformers import Qwen2VLConfig
 
-    config = Qwen2VLConfig(text_config=dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                                            num_key_value_heads=2, vocab_size=1000))
+    config = Qwen2VLConfig(
+        text_config=dict(
+            hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=1000
+        )
+    )
     # Qwen2-VL-2B: 28 layers x 2 kv heads x 128 dims x (k, v) x 2 bytes = 28 KiB per token in bfloat16
     assert kv_bytes(config, 1000, torch.bfloat16) == 28 * 2 * 128 * 2 * 2 * 1000
 
@@ -271,8 +304,11 @@ def test_auto_leaves_tiny_models_unquantised_on_cpu(load_tiny):
         (["quant=nf4", "quant.compute_dtype=int3"], "unknown quant.compute_dtype 'int3'"),
         (["quant=nf4", "quant.skip_modules=[lm head]"], "not a module name"),
         (["quant=int8wo", "quant.quant_type=nf4"], "int8wo and nf4 are two different schemes"),
-        pytest.param(["quant=int4wo"], "quant=int4wo needs a CUDA GPU", marks=pytest.mark.skipif(
-            torch.cuda.is_available(), reason="int4wo is refused where there is no GPU")),
+        pytest.param(
+            ["quant=int4wo"],
+            "quant=int4wo needs a CUDA GPU",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="int4wo is refused where there is no GPU"),
+        ),
     ],
 )
 def test_bad_quant_settings_are_one_line_errors(overrides, message):
@@ -289,8 +325,7 @@ def test_a_quant_setting_of_the_wrong_type_is_refused_while_composing():
 
     with pytest.raises(ConfigCompositionException) as err:
         compose_quant("quant=int8", "quant.threshold=high")
-    assert one_line(err.value) == ("quant.threshold=high: Value 'high' of type 'str' could not be converted to "
-                                   "Float")
+    assert one_line(err.value) == ("quant.threshold=high: Value 'high' of type 'str' could not be converted to Float")
 
 
 @pytest.mark.parametrize(
@@ -317,8 +352,14 @@ def test_bad_placement_settings_fail_before_loading(tiny_dir, tmp_path, kwargs, 
 # --- end to end: one sweep compares schemes; bad input exits 2 with one line --------------------
 @pytest.mark.slow
 def test_cli_sweep_reports_each_scheme_in_its_result(tiny_dir, tmp_path):
-    proc = run_cli("-m", "quant=nf4,int8", f"model.path={tiny_dir('qwen3')}", "max_new_tokens=3",
-                   "metrics_table=false", f"hydra.sweep.dir={tmp_path}")
+    proc = run_cli(
+        "-m",
+        "quant=nf4,int8",
+        f"model.path={tiny_dir('qwen3')}",
+        "max_new_tokens=3",
+        "metrics_table=false",
+        f"hydra.sweep.dir={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     for job, scheme in (("0", "nf4"), ("1", "int8")):
         result = json.loads((tmp_path / job / "result.json").read_text())
@@ -332,8 +373,7 @@ def test_cli_sweep_reports_each_scheme_in_its_result(tiny_dir, tmp_path):
 
 @pytest.mark.slow  # suite time; in-process: test_quant's contradicting-settings cases
 def test_cli_int8_with_fp4_exits_2_with_one_line(tiny_dir, tmp_path):
-    proc = run_cli(f"model.path={tiny_dir('qwen3')}", "quant=int8", "quant.quant_type=fp4",
-                   f"hydra.run.dir={tmp_path}")
+    proc = run_cli(f"model.path={tiny_dir('qwen3')}", "quant=int8", "quant.quant_type=fp4", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: quant=int8 with quant.quant_type=fp4")
     assert "Traceback" not in proc.stderr and proc.stdout == ""

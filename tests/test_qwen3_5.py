@@ -7,6 +7,7 @@ Oracle: the model's own processor (or tokenizer) and chat template on the same m
 ``generate(do_sample=False)``. The cache-level operations on recurrent states (rollback,
 snapshots, forks, checkpoints) are ``tests/test_recurrent.py``'s.
 """
+
 from __future__ import annotations
 
 import base64
@@ -43,8 +44,12 @@ def text(load_tiny):
 
 
 def pipe_for(lm, chunk: int | None = None, **engine) -> Pipeline:
-    stages = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(chunk_size=chunk),
-              "decode": DecodeLoop()}
+    stages = {
+        "tokenize": Tokenize(),
+        "vision_encoder": VisionEncoder(),
+        "prefill": Prefill(chunk_size=chunk),
+        "decode": DecodeLoop(),
+    }
     if not lm.family.media:
         del stages["vision_encoder"]
     return Pipeline(lm, stages, **engine)
@@ -52,8 +57,9 @@ def pipe_for(lm, chunk: int | None = None, **engine) -> Pipeline:
 
 def text_oracle(lm, messages: list[dict], n: int = N) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy tokens) of the text-only model: its tokenizer's template, then generate."""
-    ids = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                           return_dict=True)["input_ids"]
+    ids = lm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     return ids[0].tolist(), generate_oracle(lm, ids, n, ignore_eos=True)
 
 
@@ -83,7 +89,8 @@ def test_matches_generate(vl, images):
     prompt_ids, tokens = oracle(vl, images)
     assert (result.prompt_ids, result.token_ids) == (prompt_ids, tokens)
     assert result.metrics["image_tokens" if images else "prompt_tokens"] == (
-        prompt_ids.count(vl.config.image_token_id) if images else len(prompt_ids))
+        prompt_ids.count(vl.config.image_token_id) if images else len(prompt_ids)
+    )
 
 
 def test_text_only_model_matches_generate(text):
@@ -138,15 +145,18 @@ def test_batched_requests_each_get_their_generate_answer(vl, text):
     """Staggered arrivals packed into shared steps, prefilled in chunks of 16: each answer is
     the one generate() gives the request alone, images or not, on both models."""
     prompts = [[A], [B, C], [], [C], [A, B]]
-    requests = [Request(prompt=f"{PROMPT} {i}", images=imgs, max_new_tokens=N, ignore_eos=True)
-                for i, imgs in enumerate(prompts)]
+    requests = [
+        Request(prompt=f"{PROMPT} {i}", images=imgs, max_new_tokens=N, ignore_eos=True)
+        for i, imgs in enumerate(prompts)
+    ]
     batched = submit_staggered(pipe_for(vl, chunk=16, max_seqs=5), requests)
     assert [r.token_ids for r in batched] == [solo_oracle(vl, r) for r in requests]
     words = ["Hi.", "Tell me about the sea and the sky, please.", "Count to five.", "Why is the sky blue today?"]
     requests = [Request(prompt=w, max_new_tokens=N + i, ignore_eos=True) for i, w in enumerate(words)]
     batched = submit_staggered(pipe_for(text, chunk=8, max_seqs=4), requests)
-    assert [r.token_ids for r in batched] == [text_oracle(text, [{"role": "user", "content": r.prompt}], r.max_new_tokens)[1]
-                                              for r in requests]
+    assert [r.token_ids for r in batched] == [
+        text_oracle(text, [{"role": "user", "content": r.prompt}], r.max_new_tokens)[1] for r in requests
+    ]
 
 
 # --------------------------------------------------------------------------- chat
@@ -223,7 +233,10 @@ def test_nf4_keeps_the_tower_and_the_deltanet_gates_unquantised_and_matches_gene
 def test_nf4_text_only_model_matches_generate(load_tiny):
     lm = load_tiny(TEXT, quant="nf4")
     assert lm.quant == "nf4" and {n.rsplit(".", 1)[-1] for n, _ in linears(lm.model, torch.nn.Linear)} == {
-        "in_proj_a", "in_proj_b", "lm_head"}
+        "in_proj_a",
+        "in_proj_b",
+        "lm_head",
+    }
     result = pipe_for(lm, chunk=8).run(Request(prompt=PROMPT, max_new_tokens=N, ignore_eos=True))
     assert (result.prompt_ids, result.token_ids) == text_oracle(lm, [{"role": "user", "content": PROMPT}])
 
@@ -253,8 +266,9 @@ def shapes_oracle(vl):
 
 
 @pytest.mark.slow  # the CLI path; both behaviours are checked in-process (test_recurrent)
-def test_cli_image_matches_generate_and_a_recurrent_draft_model_is_refused(tiny_dir, vl, shapes_oracle, tmp_path,
-                                                                             monkeypatch):
+def test_cli_image_matches_generate_and_a_recurrent_draft_model_is_refused(
+    tiny_dir, vl, shapes_oracle, tmp_path, monkeypatch
+):
     args = [f"model.path={tiny_dir(VL)}", f"input={SHAPES}", f"max_new_tokens={N}", "ignore_eos=true"]
     proc = run_cli(*args, f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -281,11 +295,20 @@ def test_ngram_speculative_run_mode_matches_generate(tiny_dir, vl, tmp_path, mon
     from test_batch import compose_cfg
 
     monkeypatch.setattr(run, "run_dir", lambda: tmp_path)
-    run.main(compose_cfg(f"model.path={tiny_dir(VL)}", f"input={SHAPES}", "max_new_tokens=24", "ignore_eos=true",
-                         "decode.speculative=ngram", "stream=false"))
+    run.main(
+        compose_cfg(
+            f"model.path={tiny_dir(VL)}",
+            f"input={SHAPES}",
+            "max_new_tokens=24",
+            "ignore_eos=true",
+            "decode.speculative=ngram",
+            "stream=false",
+        )
+    )
     result = json.loads((tmp_path / "result.json").read_text())
-    assert (result["prompt_ids"], result["token_ids"]) == oracle(vl, [load_image(SHAPES)], text="Describe this image.",
-                                                                 n=24)
+    assert (result["prompt_ids"], result["token_ids"]) == oracle(
+        vl, [load_image(SHAPES)], text="Describe this image.", n=24
+    )
     assert result["metrics"]["spec_drafted"] > 0
 
 
@@ -303,14 +326,28 @@ def test_served_and_batched_image_answers_equal_generate(tiny_dir, vl, shapes_or
     content = [{"type": "image_url", "image_url": {"url": png}}, {"type": "text", "text": "Describe this image."}]
     with serving(tmp_path, f"model.path={tiny_dir(VL)}") as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        got = client.chat.completions.create(model=str(tiny_dir(VL)), messages=[{"role": "user", "content": content}],
-                                             max_tokens=N, extra_body={"ignore_eos": True})
+        got = client.chat.completions.create(
+            model=str(tiny_dir(VL)),
+            messages=[{"role": "user", "content": content}],
+            max_tokens=N,
+            extra_body={"ignore_eos": True},
+        )
     assert got.choices[0].message.content == vl.tokenizer.decode(tokens, skip_special_tokens=True)
     assert got.usage.prompt_tokens == len(prompt_ids) and got.usage.completion_tokens == N
 
     items = tmp_path / "items.jsonl"
-    items.write_text(json.dumps({"id": "a", "prompt": "Describe this image.", "images": [str(SHAPES)],
-                                 "max_new_tokens": N, "ignore_eos": True}) + "\n")
+    items.write_text(
+        json.dumps(
+            {
+                "id": "a",
+                "prompt": "Describe this image.",
+                "images": [str(SHAPES)],
+                "max_new_tokens": N,
+                "ignore_eos": True,
+            }
+        )
+        + "\n"
+    )
     out = tmp_path / "batch"
     out.mkdir()
     monkeypatch.setattr(processes, "run_dir", lambda: out)
@@ -324,8 +361,16 @@ def test_bench_runs_with_the_hf_baseline(tiny_dir, tmp_path, monkeypatch, capsys
     from test_bench import make_cfg
 
     monkeypatch.chdir(tmp_path)
-    bench.main(make_cfg(f"model.path={tiny_dir(VL)}", "bench.prompt_lengths=[4,20]", "bench.gen_lengths=[3]",
-                        "bench.repetitions=1", "bench.warmup=0", "bench.baseline=hf"))
+    bench.main(
+        make_cfg(
+            f"model.path={tiny_dir(VL)}",
+            "bench.prompt_lengths=[4,20]",
+            "bench.gen_lengths=[3]",
+            "bench.repetitions=1",
+            "bench.warmup=0",
+            "bench.baseline=hf",
+        )
+    )
     body = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| pp")]
     assert [line.split("|")[1].strip() for line in body] == ["pp4+tg3", "pp20+tg3"]
     data = json.loads((tmp_path / "bench.json").read_text())

@@ -6,6 +6,7 @@ processor, ``get_rope_index``, ``compute_3d_position_ids`` and forward use.
 A context here holds a stand-in cache (``state`` and an empty ``common_prefix``): only the
 tokenize and vision stages run, no paged pool is made.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -58,12 +59,16 @@ def reference(lm, request: Request) -> dict:
     kinds = request.media_order or ["image"] * len(request.images) + ["video"] * len(request.videos)
     content = [{"type": k} for k in kinds] + [{"type": "text", "text": request.prompt}]
     extra = {} if request.thinking is None else {"enable_thinking": request.thinking}
-    prompt = lm.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                              tokenize=False, **extra)
+    prompt = lm.processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False, **extra
+    )
     media = {"images": list(request.images) or None}
     if request.videos:
-        media.update(videos=[v.frames for v in request.videos], video_metadata=[v.metadata() for v in request.videos],
-                     do_sample_frames=False)
+        media.update(
+            videos=[v.frames for v in request.videos],
+            video_metadata=[v.metadata() for v in request.videos],
+            do_sample_frames=False,
+        )
     out = dict(lm.processor(text=[prompt], return_tensors="pt", **media))
     out.pop("attention_mask")
     return out
@@ -77,7 +82,8 @@ def own_forward(lm, ids: torch.Tensor, ref: dict) -> tuple[torch.Tensor, torch.T
     handed its decoder (caught on the way in)."""
     seen: dict = {}
     hook = lm.model.model.language_model.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.update(embeds=kwargs["inputs_embeds"].detach().clone()), with_kwargs=True)
+        lambda module, args, kwargs: seen.update(embeds=kwargs["inputs_embeds"].detach().clone()), with_kwargs=True
+    )
     try:
         with torch.inference_mode():
             logits = lm.model(input_ids=ids, **ref).logits
@@ -89,7 +95,11 @@ def own_forward(lm, ids: torch.Tensor, ref: dict) -> tuple[torch.Tensor, torch.T
 def test_tiny_builders_make_both_layer_kinds(tiny_dir):
     vl, text = (tf.AutoConfig.from_pretrained(tiny_dir(f)) for f in (VL, TEXT))
     assert (vl.model_type, vl.architectures, text.model_type, text.architectures) == (
-        "qwen3_5", ["Qwen3_5ForConditionalGeneration"], "qwen3_5_text", ["Qwen3_5ForCausalLM"])
+        "qwen3_5",
+        ["Qwen3_5ForConditionalGeneration"],
+        "qwen3_5_text",
+        ["Qwen3_5ForCausalLM"],
+    )
     kinds = layer_kinds(vl)
     assert kinds == layer_kinds(text) == ["linear_attention", "full_attention"] * 2
     # the text-only model is the VL model's decoder, setting for setting
@@ -103,8 +113,11 @@ def test_tiny_builders_make_both_layer_kinds(tiny_dir):
 
 def test_tiny_models_hold_both_layer_kinds_and_their_families(load_tiny):
     vl, text = load_tiny(VL), load_tiny(TEXT)
-    assert (vl.family.name, vl.family.auto_class, vl.family.media) == (VL, "Qwen3_5ForConditionalGeneration",
-                                                                      ("image", "video"))
+    assert (vl.family.name, vl.family.auto_class, vl.family.media) == (
+        VL,
+        "Qwen3_5ForConditionalGeneration",
+        ("image", "video"),
+    )
     assert (text.family.name, text.processor, text.family.media) == (TEXT, None, ())
     assert family_for_config(vl.config).name == VL and family_for_config(text.config).name == TEXT
     assert isinstance(vl.model, tf.Qwen3_5ForConditionalGeneration) and isinstance(text.model, tf.Qwen3_5ForCausalLM)
@@ -144,8 +157,9 @@ def test_images_placeholders_embeddings_and_positions_are_the_models(load_tiny, 
     model = lm.model.model
     try:
         with torch.inference_mode():
-            prompt_rows = model.compute_3d_position_ids(ids, ctx.inputs_embeds, image_grid_thw=grid,
-                                                        mm_token_type_ids=ref["mm_token_type_ids"])
+            prompt_rows = model.compute_3d_position_ids(
+                ids, ctx.inputs_embeds, image_grid_thw=grid, mm_token_type_ids=ref["mm_token_type_ids"]
+            )
             past = SimpleNamespace(get_seq_length=lambda: ids.shape[1])
             next_rows = model.compute_3d_position_ids(None, ctx.inputs_embeds[:, :1], past_key_values=past)
     finally:
@@ -175,7 +189,7 @@ def test_video_spans_and_positions_are_the_models(load_tiny, kinds):
     assert torch.equal(ctx.input_ids, ids)
     grid = ref["video_grid_thw"]
     assert grid[0, 0] == 3  # 6 frames, two per temporal patch
-    (start, end), = lm.family.video_spans(ctx)
+    ((start, end),) = lm.family.video_spans(ctx)
     pads = ids[0, start:end] == lm.config.video_token_id
     assert int(pads.sum()) == int(grid.prod()) // 4 == ctx.metrics.counters["video_tokens"]
     runs = int((pads[1:] & ~pads[:-1]).sum()) + 1
@@ -196,8 +210,10 @@ def test_video_spans_and_positions_are_the_models(load_tiny, kinds):
 def test_the_template_thinks_only_when_asked(load_tiny):
     """The published Qwen3.5-0.8B template: an empty think block unless thinking=true."""
     lm = load_tiny(VL)
-    text = {t: context(lm, Request(prompt="Why?", thinking=t), vision=False).extras["prompt_text"]
-            for t in (None, False, True)}
+    text = {
+        t: context(lm, Request(prompt="Why?", thinking=t), vision=False).extras["prompt_text"]
+        for t in (None, False, True)
+    }
     head = "<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n"
     assert text[None] == text[False] == head + "<think>\n\n</think>\n\n"
     assert text[True] == head + "<think>\n"
@@ -209,8 +225,9 @@ def test_the_template_thinks_only_when_asked(load_tiny):
 def test_text_only_model_generates_from_the_familys_inputs(load_tiny):
     lm = load_tiny(TEXT)
     ctx = context(lm, Request(prompt=PROMPT))
-    ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)["input_ids"]
+    ids = lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     assert torch.equal(ctx.input_ids, ids)
     assert ctx.extras["prompt_text"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     positions = lm.family.prompt_positions(ctx, 0)

@@ -1,5 +1,6 @@
 """Qwen3-VL: images (and their deepstack features) through the paged engine answer exactly like
 ``generate()``: alone, chunked, batched with other requests, after a cache hit, and in nf4."""
+
 from __future__ import annotations
 
 import bitsandbytes as bnb
@@ -37,8 +38,12 @@ def test_deepstack_features_reach_the_decoder(load_tiny, monkeypatch):
 
 def test_chunked_prefill_and_a_cached_image_match_generate(load_tiny):
     lm = load_tiny(FAMILY)
-    stages = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(chunk_size=8),
-              "decode": DecodeLoop()}
+    stages = {
+        "tokenize": Tokenize(),
+        "vision_encoder": VisionEncoder(),
+        "prefill": Prefill(chunk_size=8),
+        "decode": DecodeLoop(),
+    }
     pipe = Pipeline(lm, stages)
     expected = oracle(lm, [C, A])[1]
     first = ask(pipe, [C, A])
@@ -51,10 +56,18 @@ def test_chunked_prefill_and_a_cached_image_match_generate(load_tiny):
 def test_batched_requests_each_get_their_solo_answer(load_tiny):
     """Several prompts' deepstack rows packed into one forward, in packed token order."""
     lm = load_tiny(FAMILY)
-    requests = [Request(prompt=f"{PROMPT} {i}", images=imgs, max_new_tokens=N, ignore_eos=True)
-                for i, imgs in enumerate([[A], [B, C], [], [C], [A, B]])]
-    batched = submit_staggered(Pipeline(lm, {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(),
-                                             "prefill": Prefill(), "decode": DecodeLoop()}, max_seqs=5), requests)
+    requests = [
+        Request(prompt=f"{PROMPT} {i}", images=imgs, max_new_tokens=N, ignore_eos=True)
+        for i, imgs in enumerate([[A], [B, C], [], [C], [A, B]])
+    ]
+    batched = submit_staggered(
+        Pipeline(
+            lm,
+            {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(), "decode": DecodeLoop()},
+            max_seqs=5,
+        ),
+        requests,
+    )
     for request, result in zip(requests, batched):
         assert result.token_ids == oracle(lm, request.images, text=request.prompt)[1]
 
@@ -67,8 +80,15 @@ def test_nf4_keeps_the_tower_and_deepstack_mergers_unquantised_and_matches_gener
     assert plain and all(n.startswith("model.visual.") or n == "lm_head" for n in plain)
     assert four_bit and all(n.startswith("model.language_model.") for n in four_bit)
     content = [{"type": "image", "image": A}, {"type": "text", "text": PROMPT}]
-    inputs = dict(lm.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=True, return_tensors="pt"))
+    inputs = dict(
+        lm.processor.apply_chat_template(
+            [{"role": "user", "content": content}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+        )
+    )
     ids = inputs.pop("input_ids")
     inputs.pop("attention_mask")
     assert ask(make_pipe(lm), [A]).token_ids == generate_oracle(lm, ids, N, ignore_eos=True, **inputs)
@@ -83,8 +103,14 @@ def test_video_matches_generate(load_tiny, tmp_path, kinds):
     lm = load_tiny(FAMILY)
     clip = write_clip(tmp_path / "clip.mp4", drawn(16), 8, "mpeg4")
     images = [A] if "image" in kinds else []
-    request = Request(prompt=PROMPT, images=images, videos=[load_video(clip, fps=4)], media_order=kinds,
-                      max_new_tokens=N, ignore_eos=True)
+    request = Request(
+        prompt=PROMPT,
+        images=images,
+        videos=[load_video(clip, fps=4)],
+        media_order=kinds,
+        max_new_tokens=N,
+        ignore_eos=True,
+    )
     result = make_pipe(lm).run(request)
     prompt_ids, tokens = video_oracle(lm, kinds, images, [clip], fps=4, text=PROMPT, n=N)
     assert (result.prompt_ids, result.token_ids) == (prompt_ids, tokens)

@@ -4,6 +4,7 @@ The oracle is recomputation: whatever a cache went through (reuse, rollback, sna
 fork, other requests' prefix-cache entries), the next answer equals ``generate()`` on the full
 ids, and what was recomputed is counted in ``prefill_tokens``.
 """
+
 from __future__ import annotations
 
 import gc
@@ -22,8 +23,13 @@ EVERY = 8  # checkpoint every 8 tokens: a few per prompt
 
 
 def make_pipe(lm, every: int = EVERY, memory: int = 4 << 20, chunk: int | None = None) -> Pipeline:
-    return Pipeline(lm, {"prefill": Prefill(chunk_size=chunk), "decode": DecodeLoop()}, kv_memory=memory,
-                    kv_block_size=BLOCK, kv_state_checkpoint_every=every)
+    return Pipeline(
+        lm,
+        {"prefill": Prefill(chunk_size=chunk), "decode": DecodeLoop()},
+        kv_memory=memory,
+        kv_block_size=BLOCK,
+        kv_state_checkpoint_every=every,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +45,10 @@ def no_prefix_cache(lm):
 
 def oracle(lm, ids: list[int], n: int = N) -> list[int]:
     with torch.no_grad():
-        out = lm.model.generate(torch.tensor([ids], device=lm.device), max_new_tokens=n, min_new_tokens=n,
-                                do_sample=False)
-    return out[0, len(ids):].tolist()
+        out = lm.model.generate(
+            torch.tensor([ids], device=lm.device), max_new_tokens=n, min_new_tokens=n, do_sample=False
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def run_ids(pipe: Pipeline, ids: list[int], cache: KVCache | None = None, n: int = N):
@@ -95,7 +102,11 @@ def test_random_cache_operations_equal_recomputing(lm):
                 snaps.append((cache, cache.snapshot()))
             elif op == "restore" and snaps:
                 owner, snap = rng.choice(snaps)
-                if any(c is owner for c in caches) and tuple(owner.keys[: snap.length]) == snap.keys and owner.length >= snap.length:
+                if (
+                    any(c is owner for c in caches)
+                    and tuple(owner.keys[: snap.length]) == snap.keys
+                    and owner.length >= snap.length
+                ):
                     owner.restore(snap)
                     assert owner.length <= snap.length
                 owner = None
@@ -158,10 +169,17 @@ def test_snapshot_branches_equal_fresh_runs(lm):
 def test_run_shared_prefix_computes_the_prefix_once(lm):
     from pipeline.prefix import run_shared_prefix
 
-    pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()},
-                    kv_memory=4 << 20, kv_block_size=BLOCK, kv_state_checkpoint_every=1024)
+    pipe = Pipeline(
+        lm,
+        {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()},
+        kv_memory=4 << 20,
+        kv_block_size=BLOCK,
+        kv_state_checkpoint_every=1024,
+    )
     system = "You answer in one word. " * 3
-    requests = [Request(prompt=q, system_prompt=system, max_new_tokens=N, ignore_eos=True) for q in ("Red?", "Blue sky?", "Go")]
+    requests = [
+        Request(prompt=q, system_prompt=system, max_new_tokens=N, ignore_eos=True) for q in ("Red?", "Blue sky?", "Go")
+    ]
     results = run_shared_prefix(pipe, requests)
     reused = [r.metrics["kv_reused_tokens"] for r in results]
     assert reused[0] == 0 and reused[1] > 10 and reused[1] == reused[2]
@@ -218,12 +236,16 @@ def test_kv_cache_bytes_count_the_states(lm):
     assert metrics["kv_cache_bytes"] == cache.nbytes == blocks + len(slots) * pipe.pool.states.slot_bytes
     text = lm.config.get_text_config()
     linear = text.layer_types.count("linear_attention")
-    conv = (2 * text.linear_num_key_heads * text.linear_key_head_dim
-            + text.linear_num_value_heads * text.linear_value_head_dim) * (text.linear_conv_kernel_dim - 1)
+    conv = (
+        2 * text.linear_num_key_heads * text.linear_key_head_dim
+        + text.linear_num_value_heads * text.linear_value_head_dim
+    ) * (text.linear_conv_kernel_dim - 1)
     matrix = text.linear_num_value_heads * text.linear_key_head_dim * text.linear_value_head_dim
     assert pipe.pool.states.slot_bytes == linear * (conv * lm.model.dtype.itemsize + matrix * 4)
     full = text.layer_types.count("full_attention")
-    assert pipe.pool.block_bytes == 2 * full * text.num_key_value_heads * text.head_dim * BLOCK * lm.model.dtype.itemsize
+    assert (
+        pipe.pool.block_bytes == 2 * full * text.num_key_value_heads * text.head_dim * BLOCK * lm.model.dtype.itemsize
+    )
 
 
 def test_pool_size_counts_the_states(lm):
@@ -243,8 +265,14 @@ def test_out_of_slots_preempts_and_answers_stay_exact(lm):
     """A pool with state slots for few sequences: the engine preempts, then recomputes."""
     pipe = make_pipe(lm)
     slots = pipe.pool.states.slot_bytes
-    tight = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=24 * slots + (64 << 10),
-                     kv_block_size=BLOCK, kv_state_checkpoint_every=EVERY, max_seqs=4)
+    tight = Pipeline(
+        lm,
+        {"prefill": Prefill(), "decode": DecodeLoop()},
+        kv_memory=24 * slots + (64 << 10),
+        kv_block_size=BLOCK,
+        kv_state_checkpoint_every=EVERY,
+        max_seqs=4,
+    )
     rng = random.Random(9)
     prompts = [words(rng, lm, 12) for _ in range(6)]
     handles = [tight.submit(Request(max_new_tokens=N, ignore_eos=True), ids=p) for p in prompts]
@@ -264,8 +292,13 @@ def test_speculative_decoding_verifies_from_a_state_per_draft(lm):
     ids = words(rng, lm, 13)
     want = oracle(lm, ids, 48)  # long enough for a random model's answer to come back to its own tokens
     for method in (Knowing(want, len(ids)), Speculative("ngram", num_draft=4)):
-        spec = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(speculative=method)},
-                        kv_memory=4 << 20, kv_block_size=BLOCK, kv_state_checkpoint_every=EVERY)
+        spec = Pipeline(
+            lm,
+            {"prefill": Prefill(), "decode": DecodeLoop(speculative=method)},
+            kv_memory=4 << 20,
+            kv_block_size=BLOCK,
+            kv_state_checkpoint_every=EVERY,
+        )
         cache = spec.new_cache()
         ctx = spec.run_ids(ids, Request(max_new_tokens=48, ignore_eos=True), cache)
         m = ctx.metrics.to_dict()
@@ -275,8 +308,13 @@ def test_speculative_decoding_verifies_from_a_state_per_draft(lm):
         assert spec.run_ids(more, Request(max_new_tokens=8, ignore_eos=True), cache).generated == oracle(lm, more, 8)
     assert m["spec_drafted"] > 0  # (n-gram: drafts only where the answer repeats itself)
     knowing = Knowing(want, len(ids))
-    spec = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(speculative=knowing)},
-                    kv_memory=4 << 20, kv_block_size=BLOCK, kv_state_checkpoint_every=EVERY)
+    spec = Pipeline(
+        lm,
+        {"prefill": Prefill(), "decode": DecodeLoop(speculative=knowing)},
+        kv_memory=4 << 20,
+        kv_block_size=BLOCK,
+        kv_state_checkpoint_every=EVERY,
+    )
     m = spec.run_ids(ids, Request(max_new_tokens=48, ignore_eos=True)).metrics.to_dict()
     assert m["spec_accepted"] == m["spec_drafted"] * 3 // 4 and m["spec_tokens_per_step"] > 3
 
@@ -293,8 +331,13 @@ def test_a_chat_turn_reuses_the_previous_prompt_up_to_its_reply_header(lm):
     block boundary would serve), and the turn equals ``generate()``."""
     from pipeline.chat import ChatSession
 
-    pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()},
-                    kv_memory=4 << 20, kv_block_size=32, kv_state_checkpoint_every=1024)
+    pipe = Pipeline(
+        lm,
+        {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()},
+        kv_memory=4 << 20,
+        kv_block_size=32,
+        kv_state_checkpoint_every=1024,
+    )
     chat = ChatSession(pipe, max_new_tokens=N, ignore_eos=True)
     first = chat.send("Hello there.")
     header = max(i for i, t in enumerate(first.prompt_ids) if t == lm.tokenizer.convert_tokens_to_ids("<|im_start|>"))

@@ -3,6 +3,7 @@ miniature model: every answer it times must equal ``generate()`` or it exits non
 figures are written. Timings are never asserted; only what the engine must do whatever the speed:
 a rollback with checkpoints recomputes less than one without, and with checkpoints "off" a request
 branching from an earlier one inside its prompt reuses nothing."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,19 @@ from conftest import ROOT
 @pytest.mark.slow
 def test_quick_run_keeps_generate_tokens(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "recurrent.py"), "--quick", "--cache-dir", str(tmp_path),
-         "--json", str(tmp_path / "recurrent.json")],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "recurrent.py"),
+            "--quick",
+            "--cache-dir",
+            str(tmp_path),
+            "--json",
+            str(tmp_path / "recurrent.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| off |" in out.stdout and "tokens = generate()" in out.stdout

@@ -1,5 +1,6 @@
 """The model runner's eager decode paths: the same tokens whichever way the keys are read, and
 hooks on the decoder always honoured."""
+
 from __future__ import annotations
 
 import sys

@@ -1,4 +1,5 @@
 """Sampler: same kept sets as transformers' processors, greedy = argmax, seeded and on-device draws."""
+
 from __future__ import annotations
 
 import math
@@ -195,8 +196,11 @@ def test_same_seed_same_tokens():
 def test_one_generator_per_device_however_it_is_named():
     """``uniform("cpu")`` and ``uniform(torch.device("cpu"))`` (on a GPU: ``cuda`` and ``cuda:0``)
     draw from one seeded stream: two generators would replay the same numbers."""
-    names = ["cuda", torch.device("cuda", torch.cuda.current_device())] if torch.cuda.is_available() \
+    names = (
+        ["cuda", torch.device("cuda", torch.cuda.current_device())]
+        if torch.cuda.is_available()
         else ["cpu", torch.device("cpu")]
+    )
     mixed = Sampler(temperature=1.0, seed=7)
     one = Sampler(temperature=1.0, seed=7)
     assert [mixed.uniform(names[0]), mixed.uniform(names[1])] == [one.uniform(names[1]), one.uniform(names[1])]
@@ -329,8 +333,10 @@ def test_rows_chosen_together_get_the_tokens_each_gets_alone(ties):
 
 def test_a_seeded_row_draws_the_same_in_any_batch():
     x = _logits((6, 300), 8)
-    alone = [int(Sampler.choose_rows([Sampler(temperature=1.0, top_p=0.95, seed=5)], x[i : i + 1], list)[0])
-             for i in range(6)]
+    alone = [
+        int(Sampler.choose_rows([Sampler(temperature=1.0, top_p=0.95, seed=5)], x[i : i + 1], list)[0])
+        for i in range(6)
+    ]
     batch = Sampler.choose_rows([Sampler(temperature=1.0, top_p=0.95, seed=5) for _ in range(6)], x, list)
     assert batch.tolist() == alone
 
@@ -372,25 +378,37 @@ def test_logit_bias_moves_the_named_tokens():
         Sampler(logit_bias={40: 1.0})(x)
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(presence_penalty=2.5), "presence_penalty"), (dict(frequency_penalty=-3), "frequency_penalty"),
-    (dict(logit_bias={"x": 1}), "logit_bias keys"), (dict(logit_bias={1: 101}), r"logit_bias\[1\]"),
-    (dict(logit_bias={-1: 1}), "logit_bias keys")])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-3), "frequency_penalty"),
+        (dict(logit_bias={"x": 1}), "logit_bias keys"),
+        (dict(logit_bias={1: 101}), r"logit_bias\[1\]"),
+        (dict(logit_bias={-1: 1}), "logit_bias keys"),
+    ],
+)
 def test_bad_penalties_and_biases_raise(kwargs, name):
     with pytest.raises(ValueError, match=name):
         Sampler(**kwargs)
 
 
 def test_penalties_and_biases_chosen_together_equal_row_by_row():
-    settings = [dict(temperature=0.8, presence_penalty=0.6, frequency_penalty=0.4, logit_bias={3: 2.0}),
-                dict(temperature=0.0, frequency_penalty=1.2), dict(temperature=1.1, top_k=7),
-                dict(temperature=0.0, logit_bias={11: 50.0}), dict(temperature=0.9, repetition_penalty=1.3,
-                                                                     presence_penalty=-0.5)] * 2
+    settings = [
+        dict(temperature=0.8, presence_penalty=0.6, frequency_penalty=0.4, logit_bias={3: 2.0}),
+        dict(temperature=0.0, frequency_penalty=1.2),
+        dict(temperature=1.1, top_k=7),
+        dict(temperature=0.0, logit_bias={11: 50.0}),
+        dict(temperature=0.9, repetition_penalty=1.3, presence_penalty=-0.5),
+    ] * 2
     x = _logits((len(settings), 300), 11)
     histories = [_prev_ids(1, 300, i, length=9)[0].tolist() for i in range(len(settings))]
     outputs = [h[4:] for h in histories]
-    together = Sampler.choose_rows([Sampler(**s, seed=i) for i, s in enumerate(settings)], x,
-                                   lambda i: histories[i], lambda i: outputs[i]).tolist()
-    alone = [int(Sampler(**s, seed=i)(x[i : i + 1], torch.tensor([histories[i]]), torch.tensor([outputs[i]])))
-             for i, s in enumerate(settings)]
+    together = Sampler.choose_rows(
+        [Sampler(**s, seed=i) for i, s in enumerate(settings)], x, lambda i: histories[i], lambda i: outputs[i]
+    ).tolist()
+    alone = [
+        int(Sampler(**s, seed=i)(x[i : i + 1], torch.tensor([histories[i]]), torch.tensor([outputs[i]])))
+        for i, s in enumerate(settings)
+    ]
     assert together == alone

@@ -7,6 +7,7 @@ first, every request finishes on a tiny pool, and one that can never fit fails a
 message saying what to raise. No torch, no model: a step here is "the forward wrote the fed
 tokens, and a token was generated where the chunk reached the known tokens".
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -159,8 +160,15 @@ class ChunkPlanner:
         return todo if self.limit is None else min(todo, self.limit)
 
 
-def make_seq(pool: FakePool, prompt: list, max_new: int = 3, chunk: int | None = None,
-             spans: list[tuple[int, int]] = (), prepared: bool = True, name: str = "") -> Sequence:
+def make_seq(
+    pool: FakePool,
+    prompt: list,
+    max_new: int = 3,
+    chunk: int | None = None,
+    spans: list[tuple[int, int]] = (),
+    prepared: bool = True,
+    name: str = "",
+) -> Sequence:
     ctx = SimpleNamespace(cache=FakeCache(pool), metrics=FakeMetrics(), name=name)
     seq = Sequence(ctx=ctx, phases=Phases(prefill=ChunkPlanner(chunk)))
     seq.ids, seq.keys, seq.prompt_len = list(prompt), list(prompt), len(prompt)
@@ -413,8 +421,16 @@ def test_out_of_blocks_preempts_the_latest_admitted_which_recomputes_first():
 def test_every_request_finishes_on_a_tiny_pool():
     pool = FakePool(10, block_size=4)  # 40 tokens for 12 requests that need up to 24 each
     sched = Scheduler(pool, max_seqs=4, max_batch_tokens=16)
-    seqs = [make_seq(pool, prompt_of(3 + (5 * i) % 12, 1000 * i), max_new=4 + (3 * i) % 9,
-                     chunk=6 if i % 2 else None, name=f"r{i}") for i in range(12)]
+    seqs = [
+        make_seq(
+            pool,
+            prompt_of(3 + (5 * i) % 12, 1000 * i),
+            max_new=4 + (3 * i) % 9,
+            chunk=6 if i % 2 else None,
+            name=f"r{i}",
+        )
+        for i in range(12)
+    ]
     for s in seqs:
         sched.add(s)
     eng = FakeEngine(sched)

@@ -1,6 +1,7 @@
 """mode=serve through the official ``openai`` client and raw HTTP: answers equal to ``mode=run``
 and to solo runs under 32 concurrent clients, OpenAI-shaped errors that harm nobody in flight,
 API keys, cancellation on disconnect, the prefix cache across turns, metrics, clean shutdown."""
+
 from __future__ import annotations
 
 import base64
@@ -56,7 +57,10 @@ def mp4_bytes(frames: int = 8, fps: int = 4) -> bytes:
 
 
 def image_message(text: str, uri: str) -> dict:
-    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": text}]}
+    return {
+        "role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": text}],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +70,17 @@ def vl(tiny_dir, tmp_path_factory):
     media = tmp / "media"
     media.mkdir()
     Image.new("RGB", (40, 40), (200, 30, 30)).save(media / "red.png")
-    with serving(tmp, f"model.path={tiny_dir('qwen2-vl')}", "model.dtype=float64", "max_new_tokens=12",
-                 f"serve.allowed_media_dir={media}", "serve.max_tokens=100000", "serve.max_body_bytes=2000000",
-                 "kv.memory=64000000", "engine.max_seqs=32") as server:
+    with serving(
+        tmp,
+        f"model.path={tiny_dir('qwen2-vl')}",
+        "model.dtype=float64",
+        "max_new_tokens=12",
+        f"serve.allowed_media_dir={media}",
+        "serve.max_tokens=100000",
+        "serve.max_body_bytes=2000000",
+        "kv.memory=64000000",
+        "engine.max_seqs=32",
+    ) as server:
         server.media = media
         yield server
 
@@ -94,12 +106,20 @@ def streamed(client: OpenAI, messages: list, **kw) -> tuple[str, list]:
 
 # --- answers -----------------------------------------------------------------------------------
 
+
 def test_image_chat_equals_mode_run_streamed_or_not(vl, client, tiny_dir, tmp_path):
     img = tmp_path / "pic.png"
     Image.open(io.BytesIO(base64.b64decode(png_uri(1).split(",", 1)[1]))).save(img)
-    cli = run_cli(f"model.path={tiny_dir('qwen2-vl')}", "model.dtype=float64", f"input={img}",
-                  "prompt=What is in the picture?", "max_new_tokens=12", "ignore_eos=true", "stream=false",
-                  f"hydra.run.dir={tmp_path / 'run'}")
+    cli = run_cli(
+        f"model.path={tiny_dir('qwen2-vl')}",
+        "model.dtype=float64",
+        f"input={img}",
+        "prompt=What is in the picture?",
+        "max_new_tokens=12",
+        "ignore_eos=true",
+        "stream=false",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert cli.returncode == 0, cli.stderr[-2000:]
     expected = json.loads((tmp_path / "run" / "result.json").read_text())
     message = image_message("What is in the picture?", png_uri(1))
@@ -122,16 +142,20 @@ def test_audio_chat_equals_the_pipeline(tiny_dir, load_tiny, tmp_path):
     wav = tmp_path / "tone.wav"
     wav.write_bytes(base64.b64decode(wav_b64()))
     lm = load_tiny("qwen2-audio")
-    pipe = Pipeline(lm, {"tokenize": Tokenize(), "audio_encoder": AudioEncoder(), "prefill": Prefill(),
-                         "decode": DecodeLoop()})
+    pipe = Pipeline(
+        lm, {"tokenize": Tokenize(), "audio_encoder": AudioEncoder(), "prefill": Prefill(), "decode": DecodeLoop()}
+    )
     alone = pipe.run(Request(prompt="What do you hear?", audios=[str(wav)], max_new_tokens=10, ignore_eos=True))
     with serving(tmp_path, f"model.path={tiny_dir('qwen2-audio')}", "model.dtype=float32") as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        content = [{"type": "input_audio", "input_audio": {"data": wav_b64(), "format": "wav"}},
-                   {"type": "text", "text": "What do you hear?"}]
+        content = [
+            {"type": "input_audio", "input_audio": {"data": wav_b64(), "format": "wav"}},
+            {"type": "text", "text": "What do you hear?"},
+        ]
         got = chat(client, [{"role": "user", "content": content}], max_tokens=10, extra_body={"ignore_eos": True})
-        text, _ = streamed(client, [{"role": "user", "content": content}], max_tokens=10,
-                           extra_body={"ignore_eos": True})
+        text, _ = streamed(
+            client, [{"role": "user", "content": content}], max_tokens=10, extra_body={"ignore_eos": True}
+        )
     assert got.choices[0].message.content == text == alone.text
     assert got.usage.prompt_tokens == alone.prompt_tokens
 
@@ -144,14 +168,20 @@ def test_video_url_equals_the_pipeline(vl, client, load_tiny):
     raw = mp4_bytes()
     clip = vl.media / "clip.mp4"
     clip.write_bytes(raw)
-    pipe = Pipeline(load_tiny("qwen2-vl", dtype="float64"), {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(),
-                                                              "prefill": Prefill(), "decode": DecodeLoop()})
+    pipe = Pipeline(
+        load_tiny("qwen2-vl", dtype="float64"),
+        {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(), "decode": DecodeLoop()},
+    )
     alone = pipe.run(Request(prompt="What happens?", videos=[load_video(clip)], max_new_tokens=8, ignore_eos=True))
 
     def ask(url: str):
         part = {"type": "video_url", "video_url": {"url": url}}
-        return chat(client, [{"role": "user", "content": [part, {"type": "text", "text": "What happens?"}]}],
-                    max_tokens=8, extra_body={"ignore_eos": True})
+        return chat(
+            client,
+            [{"role": "user", "content": [part, {"type": "text", "text": "What happens?"}]}],
+            max_tokens=8,
+            extra_body={"ignore_eos": True},
+        )
 
     for url in ("data:video/mp4;base64," + base64.b64encode(raw).decode(), f"file://{clip}"):
         got = ask(url)
@@ -178,8 +208,11 @@ def test_32_concurrent_clients_get_their_solo_answers(client):
     asks[::4] = [[image_message(f"Picture {i}?", png_uri(i))] for i in range(0, 32, 4)]
     solo = [chat(client, m, max_tokens=8 + i % 5).choices[0].message.content for i, m in enumerate(asks)]
     with ThreadPoolExecutor(32) as pool:
-        together = list(pool.map(lambda im: chat(client, im[1], max_tokens=8 + im[0] % 5).choices[0].message.content,
-                                 enumerate(asks)))
+        together = list(
+            pool.map(
+                lambda im: chat(client, im[1], max_tokens=8 + im[0] % 5).choices[0].message.content, enumerate(asks)
+            )
+        )
     assert together == solo
 
 
@@ -187,8 +220,10 @@ def test_second_turn_prefills_only_its_new_tokens(client):
     system = {"role": "system", "content": "You are a patient assistant. " * 8}
     turn1 = [system, {"role": "user", "content": "Name a colour."}]
     first = chat(client, turn1, max_tokens=6)
-    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
-                     {"role": "user", "content": "And another one?"}]
+    turn2 = turn1 + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And another one?"},
+    ]
     second = chat(client, turn2, max_tokens=6).model_extra["metrics"]
     assert second["kv_reused_tokens"] >= first.usage.prompt_tokens // 16 * 16 > 0
     assert second["prefill_tokens"] == second["prompt_tokens"] - second["kv_reused_tokens"]
@@ -202,9 +237,11 @@ def test_text_completions_and_models(vl, client, load_tiny, tiny_dir):
     lm = load_tiny("qwen2-vl", dtype="float64")
     ids = lm.tokenizer("Once upon a time")["input_ids"]
     alone = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}).run_ids(
-        ids, Request(max_new_tokens=9, ignore_eos=True))
-    got = client.completions.create(model=model_id(client), prompt="Once upon a time", max_tokens=9, temperature=0,
-                                    extra_body={"ignore_eos": True})
+        ids, Request(max_new_tokens=9, ignore_eos=True)
+    )
+    got = client.completions.create(
+        model=model_id(client), prompt="Once upon a time", max_tokens=9, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert got.choices[0].text == alone.text and got.usage.prompt_tokens == len(ids)
     models = httpx.get(vl.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == str(tiny_dir("qwen2-vl"))
@@ -212,12 +249,14 @@ def test_text_completions_and_models(vl, client, load_tiny, tiny_dir):
 
 # --- errors --------------------------------------------------------------------------------------
 
+
 def test_bad_requests_get_json_errors_and_harm_nobody(vl, client):
     long_run: dict = {}
 
     def long_stream() -> None:
         long_run["text"], long_run["chunks"] = streamed(
-            client, [{"role": "user", "content": "Go on and on."}], max_tokens=200, extra_body={"ignore_eos": True})
+            client, [{"role": "user", "content": "Go on and on."}], max_tokens=200, extra_body={"ignore_eos": True}
+        )
 
     worker = threading.Thread(target=long_stream)
     worker.start()
@@ -229,14 +268,39 @@ def test_bad_requests_get_json_errors_and_harm_nobody(vl, client):
         (400, "messages", {"json": {"messages": "hi"}}),
         (400, "messages is empty", {"json": {"messages": []}}),
         (400, "not valid base64", {"json": {"messages": [image_message("x", "data:image/png;base64,@@@")]}}),
-        (400, "not an image", {"json": {"messages": [image_message("x", "data:image/png;base64,"
-                                                                    + base64.b64encode(b"hello" * 9).decode())]}}),
+        (
+            400,
+            "not an image",
+            {
+                "json": {
+                    "messages": [image_message("x", "data:image/png;base64," + base64.b64encode(b"hello" * 9).decode())]
+                }
+            },
+        ),
         (400, "outside serve.allowed_media_dir", {"json": {"messages": [image_message("x", "file:///etc/hostname")]}}),
-        (400, "remote media URLs are disabled", {"json": {"messages": [image_message("x", "http://example.com/a.png")]}}),
+        (
+            400,
+            "remote media URLs are disabled",
+            {"json": {"messages": [image_message("x", "http://example.com/a.png")]}},
+        ),
         (400, "exceed the model's context", {"json": {"messages": [user], "max_tokens": 40000}}),
         (400, "serve.max_tokens", {"json": {"messages": [user], "max_tokens": 200000}}),
-        (400, "without an audio encoder", {"json": {"messages": [{"role": "user", "content": [
-            {"type": "input_audio", "input_audio": {"data": wav_b64(0.2), "format": "wav"}}]}]}}),
+        (
+            400,
+            "without an audio encoder",
+            {
+                "json": {
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "input_audio", "input_audio": {"data": wav_b64(0.2), "format": "wav"}}
+                            ],
+                        }
+                    ]
+                }
+            },
+        ),
         (404, "not found", {"json": {"messages": [user], "model": "gpt-4"}}),
         (413, "serve.max_body_bytes", {"json": {"messages": [user], "pad": "x" * 2_100_000}}),
     ]
@@ -251,8 +315,9 @@ def test_bad_requests_get_json_errors_and_harm_nobody(vl, client):
     assert ok.usage.completion_tokens == 3
     worker.join(120)
     assert long_run["chunks"][-1].usage.completion_tokens == 200
-    alone, _ = streamed(client, [{"role": "user", "content": "Go on and on."}], max_tokens=200,
-                        extra_body={"ignore_eos": True})
+    alone, _ = streamed(
+        client, [{"role": "user", "content": "Go on and on."}], max_tokens=200, extra_body={"ignore_eos": True}
+    )
     assert long_run["text"] == alone
 
 
@@ -265,8 +330,12 @@ def test_disconnect_mid_stream_frees_the_blocks(vl):
     import time
 
     before = kv_blocks_used(vl.url)
-    body = {"messages": [{"role": "user", "content": "Talk for a long time."}], "stream": True,
-            "max_tokens": 5000, "ignore_eos": True}
+    body = {
+        "messages": [{"role": "user", "content": "Talk for a long time."}],
+        "stream": True,
+        "max_tokens": 5000,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", vl.url + "/v1/chat/completions", json=body, timeout=60) as response:
         for n, _ in enumerate(response.iter_lines()):
             if n == 10:
@@ -281,8 +350,7 @@ def test_disconnect_while_waiting_for_a_whole_answer_frees_the_blocks(vl):
     import time
 
     before = kv_blocks_used(vl.url)
-    body = {"messages": [{"role": "user", "content": "Talk for a long time."}], "max_tokens": 20000,
-            "ignore_eos": True}
+    body = {"messages": [{"role": "user", "content": "Talk for a long time."}], "max_tokens": 20000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(vl.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=1.5))
     deadline = time.monotonic() + 10
@@ -294,14 +362,23 @@ def test_disconnect_while_waiting_for_a_whole_answer_frees_the_blocks(vl):
 def test_prometheus_metrics(vl, client):
     chat(client, [{"role": "user", "content": "Count."}], max_tokens=4)
     text = httpx.get(vl.url + "/metrics").text
-    for name in ("mm_requests_total{", "mm_prompt_tokens_total", "mm_completion_tokens_total",
-                 "mm_ttft_seconds_bucket", "mm_tpot_seconds_bucket", "mm_running ", "mm_waiting ",
-                 "mm_kv_blocks_used ", "mm_prefix_cache_hits_total"):
+    for name in (
+        "mm_requests_total{",
+        "mm_prompt_tokens_total",
+        "mm_completion_tokens_total",
+        "mm_ttft_seconds_bucket",
+        "mm_tpot_seconds_bucket",
+        "mm_running ",
+        "mm_waiting ",
+        "mm_kv_blocks_used ",
+        "mm_prefix_cache_hits_total",
+    ):
         assert name in text, name
     assert re.search(r'mm_requests_total\{endpoint="chat",status="200"\} [1-9]', text)
 
 
 # --- keys, shutdown, settings ---------------------------------------------------------------------
+
 
 def test_api_key_and_a_clean_drain_on_sigterm(tiny_dir, tmp_path):
     with serving(tmp_path, f"model.path={tiny_dir('qwen3')}", f"serve.api_key={KEY}", "serve.drain_s=60") as server:
@@ -314,14 +391,19 @@ def test_api_key_and_a_clean_drain_on_sigterm(tiny_dir, tmp_path):
         assert httpx.get(server.url + "/health").status_code == 200  # not under /v1: open
         client = OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
         hello = [{"role": "user", "content": "Hello"}]
-        prompt_tokens = {flag: chat(client, hello, max_tokens=2, extra_body={
-            "chat_template_kwargs": {"enable_thinking": flag}}).usage.prompt_tokens for flag in (True, False)}
+        prompt_tokens = {
+            flag: chat(
+                client, hello, max_tokens=2, extra_body={"chat_template_kwargs": {"enable_thinking": flag}}
+            ).usage.prompt_tokens
+            for flag in (True, False)
+        }
         assert prompt_tokens[False] > prompt_tokens[True]  # the template's empty think block, as vLLM passes it
         done: dict = {}
 
         def long_request() -> None:
-            done["r"] = chat(client, [{"role": "user", "content": "Keep going."}], max_tokens=300,
-                             extra_body={"ignore_eos": True})
+            done["r"] = chat(
+                client, [{"role": "user", "content": "Keep going."}], max_tokens=300, extra_body={"ignore_eos": True}
+            )
 
         worker = threading.Thread(target=long_request)
         worker.start()
@@ -347,8 +429,9 @@ def test_busy_port_and_bad_settings_fail_in_one_line(tmp_path):
         busy = run_cli("mode=serve", f"serve.port={port}", f"hydra.run.dir={tmp_path}")
     assert busy.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in busy.stderr
     assert len(busy.stderr.strip().splitlines()) == 1
-    bad = run_cli("mode=serve", f"serve.port={free_port()}", "serve.allowed_media_dir=/no/such/dir",
-                  f"hydra.run.dir={tmp_path}")
+    bad = run_cli(
+        "mode=serve", f"serve.port={free_port()}", "serve.allowed_media_dir=/no/such/dir", f"hydra.run.dir={tmp_path}"
+    )
     assert bad.returncode == 2 and "serve.allowed_media_dir" in bad.stderr
 
 
@@ -359,6 +442,7 @@ def test_openai_client_errors_are_typed(client):
 
 
 # --- the event loop and the device ---------------------------------------------------------------
+
 
 def test_the_event_loop_never_touches_the_device(load_tiny, monkeypatch):
     """In process: requests (chat, text completion, a stream) handled on the event loop's thread
@@ -379,6 +463,7 @@ def test_the_event_loop_never_touches_the_device(load_tiny, monkeypatch):
         def call(*args, **kwargs):
             calls.append((name, threading.get_ident()))
             return result
+
         return call
 
     monkeypatch.setattr(metrics, "_is_cuda", lambda device: True)
@@ -391,8 +476,9 @@ def test_the_event_loop_never_touches_the_device(load_tiny, monkeypatch):
         return submit(self, *args, **kwargs)
 
     monkeypatch.setattr(Pipeline, "submit", submitting)
-    pipe = Pipeline(load_tiny("qwen3"), {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()},
-                    kv_memory=2 << 20)
+    pipe = Pipeline(
+        load_tiny("qwen3"), {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=2 << 20
+    )
     app = create_app(pipe, ServeSettings(model_name="tiny"))
     loop_thread, done, statuses = {}, threading.Event(), []
 
@@ -403,7 +489,8 @@ def test_the_event_loop_never_touches_the_device(load_tiny, monkeypatch):
             replies = await asyncio.gather(
                 *[http.post("/v1/chat/completions", json=chat) for _ in range(3)],
                 http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 5}),
-                http.post("/v1/chat/completions", json={**chat, "stream": True}))
+                http.post("/v1/chat/completions", json={**chat, "stream": True}),
+            )
         statuses.extend(r.status_code for r in replies)
 
     def serve() -> None:

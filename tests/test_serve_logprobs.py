@@ -3,6 +3,7 @@
 ``max_tokens: 0``, prompts as token ids and as lists; vLLM's tokenizer endpoints; the sampling
 fields; unimplemented fields refused. Every value equals a plain transformers forward's
 log-softmax (the oracle) on the same weights."""
+
 from __future__ import annotations
 
 import httpx
@@ -39,11 +40,22 @@ def test_chat_logprobs_streamed_or_not_match_the_oracle(server):
     messages = [{"role": "user", "content": "Name three colours."}]
     ids = tokenize(server, messages=messages, add_generation_prompt=True)
     tokens, rows = greedy(server.lm, ids, 6)
-    kwargs = dict(model="qwen3", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model="qwen3",
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     whole = server.client.chat.completions.create(**kwargs).choices[0].logprobs.content
-    streamed = [item for chunk in server.client.chat.completions.create(**kwargs, stream=True)
-                if chunk.choices and chunk.choices[0].logprobs for item in chunk.choices[0].logprobs.content]
+    streamed = [
+        item
+        for chunk in server.client.chat.completions.create(**kwargs, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for item in chunk.choices[0].logprobs.content
+    ]
     assert len(whole) == 6 and [c.token for c in streamed] == [c.token for c in whole]
     texts = [server.lm.tokenizer.decode([t]) for t in tokens]
     for item, again, token, text, row in zip(whole, streamed, tokens, texts, rows):
@@ -65,14 +77,16 @@ def test_completions_echo_scores_the_prompt_given_as_ids(server):
     lp = choice.logprobs
     assert choice.text == server.lm.tokenizer.decode(ids) and choice.finish_reason == "length"
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(ids)
-    assert lp.token_logprobs[1:] == pytest.approx([float(reference[p - 1, ids[p]]) for p in range(1, len(ids))],
-                                                  abs=1e-4)
+    assert lp.token_logprobs[1:] == pytest.approx(
+        [float(reference[p - 1, ids[p]]) for p in range(1, len(ids))], abs=1e-4
+    )
     assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
     assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
     # lm-eval's loglikelihood request: text prompts in a list, max_tokens 1; one choice per prompt, in order
     texts = ["The sea is blue", "Two plus two is"]
-    both = server.client.completions.create(model="qwen3", prompt=texts, echo=True, logprobs=1, max_tokens=1,
-                                            temperature=0)
+    both = server.client.completions.create(
+        model="qwen3", prompt=texts, echo=True, logprobs=1, max_tokens=1, temperature=0
+    )
     assert [c.index for c in both.choices] == [0, 1]
     for text, c in zip(texts, both.choices):
         assert c.text.startswith(text) and len(c.logprobs.tokens) == len(tokenize(server, prompt=text)) + 1
@@ -83,8 +97,9 @@ def test_completion_logprobs_without_echo_and_the_cache_count(server):
     prompt = "Once upon a time there was a small red fox who lived"
     ids = tokenize(server, prompt=prompt)
     tokens, rows = greedy(server.lm, ids, 4)
-    first = server.client.completions.create(model="qwen3", prompt=prompt, max_tokens=4, logprobs=2, temperature=0,
-                                             extra_body={"ignore_eos": True})
+    first = server.client.completions.create(
+        model="qwen3", prompt=prompt, max_tokens=4, logprobs=2, temperature=0, extra_body={"ignore_eos": True}
+    )
     lp = first.choices[0].logprobs
     assert lp.token_logprobs == pytest.approx([float(r[t]) for r, t in zip(rows, tokens)], abs=1e-4)
     assert [len(top) for top in lp.top_logprobs] == [2] * 4
@@ -101,36 +116,54 @@ def test_tokenizer_endpoints_in_vllms_shapes(server):
     assert back == {"prompt": tokenizer.decode(got["tokens"])}
     info = httpx.get(server.url + "/tokenizer_info").json()
     assert info["eos_token"] == tokenizer.eos_token and info["chat_template"]
-    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10 ** 7]})
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**7]})
     assert bad.status_code == 400 and "outside the vocabulary" in bad.json()["error"]["message"]
 
 
 def test_sampling_fields_reach_the_sampler(server):
     """A +100 logit bias decides every token; penalties are accepted per request."""
     ids = tokenize(server, prompt="x", add_special_tokens=False)
-    biased = server.client.completions.create(model="qwen3", prompt="Say something", max_tokens=3, temperature=0,
-                                              logit_bias={str(ids[0]): 100}, extra_body={"ignore_eos": True})
+    biased = server.client.completions.create(
+        model="qwen3",
+        prompt="Say something",
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(ids[0]): 100},
+        extra_body={"ignore_eos": True},
+    )
     assert biased.choices[0].text == "x" * 3 or biased.choices[0].text == server.lm.tokenizer.decode(ids * 3)
     sampled = server.client.chat.completions.create(
-        model="qwen3", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.8, seed=1,
-        presence_penalty=1.0, frequency_penalty=0.5, extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1})
+        model="qwen3",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0.8,
+        seed=1,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1},
+    )
     assert sampled.choices[0].message.content is not None
 
 
-@pytest.mark.parametrize("body,named", [
-    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-    ({"response_format": {"type": "xml"}}, "response_format.type must be"),
-    ({"tools": [], "frequency_penalty": 0}, "tools"),
-    ({"logit_bias": {"99999999": 5}}, "logit_bias"),
-    ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
-])
+@pytest.mark.parametrize(
+    "body,named",
+    [
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"response_format": {"type": "xml"}}, "response_format.type must be"),
+        ({"tools": [], "frequency_penalty": 0}, "tools"),
+        ({"logit_bias": {"99999999": 5}}, "logit_bias"),
+        ({"top_logprobs": 2}, "top_logprobs needs logprobs"),
+    ],
+)
 def test_bad_or_unimplemented_fields_are_a_400_naming_them(server, body, named):
     with pytest.raises(BadRequestError) as err:
-        server.client.chat.completions.create(model="qwen3", messages=[{"role": "user", "content": "hi"}],
-                                              max_tokens=2, extra_body=body)
+        server.client.chat.completions.create(
+            model="qwen3", messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body=body
+        )
     assert err.value.status_code == 400 and named in err.value.message
-    ok = server.client.chat.completions.create(model="qwen3", messages=[{"role": "user", "content": "hi"}],
-                                               max_tokens=2, user="someone", metadata={"a": "b"})
+    ok = server.client.chat.completions.create(
+        model="qwen3", messages=[{"role": "user", "content": "hi"}], max_tokens=2, user="someone", metadata={"a": "b"}
+    )
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 

@@ -8,6 +8,7 @@ default (trained on pipeline/tiny/shapes.py's task) naming the shapes in the tas
 Tool calls and reasoning are rendered from a fake OpenAI server of the test's own (``FakeOpenAI``)
 that serves the real chat.html and answers with canned chunks in OpenAI's / vLLM's shapes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,13 +64,20 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = _chromium()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1000,760", "--force-device-scale-factor=1"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1000,760",
+        "--force-device-scale-factor=1",
+    ):
         options.add_argument(arg)
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
     # the page's own area at 1000x760 (the window's frame would take part of --window-size)
-    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                           {"width": 1000, "height": 760, "deviceScaleFactor": 1, "mobile": False})
+    driver.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride", {"width": 1000, "height": 760, "deviceScaleFactor": 1, "mobile": False}
+    )
     try:
         yield driver
     finally:
@@ -186,18 +194,44 @@ class FakeOpenAI:
     @staticmethod
     def chunk(delta: dict | None, finish: str | None = None, **extra) -> str:
         choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-        body = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "fake-tools",
-                "choices": choices, **extra}
+        body = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "fake-tools",
+            "choices": choices,
+            **extra,
+        }
         return "data: " + json.dumps(body) + "\n\n"
 
     def stream_tool_calls(self) -> list[str]:
         head = [self.chunk({"role": "assistant", "content": ""})]
         head += [self.chunk({"reasoning_content": r}) for r in REASONING]
         tail = [  # id, type and name first, then argument fragments per index, interleaved
-            self.chunk({"tool_calls": [{"index": 0, "id": "call_0", "type": "function",
-                                        "function": {"name": "get_weather", "arguments": ""}}]}),
-            self.chunk({"tool_calls": [{"index": 1, "id": "call_1", "type": "function",
-                                        "function": {"name": "get_time", "arguments": ""}}]}),
+            self.chunk(
+                {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": "call_0",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": ""},
+                        }
+                    ]
+                }
+            ),
+            self.chunk(
+                {
+                    "tool_calls": [
+                        {
+                            "index": 1,
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_time", "arguments": ""},
+                        }
+                    ]
+                }
+            ),
             self.chunk({"tool_calls": [{"index": 0, "function": {"arguments": WEATHER_ARGS[:10]}}]}),
             self.chunk({"tool_calls": [{"index": 1, "function": {"arguments": TIME_ARGS[:12]}}]}),
             self.chunk({"tool_calls": [{"index": 0, "function": {"arguments": WEATHER_ARGS[10:]}}]}),
@@ -210,9 +244,11 @@ class FakeOpenAI:
 
     def stream_text(self, text: str) -> list[str]:
         words = text.split(" ")
-        return [[self.chunk({"role": "assistant", "content": ""})]
-                + [self.chunk({"content": w if i == 0 else " " + w}) for i, w in enumerate(words)]
-                + [self.chunk({}, "stop"), "data: [DONE]\n\n"]]
+        return [
+            [self.chunk({"role": "assistant", "content": ""})]
+            + [self.chunk({"content": w if i == 0 else " " + w}) for i, w in enumerate(words)]
+            + [self.chunk({}, "stop"), "data: [DONE]\n\n"]
+        ]
 
     def app(self):
         from fastapi import FastAPI
@@ -226,7 +262,10 @@ class FakeOpenAI:
 
         @app.get("/v1/models")
         def models():
-            return {"object": "list", "data": [{"id": "fake-tools", "object": "model", "created": 0, "owned_by": "test"}]}
+            return {
+                "object": "list",
+                "data": [{"id": "fake-tools", "object": "model", "created": 0, "owned_by": "test"}],
+            }
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
@@ -251,17 +290,29 @@ class FakeOpenAI:
                 message = {"role": "assistant", "content": "Cold and clear in Oslo."}
                 finish = "stop"
             else:
-                message = {"role": "assistant", "content": None, "reasoning_content": "Oslo is in Norway.",
-                           "tool_calls": [
-                               {"id": "call_9", "type": "function",
-                                "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}},
-                               {"id": "call_10", "type": "function",
-                                "function": {"name": "lookup", "arguments": "city=Oslo"}}]}
+                message = {
+                    "role": "assistant",
+                    "content": None,
+                    "reasoning_content": "Oslo is in Norway.",
+                    "tool_calls": [
+                        {
+                            "id": "call_9",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'},
+                        },
+                        {"id": "call_10", "type": "function", "function": {"name": "lookup", "arguments": "city=Oslo"}},
+                    ],
+                }
                 finish = "tool_calls"
-            return {"id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": "fake-tools",
-                    "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-                    "usage": {"prompt_tokens": 9, "completion_tokens": 17, "total_tokens": 26},
-                    "metrics": {"ttft_s": 0.012, "decode_tok_s": 123.4}}
+            return {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "fake-tools",
+                "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
+                "usage": {"prompt_tokens": 9, "completion_tokens": 17, "total_tokens": 26},
+                "metrics": {"ttft_s": 0.012, "decode_tok_s": 123.4},
+            }
 
         return app
 
@@ -312,7 +363,9 @@ def test_chat_page_shows_reasoning_folded_and_tool_calls_as_cards(browser):
         # streamed: reasoning first, held there by the server
         assert browser.find_element(By.ID, "stream").is_selected()
         browser.find_element(By.ID, "input").send_keys("What is the weather in Paris?", Keys.ENTER)
-        wait.until(lambda d: _text(d.find_element(By.CSS_SELECTOR, ".assistant .reasoning .think")) == "".join(REASONING))
+        wait.until(
+            lambda d: _text(d.find_element(By.CSS_SELECTOR, ".assistant .reasoning .think")) == "".join(REASONING)
+        )
         live = browser.find_element(By.CSS_SELECTOR, ".assistant .reasoning")
         assert live.tag_name == "details" and not live.get_property("open"), "the reasoning is folded"
         assert live.find_element(By.TAG_NAME, "summary").text == "Thinking…"
@@ -345,9 +398,18 @@ def test_chat_page_shows_reasoning_folded_and_tool_calls_as_cards(browser):
         assert fake.requests[1]["stream"] is True
         assert fake.requests[1]["messages"] == [
             {"role": "user", "content": "What is the weather in Paris?"},
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": WEATHER_ARGS}},
-                {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": TIME_ARGS}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_0",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": WEATHER_ARGS},
+                    },
+                    {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": TIME_ARGS}},
+                ],
+            },
             {"role": "tool", "tool_call_id": "call_0", "content": '{"temp_c": 18}'},
             {"role": "tool", "tool_call_id": "call_1", "content": "(no result)"},
             {"role": "user", "content": "Thanks. So?"},
@@ -377,9 +439,18 @@ def test_chat_page_shows_reasoning_folded_and_tool_calls_as_cards(browser):
         reply = wait.until(lambda d: answers(d, 2))[1]
         assert reply.find_element(By.CSS_SELECTOR, ".content").text == "Cold and clear in Oslo."
         assert fake.requests[3]["messages"][1:] == [
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}},
-                {"id": "call_10", "type": "function", "function": {"name": "lookup", "arguments": "city=Oslo"}}]},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_9",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'},
+                    },
+                    {"id": "call_10", "type": "function", "function": {"name": "lookup", "arguments": "city=Oslo"}},
+                ],
+            },
             {"role": "tool", "tool_call_id": "call_9", "content": "-3 °C"},
             {"role": "tool", "tool_call_id": "call_10", "content": "Oslo, Norway"},
         ]

@@ -10,6 +10,7 @@ drawings once found a model that only knew its generator's pixels). A wrong answ
 vision path (processor, encoder, placeholder merge, 3-D positions, decode) lost information
 somewhere, or the model learnt the drawing instead of the shapes.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,8 +51,12 @@ def shapes_lm():
 
 
 def make_pipe(lm) -> Pipeline:
-    stages = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(),
-              "decode": DecodeLoop(Sampler())}
+    stages = {
+        "tokenize": Tokenize(),
+        "vision_encoder": VisionEncoder(),
+        "prefill": Prefill(),
+        "decode": DecodeLoop(Sampler()),
+    }
     return Pipeline(lm, stages, max_seqs=32)
 
 
@@ -71,8 +76,10 @@ def report(name: str, got: list[str], want: list[str]) -> str:
 def answer_all(lm, data) -> dict[str, list[str]]:
     """Every (image, question) of ``data`` submitted at once to one pipeline; greedy answers."""
     pipe = make_pipe(lm)
-    handles = {name: [pipe.submit(Request(prompt=q, images=[image], max_new_tokens=MAX_NEW)) for image, _ in data]
-               for name, q in QUESTIONS.items()}
+    handles = {
+        name: [pipe.submit(Request(prompt=q, images=[image], max_new_tokens=MAX_NEW)) for image, _ in data]
+        for name, q in QUESTIONS.items()
+    }
     answers = {}
     for name, hs in handles.items():
         results = [h.result(timeout=600) for h in hs]
@@ -108,7 +115,8 @@ class Blob:
         """The task's rules: centres a quarter of the width apart, boxes a pixel apart."""
         gap = (self.size + other.size) / 2 + 1
         return abs(self.cx - other.cx) >= shapes.MIN_CENTRE_GAP * width and (
-            abs(self.cx - other.cx) > gap or abs(self.cy - other.cy) > gap)
+            abs(self.cx - other.cx) > gap or abs(self.cy - other.cy) > gap
+        )
 
 
 def unseen_scene(rng: np.random.Generator) -> tuple[int, int, list[Blob]]:
@@ -122,8 +130,13 @@ def unseen_scene(rng: np.random.Generator) -> tuple[int, int, list[Blob]]:
         blobs: list[Blob] = []
         for _ in range(100):  # tries; a scene where the shapes do not fit is drawn again
             size = rng.uniform(0.21, 0.49) * short
-            blob = Blob(str(rng.choice(shapes.KINDS)), str(rng.choice(list(shapes.COLOURS))),
-                        rng.uniform(size / 2, width - size / 2), rng.uniform(size / 2, height - size / 2), size)
+            blob = Blob(
+                str(rng.choice(shapes.KINDS)),
+                str(rng.choice(list(shapes.COLOURS))),
+                rng.uniform(size / 2, width - size / 2),
+                rng.uniform(size / 2, height - size / 2),
+                size,
+            )
             if all(blob.clear_of(b, width) for b in blobs):
                 blobs.append(blob)
             if len(blobs) == n:
@@ -149,13 +162,17 @@ def unseen_draw(rng: np.random.Generator, index: int) -> tuple[Image.Image, list
     pen = ImageDraw.Draw(canvas)
     for blob in blobs:
         shade = rng.integers(-UNSEEN_SHADE, UNSEEN_SHADE + 1, size=3)
-        pen.polygon(outline(blob, UNSEEN_SCALE), fill=tuple(int(np.clip(c + d, 0, 255))
-                                                            for c, d in zip(shapes.COLOURS[blob.colour], shade)))
+        pen.polygon(
+            outline(blob, UNSEEN_SCALE),
+            fill=tuple(int(np.clip(c + d, 0, 255)) for c, d in zip(shapes.COLOURS[blob.colour], shade)),
+        )
     image = canvas.resize((width, height), shapes.HELD_OUT_RESAMPLE)
     quality = shapes.HELD_OUT_JPEG_QUALITIES[index % len(shapes.HELD_OUT_JPEG_QUALITIES)]
     image = shapes.jpeg_round_trip(image, quality, shapes.HELD_OUT_JPEG_SUBSAMPLING)
-    drawn = [shapes.Shape(b.kind, b.colour, round(b.cx - b.size / 2), round(b.cy - b.size / 2), round(b.size))
-             for b in sorted(blobs, key=lambda b: b.cx)]
+    drawn = [
+        shapes.Shape(b.kind, b.colour, round(b.cx - b.size / 2), round(b.cy - b.size / 2), round(b.size))
+        for b in sorted(blobs, key=lambda b: b.cx)
+    ]
     return image, drawn
 
 
@@ -299,8 +316,14 @@ def test_cli_batch_answers_fresh_and_unseen_style_images(heldout, unseen, tmp_pa
     jsonl = tmp_path / "items.jsonl"
     jsonl.write_text("".join(json.dumps(item) + "\n" for item in items))
     out = tmp_path / "run"
-    proc = run_cli("mode=batch", f"input={jsonl}", "engine.max_seqs=32", f"max_new_tokens={MAX_NEW}",
-                   f"hydra.run.dir={out}", timeout=600)
+    proc = run_cli(
+        "mode=batch",
+        f"input={jsonl}",
+        "engine.max_seqs=32",
+        f"max_new_tokens={MAX_NEW}",
+        f"hydra.run.dir={out}",
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "toy Qwen2-VL model trained by this project" in proc.stderr
     got = {r["id"]: r["text"] for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
@@ -323,9 +346,15 @@ def test_greedy_equals_generate_and_training_saw_the_same_prompts(shapes_lm, hel
             answer = trained["labels"][0, n:]
             assert shapes_lm.tokenizer.decode(answer[answer != -100]) == shapes.answer(q, drawn) + "<|im_end|>"
             content = [{"type": "image", "image": image}, {"type": "text", "text": q}]
-            inputs = dict(shapes_lm.processor.apply_chat_template(
-                [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True,
-                return_dict=True, return_tensors="pt"))
+            inputs = dict(
+                shapes_lm.processor.apply_chat_template(
+                    [{"role": "user", "content": content}],
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=True,
+                    return_tensors="pt",
+                )
+            )
             ids = inputs.pop("input_ids")
             inputs.pop("attention_mask")
             assert result.prompt_ids == ids[0].tolist()
@@ -340,8 +369,9 @@ def test_the_answer_depends_on_the_image(shapes_lm):
     got = {}
     for name, drawn in (("one", one), ("two", two)):
         image = shapes.render(200, 160, drawn)
-        got[name] = [pipe.run(Request(prompt=q, images=[image], max_new_tokens=MAX_NEW)).text
-                     for q in QUESTIONS.values()]
+        got[name] = [
+            pipe.run(Request(prompt=q, images=[image], max_new_tokens=MAX_NEW)).text for q in QUESTIONS.values()
+        ]
     assert got["one"] != got["two"]
     assert got["one"] == ["a red circle", "one"]
     assert got["two"] == ["a blue triangle and a yellow square", "two"]
@@ -361,8 +391,9 @@ def test_without_a_prompt_the_default_asks_its_own_question(shapes_lm, load_tiny
 @pytest.mark.slow  # test_first_run_asks_about_the_example_image runs the same answer (suite time)
 def test_cli_names_the_shapes_of_the_example(tmp_path):
     _, drawn = shapes.example()
-    proc = run_cli(f"input={ROOT / 'examples' / 'shapes.png'}", f"prompt={shapes.SHAPES_QUESTION}",
-                   f"hydra.run.dir={tmp_path}")
+    proc = run_cli(
+        f"input={ROOT / 'examples' / 'shapes.png'}", f"prompt={shapes.SHAPES_QUESTION}", f"hydra.run.dir={tmp_path}"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == shapes.answer(shapes.SHAPES_QUESTION, drawn) + "\n"
     assert "RANDOM" not in proc.stderr and "toy Qwen2-VL model trained by this project" in proc.stderr

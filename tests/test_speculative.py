@@ -7,6 +7,7 @@ The drafts here are partly right and partly wrong, so both the accepted and the 
 paths run: prompts that repeat themselves for n-gram lookup, and for the draft model a copy of
 the target with noise added to its weights (same tokenizer, often the same argmax, not always).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,10 @@ def noisy_copy(src, dest, scale: float = 0.3, seed: int = 0):
     shutil.copytree(src, dest)
     weights = load_file(dest / "model.safetensors")
     g = torch.Generator().manual_seed(seed)
-    noisy = {k: v + scale * v.std() * torch.randn(v.shape, generator=g) if v.is_floating_point() and v.numel() > 1
-             else v for k, v in weights.items()}
+    noisy = {
+        k: v + scale * v.std() * torch.randn(v.shape, generator=g) if v.is_floating_point() and v.numel() > 1 else v
+        for k, v in weights.items()
+    }
     save_file(noisy, dest / "model.safetensors", metadata={"format": "pt"})
     return dest
 
@@ -90,18 +93,27 @@ def oracle(lm, prompt: str = REPEATING, n: int = N) -> tuple[list[int], list[int
     processor or tokenizer from the same message."""
     if "image" in lm.family.media:
         content = [{"type": "image", "image": picture(1)}, {"type": "text", "text": prompt}]
-        inputs = dict(lm.processor.apply_chat_template([{"role": "user", "content": content}],
-                                                       add_generation_prompt=True, tokenize=True, return_dict=True,
-                                                       return_tensors="pt"))
+        inputs = dict(
+            lm.processor.apply_chat_template(
+                [{"role": "user", "content": content}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                return_tensors="pt",
+            )
+        )
     elif "audio" in lm.family.media:
         content = [{"type": "audio", "audio": "clip.wav"}, {"type": "text", "text": prompt}]
-        text = lm.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                                tokenize=False)
+        text = lm.processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
         inputs = dict(lm.processor(text=[text], audio=[wave().numpy()], sampling_rate=RATE, return_tensors="pt"))
     else:
-        inputs = dict(lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                       add_generation_prompt=True, return_tensors="pt",
-                                                       return_dict=True))
+        inputs = dict(
+            lm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )
+        )
     ids = inputs.pop("input_ids")
     inputs.pop("attention_mask")
     return ids[0].tolist(), generate_oracle(lm, ids, n, ignore_eos=True, **inputs)
@@ -144,8 +156,11 @@ def test_both_methods_give_the_tokens_of_generate(load_tiny, drafts, family):
     48 tokens: long enough for a random model's answer to reuse tokens, so lookup drafts."""
     lm = load_tiny(family)
     prompt_ids, want = oracle(lm, n=48)
-    specs = {"ngram": Speculative("ngram", num_draft=4), "draft": Speculative("draft", num_draft=3, draft=drafts(family)),
-             "knowing": Knowing(want, len(prompt_ids))}
+    specs = {
+        "ngram": Speculative("ngram", num_draft=4),
+        "draft": Speculative("draft", num_draft=3, draft=drafts(family)),
+        "knowing": Knowing(want, len(prompt_ids)),
+    }
     for name, spec in specs.items():
         got = pipe_for(lm, spec).run(request_for(lm, n=48))
         assert got.prompt_ids == prompt_ids
@@ -200,8 +215,9 @@ def test_compiled_draft_steps_draft_what_the_eager_draft_drafts(load_tiny, draft
     lm = load_tiny("qwen3")
     _, want = oracle(lm, n=40)
     eager = Speculative("draft", num_draft=4, draft=drafts("qwen3"))
-    compiled = Speculative("draft", num_draft=4, draft=drafts("qwen3"), compile=True, compile_backend="aot_eager",
-                           draft_memory=1 << 20)  # small: aot_eager copies the mutated pool on every step
+    compiled = Speculative(
+        "draft", num_draft=4, draft=drafts("qwen3"), compile=True, compile_backend="aot_eager", draft_memory=1 << 20
+    )  # small: aot_eager copies the mutated pool on every step
     results = [pipe_for(lm, spec).run(request_for(lm, n=40)) for spec in (eager, compiled)]
     assert [r.token_ids for r in results] == [want, want]
     assert results[0].metrics["spec_accepted"] == results[1].metrics["spec_accepted"] > 0
@@ -217,9 +233,15 @@ def test_draft_compile_follows_decode_compile_unless_set(tiny_dir, load_tiny):
 
     draft = [f"decode.draft_model={tiny_dir('qwen3')}", "decode.speculative=draft"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfgs = [compose(config_name="config", overrides=draft + extra)
-                for extra in ([], ["decode.compile=true"], ["decode.compile=true", "decode.draft_compile=false"],
-                              ["decode.draft_compile=true"])]
+        cfgs = [
+            compose(config_name="config", overrides=draft + extra)
+            for extra in (
+                [],
+                ["decode.compile=true"],
+                ["decode.compile=true", "decode.draft_compile=false"],
+                ["decode.draft_compile=true"],
+            )
+        ]
     lm = load_tiny("qwen3")
     assert [speculative_from_cfg(cfg, lm).compiled is not None for cfg in cfgs] == [False, True, False, True]
 
@@ -298,8 +320,10 @@ def test_speculative_sampling_draws_from_the_target_distribution(drafter):
 
 def test_seeded_speculative_sampling_is_reproducible(load_tiny):
     lm = load_tiny("qwen3")
-    runs = [pipe_for(lm, Speculative("ngram", num_draft=4), Sampler(temperature=0.8, seed=7)).run(request_for(lm))
-            for _ in range(2)]
+    runs = [
+        pipe_for(lm, Speculative("ngram", num_draft=4), Sampler(temperature=0.8, seed=7)).run(request_for(lm))
+        for _ in range(2)
+    ]
     assert runs[0].token_ids == runs[1].token_ids
     assert runs[0].metrics["spec_drafted"] > 0
 
@@ -324,8 +348,14 @@ def test_a_sampler_of_another_kind_is_refused(load_tiny):
             return logits.argmax(dim=-1)
 
     lm = load_tiny("qwen3")
-    pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(),
-                         "decode": DecodeLoop(Argmax(), speculative=Speculative("ngram"))})
+    pipe = Pipeline(
+        lm,
+        {
+            "tokenize": Tokenize(),
+            "prefill": Prefill(),
+            "decode": DecodeLoop(Argmax(), speculative=Speculative("ngram")),
+        },
+    )
     with pytest.raises(UserError, match="speculative decoding needs a stages.Sampler"):
         pipe.run(Request(prompt="hi", max_new_tokens=2))
 
@@ -339,12 +369,22 @@ def test_draft_with_another_tokenizer_is_refused(load_tiny):
 @pytest.mark.slow  # a second process end to end (python -m pytest -m slow)
 def test_cli_refuses_before_loading_and_runs_ngram(tiny_dir, tmp_path):
     target = tiny_dir("qwen3")
-    bad = run_cli(f"model.path={target}", "decode.speculative=draft", f"decode.draft_model={tiny_dir('gemma3')}",
-                  f"hydra.run.dir={tmp_path / 'bad'}")
+    bad = run_cli(
+        f"model.path={target}",
+        "decode.speculative=draft",
+        f"decode.draft_model={tiny_dir('gemma3')}",
+        f"hydra.run.dir={tmp_path / 'bad'}",
+    )
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "another tokenizer" in bad.stderr and "Loading weights" not in bad.stderr
-    ok = run_cli(f"model.path={target}", "prompt=one two three one two three one two", "decode.speculative=ngram", "max_new_tokens=12",
-                 "ignore_eos=true", f"hydra.run.dir={tmp_path / 'ok'}")
+    ok = run_cli(
+        f"model.path={target}",
+        "prompt=one two three one two three one two",
+        "decode.speculative=ngram",
+        "max_new_tokens=12",
+        "ignore_eos=true",
+        f"hydra.run.dir={tmp_path / 'ok'}",
+    )
     assert ok.returncode == 0, ok.stderr[-2000:]
     metrics = json.loads((tmp_path / "ok" / "result.json").read_text())["metrics"]
     assert metrics["spec_drafted"] > 0 and "spec_accept_rate" in metrics and "spec_tokens_per_step" in metrics

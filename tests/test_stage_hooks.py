@@ -1,5 +1,6 @@
 """Stages that compose: a user's Prefill, DecodeLoop or Sampler subclass is called by the engine,
 batched with ordinary requests that stay exact; a stage the engine cannot honour is refused."""
+
 from __future__ import annotations
 
 import json
@@ -101,11 +102,17 @@ def test_the_builtin_greedy_sampler_is_argmax_only_and_a_subclass_is_not():
     assert not EvenTokenSampler().argmax_only
 
 
-@pytest.mark.parametrize("stage, message", [
-    ({"prefill": CallPrefill()}, "CallPrefill overrides __call__"),
-    ({"prefill": lambda ctx: ctx}, "is not a stages.Prefill"),
-    ({"decode": type("CallDecode", (DecodeLoop,), {"__call__": lambda self, ctx: ctx})()}, "CallDecode overrides __call__"),
-])
+@pytest.mark.parametrize(
+    "stage, message",
+    [
+        ({"prefill": CallPrefill()}, "CallPrefill overrides __call__"),
+        ({"prefill": lambda ctx: ctx}, "is not a stages.Prefill"),
+        (
+            {"decode": type("CallDecode", (DecodeLoop,), {"__call__": lambda self, ctx: ctx})()},
+            "CallDecode overrides __call__",
+        ),
+    ],
+)
 def test_a_phase_the_engine_cannot_honour_is_refused(lm, stage, message):
     with pytest.raises(UserError, match=message):
         Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop(), **stage})
@@ -119,15 +126,23 @@ def test_an_image_with_no_vision_encoder_is_refused(load_tiny, tmp_path):
     image = Image.new("RGB", (56, 56), "red")
     with pytest.raises(UserError, match="no stage encodes a image"):
         pipe.run(Request(prompt="What is it?", images=[image], max_new_tokens=2))
-    with_encoder = Pipeline(lm, {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(),
-                                 "decode": DecodeLoop()})
+    with_encoder = Pipeline(
+        lm, {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(), "decode": DecodeLoop()}
+    )
     assert len(with_encoder.run(Request(prompt="What is it?", images=[image], max_new_tokens=2)).token_ids) >= 1
 
 
 def test_hooks_swapped_in_by_hydra_overrides(tiny_dir, tmp_path):
-    proc = run_cli(f"model.path={tiny_dir('qwen3')}", "prompt=Hi there", "max_new_tokens=6", "ignore_eos=true",
-                   "stages.decode._target_=tests.helpers.StopAfterTwo", "sampler._target_=tests.helpers.EvenTokenSampler",
-                   "stages.prefill._target_=tests.helpers.ThreeTokenChunks", f"hydra.run.dir={tmp_path}")
+    proc = run_cli(
+        f"model.path={tiny_dir('qwen3')}",
+        "prompt=Hi there",
+        "max_new_tokens=6",
+        "ignore_eos=true",
+        "stages.decode._target_=tests.helpers.StopAfterTwo",
+        "sampler._target_=tests.helpers.EvenTokenSampler",
+        "stages.prefill._target_=tests.helpers.ThreeTokenChunks",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "result.json").read_text())
     assert len(result["token_ids"]) == 2 and all(t % 2 == 0 for t in result["token_ids"])

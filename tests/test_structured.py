@@ -2,6 +2,7 @@
 models, which would never write JSON by themselves, every output parses and validates; it composes
 with batching (unconstrained rows keep their solo tokens), preemption, speculative decoding and
 seeded sampling; bad constraints fail in one line naming the problem."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,12 @@ from structured_schemas import schemas
 
 
 def pipe_for(lm, kv_memory: int = 64 << 20, max_seqs: int = 50, **decode) -> Pipeline:
-    return Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop(**decode)},
-                    kv_memory=kv_memory, max_seqs=max_seqs)
+    return Pipeline(
+        lm,
+        {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop(**decode)},
+        kv_memory=kv_memory,
+        max_seqs=max_seqs,
+    )
 
 
 def run_all(pipe: Pipeline, requests: list[Request]) -> list:
@@ -32,8 +37,10 @@ def run_all(pipe: Pipeline, requests: list[Request]) -> list:
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_fifty_schemas_batched_every_output_validates(load_tiny, family):
     cases = schemas(50)
-    results = run_all(pipe_for(load_tiny(family)),
-                      [Request(prompt=f"Item {i}", json_schema=s, max_new_tokens=256) for i, s in enumerate(cases)])
+    results = run_all(
+        pipe_for(load_tiny(family)),
+        [Request(prompt=f"Item {i}", json_schema=s, max_new_tokens=256) for i, s in enumerate(cases)],
+    )
     for schema, result in zip(cases, results):
         assert result.finish_reason == "eos", result.text
         jsonschema.validate(json.loads(result.text), schema)
@@ -42,12 +49,17 @@ def test_fifty_schemas_batched_every_output_validates(load_tiny, family):
 def test_regex_choice_grammar_and_any_object(load_tiny):
     pipe = pipe_for(load_tiny("qwen3"))
     before = pipe.engine.stats().get("grammar_compiles", 0)  # the engine may have served other tests
-    regex, choice = r"\d{3}-[a-z]{2}", ["red", "green", "blue \"sky\""]
+    regex, choice = r"\d{3}-[a-z]{2}", ["red", "green", 'blue "sky"']
     ebnf = 'root ::= "yes" | "no" | ("maybe " [0-9])'
-    got = run_all(pipe, [Request(prompt="Code?", regex=regex, max_new_tokens=20),
-                         Request(prompt="Colour?", choice=choice, max_new_tokens=20),
-                         Request(prompt="Well?", grammar=ebnf, max_new_tokens=20),
-                         Request(prompt="Small", json_schema='{"type": "object", "maxProperties": 0}', max_new_tokens=8)])
+    got = run_all(
+        pipe,
+        [
+            Request(prompt="Code?", regex=regex, max_new_tokens=20),
+            Request(prompt="Colour?", choice=choice, max_new_tokens=20),
+            Request(prompt="Well?", grammar=ebnf, max_new_tokens=20),
+            Request(prompt="Small", json_schema='{"type": "object", "maxProperties": 0}', max_new_tokens=8),
+        ],
+    )
     assert re.fullmatch(regex, got[0].text)
     assert got[1].text in choice
     assert re.fullmatch(r"yes|no|maybe [0-9]", got[2].text)
@@ -65,10 +77,13 @@ def test_unconstrained_rows_keep_their_solo_tokens_and_seeded_sampling_is_batch_
     pipe = pipe_for(lm)
     plain = [Request(prompt=p, max_new_tokens=24) for p in ("Hello there", "What is a cat?")]
     solo = [pipe.run(r).token_ids for r in plain]
-    seeded = Request(prompt="Pick", choice=["alpha", "beta", "gamma", "delta"], sampler=Sampler(temperature=1.0, seed=5))
+    seeded = Request(
+        prompt="Pick", choice=["alpha", "beta", "gamma", "delta"], sampler=Sampler(temperature=1.0, seed=5)
+    )
     alone = pipe.run(seeded).text
-    mixed = run_all(pipe, [plain[0], Request(prompt="JSON", json_schema=schemas(1)[0], max_new_tokens=64),
-                           seeded, plain[1]])
+    mixed = run_all(
+        pipe, [plain[0], Request(prompt="JSON", json_schema=schemas(1)[0], max_new_tokens=64), seeded, plain[1]]
+    )
     assert [mixed[0].token_ids, mixed[3].token_ids] == solo
     assert mixed[2].text == alone
 
@@ -92,7 +107,9 @@ def test_preempted_constrained_sequences_end_as_they_would_alone(load_tiny):
 def test_speculative_decoding_with_a_constraint_gives_the_plain_tokens(load_tiny):
     lm = load_tiny("qwen3")
     cases = schemas(6, seed=2)
-    requests = [Request(prompt="the cat sat on the mat; the cat sat on", json_schema=s, max_new_tokens=128) for s in cases]
+    requests = [
+        Request(prompt="the cat sat on the mat; the cat sat on", json_schema=s, max_new_tokens=128) for s in cases
+    ]
     plain = run_all(pipe_for(lm), requests)
     spec_pipe = pipe_for(lm, speculative=Speculative("ngram", num_draft=4))
     speculative = run_all(spec_pipe, requests)
@@ -102,23 +119,33 @@ def test_speculative_decoding_with_a_constraint_gives_the_plain_tokens(load_tiny
 
 def test_a_constrained_answer_cut_by_max_new_tokens_says_length(load_tiny):
     result = pipe_for(load_tiny("qwen3")).run(
-        Request(prompt="x", json_schema={"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]},
-                max_new_tokens=12))
+        Request(
+            prompt="x",
+            json_schema={"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]},
+            max_new_tokens=12,
+        )
+    )
     assert result.finish_reason == "length"
     with pytest.raises(json.JSONDecodeError):
         json.loads(result.text)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(json_schema={"type": "objec"}), 'json_schema: Unsupported type "objec"'),
-    (dict(json_schema={"type": "integer", "multipleOf": 3}), "keyword 'multipleOf' is not supported"),
-    (dict(json_schema={"type": "object", "properties": {"a": {"not": {}}}}), "json_schema.properties.a: the JSON Schema keyword 'not'"),
-    (dict(json_schema="{bad"), "json_schema is not valid JSON"),
-    (dict(regex="a(b"), "regex: Regex parsing error at position 4"),
-    (dict(choice=[]), "choice must be a non-empty list"),
-    (dict(grammar="root ::= "), "grammar: EBNF parser error"),
-    (dict(regex="a", choice=["x"]), "one output constraint, got regex and choice"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(json_schema={"type": "objec"}), 'json_schema: Unsupported type "objec"'),
+        (dict(json_schema={"type": "integer", "multipleOf": 3}), "keyword 'multipleOf' is not supported"),
+        (
+            dict(json_schema={"type": "object", "properties": {"a": {"not": {}}}}),
+            "json_schema.properties.a: the JSON Schema keyword 'not'",
+        ),
+        (dict(json_schema="{bad"), "json_schema is not valid JSON"),
+        (dict(regex="a(b"), "regex: Regex parsing error at position 4"),
+        (dict(choice=[]), "choice must be a non-empty list"),
+        (dict(grammar="root ::= "), "grammar: EBNF parser error"),
+        (dict(regex="a", choice=["x"]), "one output constraint, got regex and choice"),
+    ],
+)
 def test_bad_constraints_fail_at_submit_naming_the_problem(load_tiny, kwargs, message):
     pipe = pipe_for(load_tiny("qwen3"))
     with pytest.raises(UserError, match=re.escape(message)):
@@ -187,16 +214,24 @@ def test_batch_lines_and_cli_settings_become_constraints(tmp_path):
     from pipeline.modes import batch
 
     (tmp_path / "s.json").write_text('{"type": "object", "properties": {"n": {"type": "integer"}}}')
-    lines = [{"id": 1, "prompt": "a"},
-             {"id": 2, "prompt": "b", "response_format": {"type": "json_object"}},
-             {"id": 3, "prompt": "c", "response_format": {"type": "json_schema",
-                                                          "json_schema": {"name": "x", "schema": {"enum": [1]}}}}]
+    lines = [
+        {"id": 1, "prompt": "a"},
+        {"id": 2, "prompt": "b", "response_format": {"type": "json_object"}},
+        {
+            "id": 3,
+            "prompt": "c",
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": [1]}}},
+        },
+    ]
     items = tmp_path / "items.jsonl"
     items.write_text("\n".join(json.dumps(line) for line in lines))
     cfg = compose_cfg("mode=batch", f"decode.json_schema={tmp_path / 's.json'}", "prompt=x")
     requests = [batch.item_request(cfg, item) for item in batch.read_items(items)]
     assert [r.json_schema for r in requests] == [
-        '{"type": "object", "properties": {"n": {"type": "integer"}}}', {"type": "object"}, {"enum": [1]}]
+        '{"type": "object", "properties": {"n": {"type": "integer"}}}',
+        {"type": "object"},
+        {"enum": [1]},
+    ]
     assert request_from_cfg(compose_cfg("decode.choice=[yes,no]", "prompt=x")).choice == ["yes", "no"]
     items.write_text(json.dumps({"id": 1, "prompt": "a", "response_format": {"type": "json_schema"}}))
     with pytest.raises(UserError, match="line 1: response_format.json_schema must be an object"):
@@ -212,8 +247,11 @@ def test_every_chat_turn_is_held_to_the_schema_and_undo_composes(load_tiny, tiny
 
     from pipeline.chat import ChatSession
 
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
-                                                "tag": {"enum": ["a", "b"]}}, "required": ["n", "tag"]}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "tag": {"enum": ["a", "b"]}},
+        "required": ["n", "tag"],
+    }
     pipe = pipe_for(load_tiny("qwen3"))
     chat = ChatSession(pipe, max_new_tokens=64, constraint={"json_schema": schema})
     for text in ("First?", "Second?", "Third?"):
@@ -223,8 +261,14 @@ def test_every_chat_turn_is_held_to_the_schema_and_undo_composes(load_tiny, tiny
     fresh = ChatSession(pipe_for(load_tiny("qwen3")), max_new_tokens=64, constraint={"json_schema": schema})
     expected = [fresh.send(text) for text in ("First?", "Second?", "Other?")][-1]
     assert again.token_ids == expected.token_ids and again.metrics["kv_reused_tokens"] > 0
-    proc = run_cli("mode=chat", f"model.path={tiny_dir('qwen3')}", "max_new_tokens=64", f"hydra.run.dir={tmp_path}",
-                   "decode.choice=[yes,no]", input="Well?\nAnd now?\n")
+    proc = run_cli(
+        "mode=chat",
+        f"model.path={tiny_dir('qwen3')}",
+        "max_new_tokens=64",
+        f"hydra.run.dir={tmp_path}",
+        "decode.choice=[yes,no]",
+        input="Well?\nAnd now?\n",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() and set(proc.stdout.split()) <= {"yes", "no"}
 

@@ -1,5 +1,6 @@
 """Tensor parallel (model.tp=N): two ranks on gloo give the single process's tokens; what cannot
 work is refused in one line before any weight loads."""
+
 from __future__ import annotations
 
 import json
@@ -46,11 +47,13 @@ def run_requests(lm, requests: list[Request], vision: bool, **engine) -> tuple[l
     return done + [h.result(timeout=600).token_ids for h in handles], pipe.engine.stats()
 
 
-def _rank(rank: int, port: int, model_dir: str, out: str, vision: bool, kv_tokens: int, kv_dtype: str,
-          quant: str) -> None:
+def _rank(
+    rank: int, port: int, model_dir: str, out: str, vision: bool, kv_tokens: int, kv_dtype: str, quant: str
+) -> None:
     """One rank of a 2-rank launch: rank 0 runs the requests, rank 1 follows."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     lm = load_model(model_dir, dtype="float32", tp=2, quant=quant)
     if rank > 0:
@@ -58,8 +61,9 @@ def _rank(rank: int, port: int, model_dir: str, out: str, vision: bool, kv_token
         return
     requests = image_requests() if vision else text_requests()
     memory = pool_bytes_for(lm, kv_tokens, 16, 1024, 16, kv_dtype)
-    tokens, stats = run_requests(lm, requests, vision, kv_memory=memory, max_seqs=16, max_batch_tokens=96,
-                                 kv_dtype=kv_dtype)
+    tokens, stats = run_requests(
+        lm, requests, vision, kv_memory=memory, max_seqs=16, max_batch_tokens=96, kv_dtype=kv_dtype
+    )
     Path(out).write_text(json.dumps({"tokens": tokens, "stats": stats, "quant": lm.quant, "note": lm.quant_note}))
     tensor_parallel.finish()
 
@@ -71,28 +75,39 @@ def image_requests() -> list[Request]:
     return [Request(prompt="What is in the image?", images=[p], max_new_tokens=8, ignore_eos=True) for p in pictures]
 
 
-def two_ranks(tmp_path: Path, model_dir: Path, vision: bool, kv_tokens: int, kv_dtype: str = "auto",
-              quant: str = "none") -> dict:
+def two_ranks(
+    tmp_path: Path, model_dir: Path, vision: bool, kv_tokens: int, kv_dtype: str = "auto", quant: str = "none"
+) -> dict:
     port = free_port()
     out = tmp_path / "rank0.json"
-    mp.start_processes(_rank, args=(port, str(model_dir), str(out), vision, kv_tokens, kv_dtype, quant), nprocs=2,
-                       join=True, start_method="spawn")
+    mp.start_processes(
+        _rank,
+        args=(port, str(model_dir), str(out), vision, kv_tokens, kv_dtype, quant),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
+    )
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("quant, kv_dtype", [
-    ("auto", "auto"),  # a checkpoint the project did not build: int8wo, sharded as one process holds it
-    pytest.param("none", "auto", marks=pytest.mark.slow),  # suite time; full precision: tests/test_tp_launch.py
-    pytest.param("none", "int8", marks=pytest.mark.slow),  # 9 s more
-    pytest.param("int8wo", "int8", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "quant, kv_dtype",
+    [
+        ("auto", "auto"),  # a checkpoint the project did not build: int8wo, sharded as one process holds it
+        pytest.param("none", "auto", marks=pytest.mark.slow),  # suite time; full precision: tests/test_tp_launch.py
+        pytest.param("none", "int8", marks=pytest.mark.slow),  # 9 s more
+        pytest.param("int8wo", "int8", marks=pytest.mark.slow),
+    ],
+)
 def test_two_ranks_equal_one_process_with_prefix_hits_and_preemption(tiny_dir, held_out_dir, tmp_path, quant, kv_dtype):
     """The same settings give the same weights and tokens: under ``quant=auto`` both pick int8wo,
     and a row split over the ranks keeps the whole row's scale. int8 keys and values too: scales are
     per position and head, and each rank holds whole heads, so two ranks store exactly the bytes one
     process would."""
     model_dir = tiny_dir("llama") if quant == "none" else held_out_dir("llama")
-    got = two_ranks(tmp_path, model_dir, vision=False, kv_tokens=320, kv_dtype=kv_dtype, quant=quant)  # 20 blocks a rank
+    got = two_ranks(
+        tmp_path, model_dir, vision=False, kv_tokens=320, kv_dtype=kv_dtype, quant=quant
+    )  # 20 blocks a rank
     stats = got["stats"]
     assert stats["preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0 and stats["tp_ranks"] == 2
     assert 0 < stats["tp_collective_share"] < 1  # gloo's all-reduces, sampled with torch.profiler
@@ -145,17 +160,30 @@ def test_kv_pool_holds_a_rank_s_share_of_the_heads(tiny_dir):
 
 
 def config_with(heads: int = 4, kv_heads: int = 2, plan: dict | None = None) -> SimpleNamespace:
-    return SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, hidden_size=64,
-                           num_hidden_layers=2, architectures=["LlamaForCausalLM"],
-                           base_model_tp_plan={"layers.*.self_attn.q_proj": "colwise"} if plan is None else plan)
+    return SimpleNamespace(
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        hidden_size=64,
+        num_hidden_layers=2,
+        architectures=["LlamaForCausalLM"],
+        base_model_tp_plan={"layers.*.self_attn.q_proj": "colwise"} if plan is None else plan,
+    )
 
 
-@pytest.mark.parametrize("config, quant, recurrent, message", [
-    (config_with(kv_heads=3, heads=6), "none", False, r"must divide the attention heads \(6\) and key/value heads \(3\)"),
-    (config_with(plan={}), "none", False, "LlamaForCausalLM has no tensor-parallel plan"),
-    (config_with(), "nf4", False, "bitsandbytes weights cannot be sharded"),
-    (config_with(), "none", True, "linear-attention layers"),
-])
+@pytest.mark.parametrize(
+    "config, quant, recurrent, message",
+    [
+        (
+            config_with(kv_heads=3, heads=6),
+            "none",
+            False,
+            r"must divide the attention heads \(6\) and key/value heads \(3\)",
+        ),
+        (config_with(plan={}), "none", False, "LlamaForCausalLM has no tensor-parallel plan"),
+        (config_with(), "nf4", False, "bitsandbytes weights cannot be sharded"),
+        (config_with(), "none", True, "linear-attention layers"),
+    ],
+)
 def test_what_cannot_be_sharded_is_refused(config, quant, recurrent, message):
     with pytest.raises(UserError, match=message):
         tensor_parallel.check_model(config, 2, quant, recurrent)
@@ -195,8 +223,9 @@ def test_in_a_launch_of_several_groups_each_group_s_first_rank_drives(monkeypatc
 @pytest.mark.slow  # suite time; in-process: test_tp_without_torchrun_is_one_line
 def test_cli_refuses_tp_without_torchrun_before_loading():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, "-m", "pipeline", "model.tp=2"], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", "model.tp=2"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: model.tp=2 needs one process per shard: torchrun")
     assert "Traceback" not in proc.stderr and "Loading weights" not in proc.stderr

@@ -1,4 +1,5 @@
 """Greedy output equals transformers' generate(do_sample=False), token for token (text families)."""
+
 from __future__ import annotations
 
 import pytest
@@ -80,8 +81,9 @@ def test_stop_string_cuts_text_and_never_streams_it(load_tiny):
     assert len(text) >= 6, "tiny model produced too little text for this test"
     stop = text[3:6]
     streamed: list[str] = []
-    cut = make_pipe(lm).run(Request(prompt="Say something.", max_new_tokens=24, ignore_eos=True, stop=[stop]),
-                            on_text=streamed.append)
+    cut = make_pipe(lm).run(
+        Request(prompt="Say something.", max_new_tokens=24, ignore_eos=True, stop=[stop]), on_text=streamed.append
+    )
     assert cut.finish_reason == "stop"
     assert cut.text == text[: text.find(stop)]
     assert "".join(streamed) == cut.text

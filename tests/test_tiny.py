@@ -1,6 +1,7 @@
 """The tiny models the project builds itself: they load through the real transformers path,
 their processors and chat templates behave like the published ones, and builds are
 deterministic."""
+
 from __future__ import annotations
 
 import json
@@ -68,8 +69,9 @@ def _sine(seconds: float = 1.5, hz: float = 440.0, sr: int = 16000) -> np.ndarra
 def _inputs(family: str, proc, text: str = "Describe this.", image=None, audio=None):
     """One user message (media first, then the text) through the family's own template."""
     if family in TEXT:
-        prompt = proc.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                          tokenize=False)
+        prompt = proc.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
         return prompt, proc(prompt, return_tensors="pt", add_special_tokens=False)
     if family in VISION:
         image = image if image is not None else _image()
@@ -79,8 +81,12 @@ def _inputs(family: str, proc, text: str = "Describe this.", image=None, audio=N
     if family in GEMMA:  # the template writes the BOS (as the processor's own apply_chat_template knows)
         msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
         prompt = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        return prompt, proc(text=[prompt], images=[image if image is not None else _image()], return_tensors="pt",
-                            add_special_tokens=False)
+        return prompt, proc(
+            text=[prompt],
+            images=[image if image is not None else _image()],
+            return_tensors="pt",
+            add_special_tokens=False,
+        )
     audio = audio if audio is not None else _sine()
     msgs = [{"role": "user", "content": [{"type": "audio", "audio": audio}, {"type": "text", "text": text}]}]
     prompt = proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
@@ -96,13 +102,17 @@ def test_loads_renders_and_generates(loaded, family):
     elif family == "qwen3.5-text":
         assert prompt == "<|im_start|>user\nDescribe this.<|im_end|>\n<|im_start|>assistant\n" + THINK_OFF
     elif family == "llama":
-        assert prompt == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nDescribe this.<|eot_id|>"
-                          "<|start_header_id|>assistant<|end_header_id|>\n\n")
+        assert prompt == (
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nDescribe this.<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        )
     elif family in VISION:
         system = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
         system = "" if family in ("qwen3-vl", "qwen3.5") else system
-        assert prompt == (f"{system}<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this."
-                          "<|im_end|>\n<|im_start|>assistant\n" + (THINK_OFF if family == "qwen3.5" else ""))
+        assert prompt == (
+            f"{system}<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this."
+            "<|im_end|>\n<|im_start|>assistant\n" + (THINK_OFF if family == "qwen3.5" else "")
+        )
         n_img = int(inputs["image_grid_thw"].prod()) // 4
         assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == n_img > 0
     elif family in GEMMA:
@@ -113,13 +123,15 @@ def test_loads_renders_and_generates(loaded, family):
     else:
         audio = "<|audio_bos|><|AUDIO|><|audio_eos|>"
         audio = audio if family in OMNI else f"Audio 1: {audio}\n"
-        assert prompt == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-                          f"{audio}Describe this.<|im_end|>\n<|im_start|>assistant\n")
+        assert prompt == (
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+            f"{audio}Describe this.<|im_end|>\n<|im_start|>assistant\n"
+        )
         assert inputs["input_features"].shape[1] == 128
         assert int((inputs["input_ids"] == model.config.audio_token_id).sum()) > 0
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=8)
-    new = out[0, inputs["input_ids"].shape[1]:].tolist()
+    new = out[0, inputs["input_ids"].shape[1] :].tolist()
     assert len(new) == 8
     assert len(set(new)) > 1, f"degenerate greedy output {new}"
     tok = proc if family in TEXT else proc.tokenizer
@@ -144,10 +156,16 @@ def test_config_ids_match_tokenizer(built, family):
         assert tok.bos_token == "<bos>" and text_cfg.bos_token_id == tok.bos_token_id
         assert tok.eos_token == "<eos>" and tok.pad_token == "<pad>"
         assert gen.eos_token_id == [ids("<eos>"), ids("<end_of_turn>")]
-        assert (tok.boi_token, tok.eoi_token, tok.image_token) == ("<start_of_image>", "<end_of_image>",
-                                                                  "<image_soft_token>")
-        assert (cfg.boi_token_id, cfg.eoi_token_id, cfg.image_token_id) == (ids(tok.boi_token), ids(tok.eoi_token),
-                                                                            ids(tok.image_token))
+        assert (tok.boi_token, tok.eoi_token, tok.image_token) == (
+            "<start_of_image>",
+            "<end_of_image>",
+            "<image_soft_token>",
+        )
+        assert (cfg.boi_token_id, cfg.eoi_token_id, cfg.image_token_id) == (
+            ids(tok.boi_token),
+            ids(tok.eoi_token),
+            ids(tok.image_token),
+        )
     else:
         assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
         assert gen.eos_token_id == [ids("<|im_end|>"), ids("<|endoftext|>")]
@@ -183,10 +201,18 @@ def test_chat_template_round_trips(built, family):
     if family not in TEXT:
         proc = tf.AutoProcessor.from_pretrained(d)
         assert proc.chat_template == tiny.CHAT_TEMPLATES[family]
-        assert type(proc).__name__ == {"qwen2-vl": "Qwen2VLProcessor", "qwen2.5-vl": "Qwen2_5_VLProcessor",
-                                       "qwen2-audio": "Qwen2AudioProcessor", "gemma3": "Gemma3Processor",
-                                       "qwen3-vl": "Qwen3VLProcessor", "qwen2.5-omni": "Qwen2_5OmniProcessor",
-                                       "qwen3.5": "Qwen3VLProcessor"}[family]
+        assert (
+            type(proc).__name__
+            == {
+                "qwen2-vl": "Qwen2VLProcessor",
+                "qwen2.5-vl": "Qwen2_5_VLProcessor",
+                "qwen2-audio": "Qwen2AudioProcessor",
+                "gemma3": "Gemma3Processor",
+                "qwen3-vl": "Qwen3VLProcessor",
+                "qwen2.5-omni": "Qwen2_5OmniProcessor",
+                "qwen3.5": "Qwen3VLProcessor",
+            }[family]
+        )
         if family in GEMMA:
             assert type(proc.image_processor).__name__ == "Gemma3ImageProcessor"
             assert proc.image_seq_length == tf.AutoConfig.from_pretrained(d).mm_tokens_per_image
@@ -238,7 +264,10 @@ def test_build_is_deterministic_and_atomic(tmp_path):
 
 
 def test_media_reaches_the_model(loaded):
-    for family, kw in (("qwen2-vl", ("image", _image(1), _image(2))), ("qwen2-audio", ("audio", _sine(hz=300), _sine(hz=3000)))):
+    for family, kw in (
+        ("qwen2-vl", ("image", _image(1), _image(2))),
+        ("qwen2-audio", ("audio", _sine(hz=300), _sine(hz=3000))),
+    ):
         proc, model = loaded(family)
         key, m1, m2 = kw
         _, i1 = _inputs(family, proc, **{key: m1})

@@ -2,6 +2,7 @@
 Qwen3.5's XML, Llama 3's bare JSON), whole and as a stream: the deltas a client assembles equal
 the whole answer, whatever the pieces; and writing tools into a conversation for a template that
 cannot render them (Gemma 3), which must still render."""
+
 from __future__ import annotations
 
 import json
@@ -14,23 +15,40 @@ from pipeline.tiny import make_tokenizer
 from pipeline.tools import HERMES, LLAMA, XML, fallback_messages, parse, tool_format
 from stages.tokenize import render
 
-PARAMS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                                          "hourly": {"type": "boolean"}}},
-          "get_time": {"type": "object", "properties": {"zone": {"type": "integer"}}}}
+PARAMS = {
+    "get_weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "hourly": {"type": "boolean"}},
+    },
+    "get_time": {"type": "object", "properties": {"zone": {"type": "integer"}}},
+}
 TOOLS = [{"type": "function", "function": {"name": name, "parameters": params}} for name, params in PARAMS.items()]
 ANSWERS = {
-    HERMES: ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
-             '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": -5}}\n</tool_call>'),
-    XML: ("Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-          "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
-          "<parameter=zone>\n-5\n</parameter>\n</function>\n</tool_call>"),
+    HERMES: (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+        '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": -5}}\n</tool_call>'
+    ),
+    XML: (
+        "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+        "<parameter=zone>\n-5\n</parameter>\n</function>\n</tool_call>"
+    ),
     LLAMA: '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; {"name": "get_time", "parameters": {"zone": -5}}',
 }
 EXPECTED = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": -5})]
 
 
-@pytest.mark.parametrize("family, fmt", [("qwen3", HERMES), ("qwen3-vl", HERMES), ("qwen3.5", XML),
-                                         ("qwen3.5-text", XML), ("llama", LLAMA), ("gemma3", HERMES)])
+@pytest.mark.parametrize(
+    "family, fmt",
+    [
+        ("qwen3", HERMES),
+        ("qwen3-vl", HERMES),
+        ("qwen3.5", XML),
+        ("qwen3.5-text", XML),
+        ("llama", LLAMA),
+        ("gemma3", HERMES),
+    ],
+)
 def test_each_family_calls_tools_in_its_published_syntax(family, fmt):
     tok = make_tokenizer(family)
     assert tool_format(tok.chat_template, tok.get_vocab()) == fmt
@@ -47,11 +65,17 @@ def test_whole_answers_give_the_calls_with_json_arguments(fmt):
 
 
 def test_xml_values_take_the_type_their_schema_gives():
-    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n<parameter=hourly>\ntrue\n"
-            "</parameter>\n<parameter=note>\nline one\nline two\n</parameter>\n<parameter=unit>\rC\t</parameter>\n"
-            "</function>\n</tool_call>")
-    params = {"get_weather": {**PARAMS["get_weather"], "properties": {
-        **PARAMS["get_weather"]["properties"], "unit": {"enum": ["C", "F"]}}}}
+    text = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n<parameter=hourly>\ntrue\n"
+        "</parameter>\n<parameter=note>\nline one\nline two\n</parameter>\n<parameter=unit>\rC\t</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    params = {
+        "get_weather": {
+            **PARAMS["get_weather"],
+            "properties": {**PARAMS["get_weather"]["properties"], "unit": {"enum": ["C", "F"]}},
+        }
+    }
     (call,) = parse(text, XML, params=params).calls
     assert json.loads(call.arguments) == {"city": "42", "hourly": True, "note": "line one\nline two", "unit": "C"}
 
@@ -63,7 +87,7 @@ def test_streamed_deltas_assemble_to_the_whole_answer(fmt, size):
     whole, _ = message(reading, text, False, "stop")
     stream = Deltas(reading, opened=False)
     got: dict = {"reasoning_content": "", "content": "", "calls": {}}
-    for piece in (text[i:i + size] for i in range(0, len(text), size)):
+    for piece in (text[i : i + size] for i in range(0, len(text), size)):
         delta = stream.add(piece)
         for key in ("reasoning_content", "content"):
             got[key] += delta.get(key, "")
@@ -75,12 +99,15 @@ def test_streamed_deltas_assemble_to_the_whole_answer(fmt, size):
     assert stream.flush() == {}
     assert got["reasoning_content"] == whole["reasoning_content"] == "weather first"
     assert got["content"] == (whole["content"] or "")
-    assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == \
-        [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
+    assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]
+    ]
 
 
-@pytest.mark.parametrize("fmt, text, held", [(HERMES, "a < b and <tool", " <tool"), (XML, "x \n\n", " \n\n"),
-                                             (LLAMA, '{"na', '{"na'), (None, "<thi", "<thi")])
+@pytest.mark.parametrize(
+    "fmt, text, held",
+    [(HERMES, "a < b and <tool", " <tool"), (XML, "x \n\n", " \n\n"), (LLAMA, '{"na', '{"na'), (None, "<thi", "<thi")],
+)
 def test_text_that_only_looks_like_a_tag_starting_is_sent_at_the_end(fmt, text, held):
     reading = Reading(fmt, PARAMS, thinks=True)
     stream = Deltas(reading, opened=False)
@@ -92,10 +119,12 @@ def test_text_that_only_looks_like_a_tag_starting_is_sent_at_the_end(fmt, text, 
 def test_gemma3_renders_tools_calls_and_results_through_the_fallback():
     tok = make_tokenizer("gemma3")
     call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": 2}'}}
-    conversation = [{"role": "user", "content": "What time is it in Oslo?"},
-                    {"role": "assistant", "content": None, "tool_calls": [call]},
-                    {"role": "tool", "tool_call_id": "call_1", "content": '{"time": "10:42"}'},
-                    {"role": "user", "content": "And in summer?"}]
+    conversation = [
+        {"role": "user", "content": "What time is it in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"time": "10:42"}'},
+        {"role": "user", "content": "And in summer?"},
+    ]
     text = render(tok, fallback_messages(conversation, TOOLS, tool_format(tok.chat_template, tok.get_vocab())), {})
     assert '"name": "get_time"' in text and "<tool_call>" in text  # the tools, described, and the call
     assert '<tool_response>\n{"time": "10:42"}\n</tool_response>\n\nAnd in summer?' in text

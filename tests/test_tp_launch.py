@@ -3,6 +3,7 @@ ranks, a rank killed mid-request, a step that fails on rank 0, two machines' wor
 (``--nnodes 2``) on this one, and two tensor-parallel groups splitting a batch and an evaluation.
 Each case starts real processes (tens of seconds): marked slow, but for the failing step, which
 keeps the fault path in the default run."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,16 @@ PROMPTS = ["Tell me about the sea.", "Count to five.", "What is a river?", "Name
 
 def torchrun(*args: str, nodes: int = 1, node_rank: int = 0, port: int | None = None, processes: int = 2) -> list[str]:
     """The launch line (``python -m torch.distributed.run``: torchrun's own module)."""
-    rdzv = ["--nnodes", str(nodes), "--node-rank", str(node_rank), "--master-addr", "127.0.0.1",
-            "--master-port", str(port or free_port())]
+    rdzv = [
+        "--nnodes",
+        str(nodes),
+        "--node-rank",
+        str(node_rank),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port or free_port()),
+    ]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes // nodes), *rdzv, *args]
 
 
@@ -52,8 +61,11 @@ def answers(url: str, model: str, stream: bool, concurrent: bool) -> list[str]:
         args = dict(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0)
         if not stream:
             return client.chat.completions.create(**args).choices[0].message.content
-        return "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(**args, stream=True)
-                       if chunk.choices)
+        return "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(**args, stream=True)
+            if chunk.choices
+        )
 
     if not concurrent:
         return [ask(p) for p in PROMPTS]
@@ -63,7 +75,8 @@ def answers(url: str, model: str, stream: bool, concurrent: bool) -> list[str]:
 
 @pytest.mark.slow
 def test_openai_client_gets_the_single_process_answers_from_two_ranks_and_a_killed_rank_stops_the_group(
-        tiny_dir, tmp_path):
+    tiny_dir, tmp_path
+):
     model = tiny_dir("llama")
     settings = (f"model.path={model}", "model.dtype=float32", "kv.memory=64000000", "serve.model_name=tiny")
     with serving(tmp_path, *settings) as alone:
@@ -71,10 +84,22 @@ def test_openai_client_gets_the_single_process_answers_from_two_ranks_and_a_kill
     port = free_port()
     log = tmp_path / "tp.log"
     with open(log, "wb") as err:
-        proc = subprocess.Popen(torchrun("-m", "pipeline", "mode=serve", "model.tp=2", f"serve.port={port}",
-                                         f"hydra.run.dir={tmp_path / 'run'}", *settings),
-                                cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.DEVNULL,
-                                stderr=err, start_new_session=True)
+        proc = subprocess.Popen(
+            torchrun(
+                "-m",
+                "pipeline",
+                "mode=serve",
+                "model.tp=2",
+                f"serve.port={port}",
+                f"hydra.run.dir={tmp_path / 'run'}",
+                *settings,
+            ),
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -114,15 +139,21 @@ def test_a_step_that_fails_on_rank_0_stops_every_rank_in_one_line(tiny_dir, tmp_
     script = tmp_path / "fail.py"
     script.write_text(FAILING_STEP)
     t0 = time.monotonic()
-    proc = subprocess.run(torchrun(str(script), str(tiny_dir("llama"))), cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=240)
+    proc = subprocess.run(
+        torchrun(str(script), str(tiny_dir("llama"))),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=240,
+    )
     assert proc.returncode != 0 and time.monotonic() - t0 < 240
     lines = [line for line in proc.stderr.splitlines() if line.startswith("mm-pipeline: tensor parallel:")]
     assert lines and "rank 0's step failed (RuntimeError: injected fault" in lines[0], proc.stderr[-3000:]
     assert "finished" not in proc.stdout
 
 
-FAILING_STEP = '''
+FAILING_STEP = """
 import sys, torch
 from pipeline import Pipeline, Request, follow, load_model, tensor_parallel
 from stages import DecodeLoop, Prefill, Tokenize
@@ -143,25 +174,46 @@ try:
 finally:
     tensor_parallel.finish()
 print("finished")
-'''
+"""
 
 
 @pytest.mark.slow
 def test_two_nodes_rendezvous_on_one_machine(tiny_dir, tmp_path):
     """``--nnodes 2``: one launcher per machine, here both on loopback: the text equals one process's."""
     model = tiny_dir("llama")
-    args = ("-m", "pipeline", f"model.path={model}", "model.dtype=float32", "prompt=Tell me about the sea.",
-            "max_new_tokens=8", "ignore_eos=true", "kv.memory=64000000")
+    args = (
+        "-m",
+        "pipeline",
+        f"model.path={model}",
+        "model.dtype=float32",
+        "prompt=Tell me about the sea.",
+        "max_new_tokens=8",
+        "ignore_eos=true",
+        "kv.memory=64000000",
+    )
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    nodes = [subprocess.Popen(torchrun(*args, "model.tp=2", f"hydra.run.dir={tmp_path / f'node{r}'}", nodes=2,
-                                       node_rank=r, port=port),
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            torchrun(*args, "model.tp=2", f"hydra.run.dir={tmp_path / f'node{r}'}", nodes=2, node_rank=r, port=port),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     outs = [n.communicate(timeout=300) for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    alone = subprocess.run([sys.executable, *args, f"hydra.run.dir={tmp_path / 'one'}"],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    alone = subprocess.run(
+        [sys.executable, *args, f"hydra.run.dir={tmp_path / 'one'}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert outs[0][0] == alone.stdout and outs[1][0] == ""  # the answer on rank 0's node only
 
 
@@ -175,25 +227,47 @@ def test_two_tensor_parallel_groups_split_a_batch_and_an_evaluation(tiny_dir, tm
     from test_eval import write_tasks
 
     items = tmp_path / "items.jsonl"
-    items.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Tell me about thing {i}.", "max_new_tokens": 6})
-                             + "\n" for i in range(6)))
+    items.write_text(
+        "".join(
+            json.dumps({"id": f"q{i}", "prompt": f"Tell me about thing {i}.", "max_new_tokens": 6}) + "\n"
+            for i in range(6)
+        )
+    )
     write_tasks(tmp_path)
     model = tiny_dir("qwen3")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     common = (f"model.path={model}", "model.dtype=float32", "kv.memory=64000000")
-    jobs = {"batch": ("mode=batch", f"input={items}"),
-            "eval": ("mode=eval", "eval.tasks=[mm_mc,mm_gen]", f"eval.include_path={tmp_path}", "eval.log_samples=true")}
+    jobs = {
+        "batch": ("mode=batch", f"input={items}"),
+        "eval": ("mode=eval", "eval.tasks=[mm_mc,mm_gen]", f"eval.include_path={tmp_path}", "eval.log_samples=true"),
+    }
     for name, args in jobs.items():
-        four = subprocess.run(torchrun("-m", "pipeline", *args, *common, "model.tp=2", f"hydra.run.dir={tmp_path / name}4",
-                                       processes=4), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        four = subprocess.run(
+            torchrun("-m", "pipeline", *args, *common, "model.tp=2", f"hydra.run.dir={tmp_path / name}4", processes=4),
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert four.returncode == 0, four.stderr[-3000:]
-        one = subprocess.run([sys.executable, "-m", "pipeline", *args, *common, f"hydra.run.dir={tmp_path / name}1"],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        one = subprocess.run(
+            [sys.executable, "-m", "pipeline", *args, *common, f"hydra.run.dir={tmp_path / name}1"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert one.returncode == 0, one.stderr[-3000:]
-    rows = [[json.loads(line) for line in (tmp_path / f"batch{n}" / "results.jsonl").read_text().splitlines()] for n in (4, 1)]
+    rows = [
+        [json.loads(line) for line in (tmp_path / f"batch{n}" / "results.jsonl").read_text().splitlines()]
+        for n in (4, 1)
+    ]
     assert [(r["id"], r["token_ids"]) for r in rows[0]] == [(r["id"], r["token_ids"]) for r in rows[1]]
     assert json.loads((tmp_path / "batch4" / "summary.json").read_text())["num_processes"] == 2
     for task in ("mm_mc", "mm_gen"):
+
         def samples(folder: str) -> list:
             path = next((tmp_path / folder).glob(f"samples_{task}*.jsonl"))
             return sorted((r["doc_id"], r["filtered_resps"]) for r in map(json.loads, path.read_text().splitlines()))
@@ -209,8 +283,11 @@ def test_two_tensor_parallel_groups_split_a_batch_and_an_evaluation(tiny_dir, tm
 
 def _ask_long(url: str) -> int:
     try:
-        return httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "the sea", "max_tokens": 3000,
-                                                         "ignore_eos": True}, timeout=90).status_code
+        return httpx.post(
+            url + "/v1/completions",
+            json={"model": "tiny", "prompt": "the sea", "max_tokens": 3000, "ignore_eos": True},
+            timeout=90,
+        ).status_code
     except httpx.HTTPError:
         return -1
 

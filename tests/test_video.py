@@ -6,6 +6,7 @@ Oracle: transformers' own ``load_video`` (PyAV backend, its own frame sampling) 
 processor, then ``model.generate(do_sample=False)``, token for token. The clips are drawn with
 PIL and written with PyAV at 8 fps, so both samplings pick the same frames.
 """
+
 from __future__ import annotations
 
 import io
@@ -93,8 +94,9 @@ def clips(tmp_path_factory) -> dict[str, Path]:
 
 
 def make_pipe(lm) -> Pipeline:
-    return Pipeline(lm, {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(),
-                         "decode": DecodeLoop()})
+    return Pipeline(
+        lm, {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(), "decode": DecodeLoop()}
+    )
 
 
 def cfg(*overrides: str):
@@ -108,10 +110,19 @@ def oracle(lm, kinds: list[str], images: list, clips: list[Path], fps: float, te
 
     decoded = [hf_load_video(str(c), backend="pyav", fps=fps) for c in clips]
     content = [{"type": kind} for kind in kinds] + [{"type": "text", "text": text}]
-    prompt = lm.processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                              tokenize=False)
-    inputs = dict(lm.processor(text=[prompt], images=images or None, videos=[f for f, _ in decoded],
-                               video_metadata=[m for _, m in decoded], do_sample_frames=False, return_tensors="pt"))
+    prompt = lm.processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    inputs = dict(
+        lm.processor(
+            text=[prompt],
+            images=images or None,
+            videos=[f for f, _ in decoded],
+            video_metadata=[m for _, m in decoded],
+            do_sample_frames=False,
+            return_tensors="pt",
+        )
+    )
     ids = inputs.pop("input_ids")
     inputs.pop("attention_mask")
     return ids[0].tolist(), generate_oracle(lm, ids, n, ignore_eos=True, **inputs)
@@ -146,8 +157,14 @@ def test_clip_matches_generate(load_tiny, clips, family):
 
 def test_image_video_text_in_the_order_given(load_tiny, clips):
     lm = load_tiny("qwen2.5-vl")
-    request = request_from_cfg(cfg(f"input=[{clips['a']},{clips['mp4']},{clips['b']}]", f"prompt={PROMPT}",
-                                   f"max_new_tokens={N}", "ignore_eos=true"))
+    request = request_from_cfg(
+        cfg(
+            f"input=[{clips['a']},{clips['mp4']},{clips['b']}]",
+            f"prompt={PROMPT}",
+            f"max_new_tokens={N}",
+            "ignore_eos=true",
+        )
+    )
     assert request.media_order == ["image", "video", "image"]
     result = make_pipe(lm).run(request)
     images = [load_image(clips["a"]), load_image(clips["b"])]
@@ -262,14 +279,17 @@ def test_chat_video_command_and_a_second_turn_from_the_cache(load_tiny, clips):
 
 def test_batch_jsonl_videos(tiny_dir, load_tiny, clips, tmp_path, monkeypatch):
     p = tmp_path / "p.jsonl"
-    rows = [{"id": "v", "prompt": PROMPT, "videos": [str(clips["mp4"])], "max_new_tokens": N},
-            {"id": "bad", "prompt": PROMPT, "videos": [str(clips["a"])]}]
+    rows = [
+        {"id": "v", "prompt": PROMPT, "videos": [str(clips["mp4"])], "max_new_tokens": N},
+        {"id": "bad", "prompt": PROMPT, "videos": [str(clips["a"])]},
+    ]
     p.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     monkeypatch.setattr(processes, "run_dir", lambda: tmp_path)
     with pytest.raises(UserError, match="1 of 2 items failed"):  # a picture under "videos" fails alone
         batch.main(cfg("mode=batch", "batch.progress=false", f"input={p}", f"model.path={tiny_dir('qwen2-vl')}"))
     records = {r["id"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
     expected = make_pipe(load_tiny("qwen2-vl")).run(
-        Request(prompt=PROMPT, videos=[load_video(clips["mp4"])], max_new_tokens=N))
+        Request(prompt=PROMPT, videos=[load_video(clips["mp4"])], max_new_tokens=N)
+    )
     assert records["v"]["token_ids"] == expected.token_ids and records["v"]["metrics"]["video_frames"] == 4
     assert "not a video file" in records["bad"]["error"]

@@ -3,6 +3,7 @@
 Oracle: ``model.generate(do_sample=False)`` on inputs the model's own processor and chat
 template build from the same messages, token for token.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,10 @@ def oracle(lm, images: list[Image.Image], text: str = PROMPT, n: int = N) -> tup
     content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
     inputs = lm.processor.apply_chat_template(
         [{"role": "user", "content": content}],
-        add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        return_tensors="pt",
     )
     inputs = dict(inputs)
     ids = inputs.pop("input_ids")
@@ -85,8 +89,12 @@ def test_matches_generate(load_tiny, family, images):
 
 def test_chunked_prefill_through_images_matches_generate(load_tiny):
     lm = load_tiny("qwen2.5-vl")
-    stages = {"tokenize": Tokenize(), "vision_encoder": VisionEncoder(), "prefill": Prefill(chunk_size=16),
-              "decode": DecodeLoop()}
+    stages = {
+        "tokenize": Tokenize(),
+        "vision_encoder": VisionEncoder(),
+        "prefill": Prefill(chunk_size=16),
+        "decode": DecodeLoop(),
+    }
     result = ask(Pipeline(lm, stages), [C, A])  # chunk borders fall inside the images
     assert result.token_ids == oracle(lm, [C, A])[1]
 
@@ -295,7 +303,10 @@ def test_images_and_placeholders_must_agree(load_tiny):
 def test_cli_two_images_matches_generate_and_reports_vision_metrics(tiny_dir, load_tiny, tmp_path):
     a, b = ROOT / "examples" / "shapes.png", ROOT / "examples" / "photo.jpg"
     proc = run_cli(
-        f"model.path={tiny_dir('qwen2-vl')}", f"input=[{a},{b}]", f"max_new_tokens={N}", "ignore_eos=true",
+        f"model.path={tiny_dir('qwen2-vl')}",
+        f"input=[{a},{b}]",
+        f"max_new_tokens={N}",
+        "ignore_eos=true",
         f"hydra.run.dir={tmp_path}",
     )
     assert proc.returncode == 0, proc.stderr

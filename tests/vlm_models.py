@@ -7,6 +7,7 @@ others reduced to what one user turn renders); images a few patches large.
 
     build(model_type, dest) -> dest
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,8 +26,15 @@ LLAVA_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
-TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, initializer_range=0.1,
-            num_key_value_heads=2, max_position_embeddings=2048)
+TEXT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    initializer_range=0.1,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 
 
@@ -62,26 +70,36 @@ def tokenizer(extra: list[str], named: dict[str, str] | None = None):
 
 
 def text_config(tok, **more) -> dict:
-    return dict(TEXT, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id, **more)
+    return dict(
+        TEXT,
+        vocab_size=len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **more,
+    )
 
 
 # llava-hf/LLaVA-NeXT-Video-7B-hf's format: LLaVA's, videos rendered after the images
 LLAVA_VIDEO_TEMPLATE = LLAVA_TEMPLATE.replace(
     "{# Render all text next #}",
     "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>\n' }}{% endfor %}"
-    "{# Render all text next #}")
+    "{# Render all text next #}",
+)
 
 
 def llava(dest: Path) -> None:
-    from transformers import (CLIPImageProcessor, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
+    from transformers import CLIPImageProcessor, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
     tok = tokenizer(["<image>"])
     vision = clip_tower()
-    config = LlavaConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)),
-                         image_token_id=tok.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
-                         vision_feature_select_strategy="default")
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=LlamaConfig(**text_config(tok)),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
     images = CLIPImageProcessor(**CLIP_SIZES)
     processor = LlavaProcessor(images, tok, **LLAVA_PROCESSING, chat_template=LLAVA_TEMPLATE)
     save(LlavaForConditionalGeneration(config), processor, dest)
@@ -100,14 +118,25 @@ MISTRAL3_TEMPLATE = (
 
 def mistral3(dest: Path) -> None:
     """Pixtral's placeholder style: rows of [IMG] ended by [IMG_BREAK], the last by [IMG_END]."""
-    from transformers import (MistralConfig, Mistral3Config, Mistral3ForConditionalGeneration, PixtralImageProcessor,
-                              PixtralProcessor, PixtralVisionConfig)
+    from transformers import (
+        MistralConfig,
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        PixtralImageProcessor,
+        PixtralProcessor,
+        PixtralVisionConfig,
+    )
 
     tok = tokenizer(["[IMG]", "[IMG_BREAK]", "[IMG_END]", "[INST]", "[/INST]"])
     vision = PixtralVisionConfig(**VISION, head_dim=16, image_size=56, patch_size=14)
-    config = Mistral3Config(vision_config=vision, text_config=MistralConfig(**text_config(tok), head_dim=16),
-                            image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
-                            vision_feature_layer=-1, tie_word_embeddings=False)
+    config = Mistral3Config(
+        vision_config=vision,
+        text_config=MistralConfig(**text_config(tok), head_dim=16),
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
     images = PixtralImageProcessor(size={"longest_edge": 56}, patch_size={"height": 14, "width": 14})
     processor = PixtralProcessor(images, tok, patch_size=14, spatial_merge_size=2, chat_template=MISTRAL3_TEMPLATE)
     save(Mistral3ForConditionalGeneration(config), processor, dest)
@@ -126,14 +155,26 @@ IDEFICS3_TEMPLATE = (
 def idefics3(dest: Path) -> None:
     """Idefics3 / SmolVLM: an image split into tiles plus a global view, each tile's slots framed by
     ``<fake_token_around_image>`` and a ``<row_r_col_c>`` tag."""
-    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessor,
-                              Idefics3Processor, Idefics3VisionConfig, LlamaConfig)
+    from transformers import (
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
+        Idefics3VisionConfig,
+        LlamaConfig,
+    )
 
-    tok = tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
-                    + [f"<row_{r}_col_{c}>" for r in range(1, 3) for c in range(1, 3)])
+    tok = tokenizer(
+        ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+        + [f"<row_{r}_col_{c}>" for r in range(1, 3) for c in range(1, 3)]
+    )
     vision = Idefics3VisionConfig(**VISION, image_size=56, patch_size=14)
-    config = Idefics3Config(vision_config=vision, text_config=LlamaConfig(**text_config(tok)).to_dict(),
-                            image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2)
+    config = Idefics3Config(
+        vision_config=vision,
+        text_config=LlamaConfig(**text_config(tok)).to_dict(),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+    )
     images = Idefics3ImageProcessor(size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
     processor = Idefics3Processor(images, tok, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE)
     save(Idefics3ForConditionalGeneration(config), processor, dest)
@@ -142,14 +183,27 @@ def idefics3(dest: Path) -> None:
 def smolvlm(dest: Path) -> None:
     """SmolVLM (2): Idefics3's tiles under its own classes, with a video processor (the model has no
     get_video_features: images only)."""
-    from transformers import (LlamaConfig, SmolVLMConfig, SmolVLMForConditionalGeneration, SmolVLMImageProcessor,
-                              SmolVLMProcessor, SmolVLMVideoProcessor, SmolVLMVisionConfig)
+    from transformers import (
+        LlamaConfig,
+        SmolVLMConfig,
+        SmolVLMForConditionalGeneration,
+        SmolVLMImageProcessor,
+        SmolVLMProcessor,
+        SmolVLMVideoProcessor,
+        SmolVLMVisionConfig,
+    )
 
-    tok = tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", "<video>"]
-                    + [f"<row_{r}_col_{c}>" for r in range(1, 3) for c in range(1, 3)])
+    tok = tokenizer(
+        ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", "<video>"]
+        + [f"<row_{r}_col_{c}>" for r in range(1, 3) for c in range(1, 3)]
+    )
     vision = SmolVLMVisionConfig(**VISION, image_size=56, patch_size=14)
-    config = SmolVLMConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)).to_dict(),
-                           image_token_id=tok.convert_tokens_to_ids("<image>"), scale_factor=2)
+    config = SmolVLMConfig(
+        vision_config=vision,
+        text_config=LlamaConfig(**text_config(tok)).to_dict(),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+    )
     images = SmolVLMImageProcessor(size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
     videos = SmolVLMVideoProcessor(size={"longest_edge": 56}, max_image_size={"longest_edge": 56})
     processor = SmolVLMProcessor(images, tok, videos, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE)
@@ -170,14 +224,24 @@ LLAVA_NEXT_TEMPLATE = (
 def llava_next(dest: Path) -> None:
     """LLaVA-NeXT: "any resolution" tiles chosen by the image's size (``image_sizes``), a newline
     embedding after each row of the unpadded grid."""
-    from transformers import (LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration,
-                              LlavaNextImageProcessor, LlavaNextProcessor)
+    from transformers import (
+        LlamaConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessor,
+        LlavaNextProcessor,
+    )
 
     tok = tokenizer(["<image>"])
     vision = clip_tower()
-    config = LlavaNextConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)),
-                             image_token_index=tok.convert_tokens_to_ids("<image>"), image_grid_pinpoints=PINPOINTS,
-                             vision_feature_layer=-2, vision_feature_select_strategy="default")
+    config = LlavaNextConfig(
+        vision_config=vision,
+        text_config=LlamaConfig(**text_config(tok)),
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        image_grid_pinpoints=PINPOINTS,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
     images = LlavaNextImageProcessor(**CLIP_SIZES, image_grid_pinpoints=PINPOINTS)
     processor = LlavaNextProcessor(images, tok, **LLAVA_PROCESSING, chat_template=LLAVA_NEXT_TEMPLATE)
     save(LlavaNextForConditionalGeneration(config), processor, dest)
@@ -197,21 +261,37 @@ LLAVA_ONEVISION_TEMPLATE = (
 
 def llava_onevision(dest: Path) -> None:
     """LLaVA-OneVision: "anyres_max" tiles, pooled, a newline embedding per row and after the image."""
-    from transformers import (LlamaConfig, LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
-                              LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor,
-                              SiglipVisionConfig)
+    from transformers import (
+        LlamaConfig,
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionImageProcessor,
+        LlavaOnevisionProcessor,
+        LlavaOnevisionVideoProcessor,
+        SiglipVisionConfig,
+    )
 
     tok = tokenizer(["<image>", "<video>"])
     vision = SiglipVisionConfig(**VISION, image_size=28, patch_size=14)
-    config = LlavaOnevisionConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)).to_dict(),
-                                  image_token_index=tok.convert_tokens_to_ids("<image>"),
-                                  video_token_index=tok.convert_tokens_to_ids("<video>"),
-                                  image_grid_pinpoints=PINPOINTS, vision_feature_layer=-1,
-                                  vision_feature_select_strategy="full")
+    config = LlavaOnevisionConfig(
+        vision_config=vision,
+        text_config=LlamaConfig(**text_config(tok)).to_dict(),
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        video_token_index=tok.convert_tokens_to_ids("<video>"),
+        image_grid_pinpoints=PINPOINTS,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+    )
     images = LlavaOnevisionImageProcessor(size={"height": 28, "width": 28}, image_grid_pinpoints=PINPOINTS)
     videos = LlavaOnevisionVideoProcessor(size={"height": 28, "width": 28})
-    processor = LlavaOnevisionProcessor(images, tok, videos, num_image_tokens=4, vision_feature_select_strategy="full",
-                                        chat_template=LLAVA_ONEVISION_TEMPLATE)
+    processor = LlavaOnevisionProcessor(
+        images,
+        tok,
+        videos,
+        num_image_tokens=4,
+        vision_feature_select_strategy="full",
+        chat_template=LLAVA_ONEVISION_TEMPLATE,
+    )
     save(LlavaOnevisionForConditionalGeneration(config), processor, dest)
 
 
@@ -230,40 +310,80 @@ def aya_vision(dest: Path) -> None:
     """Aya Vision: tiles plus a global view, each a TILE tag and rows of ``<|IMG_PATCH|>`` slots ended
     by ``<|IMG_LINE_BREAK|>``, framed by ``<|START_OF_IMG|>`` / ``<|END_OF_IMG|>``; a Cohere 2 decoder
     (logit scale, sliding-window layers)."""
-    from transformers import (AyaVisionConfig, AyaVisionForConditionalGeneration, AyaVisionProcessor, Cohere2Config,
-                              GotOcr2ImageProcessor, SiglipVisionConfig)
+    from transformers import (
+        AyaVisionConfig,
+        AyaVisionForConditionalGeneration,
+        AyaVisionProcessor,
+        Cohere2Config,
+        GotOcr2ImageProcessor,
+        SiglipVisionConfig,
+    )
 
-    tok = tokenizer(["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>",
-                     "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>"])
+    tok = tokenizer(
+        [
+            "<image>",
+            "<|START_OF_IMG|>",
+            "<|END_OF_IMG|>",
+            "<|IMG_PATCH|>",
+            "<|IMG_LINE_BREAK|>",
+            "<|START_OF_TURN_TOKEN|>",
+            "<|END_OF_TURN_TOKEN|>",
+            "<|USER_TOKEN|>",
+            "<|CHATBOT_TOKEN|>",
+        ]
+    )
     vision = SiglipVisionConfig(**VISION, image_size=56, patch_size=14)
     text = Cohere2Config(**text_config(tok), sliding_window=8, layer_types=["sliding_attention", "full_attention"])
-    config = AyaVisionConfig(vision_config=vision, text_config=text, downsample_factor=2,
-                             image_token_index=tok.convert_tokens_to_ids("<|IMG_PATCH|>"))
-    images = GotOcr2ImageProcessor(size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1,
-                                   max_patches=4)
-    processor = AyaVisionProcessor(images, tok, patch_size=14, img_size=56, downsample_factor=2,
-                                   chat_template=AYA_TEMPLATE)
+    config = AyaVisionConfig(
+        vision_config=vision,
+        text_config=text,
+        downsample_factor=2,
+        image_token_index=tok.convert_tokens_to_ids("<|IMG_PATCH|>"),
+    )
+    images = GotOcr2ImageProcessor(size={"height": 56, "width": 56}, crop_to_patches=True, min_patches=1, max_patches=4)
+    processor = AyaVisionProcessor(
+        images, tok, patch_size=14, img_size=56, downsample_factor=2, chat_template=AYA_TEMPLATE
+    )
     save(AyaVisionForConditionalGeneration(config), processor, dest)
 
 
 def cohere2_vision(dest: Path) -> None:
     """Command A Vision: tiles of ``<|IMG_PATCH|>`` slots, each ended by ``<|IMG_LINE_BREAK|>``."""
-    from transformers import (Cohere2Config, Cohere2VisionConfig, Cohere2VisionForConditionalGeneration,
-                              Cohere2VisionImageProcessor, Cohere2VisionProcessor, SiglipVisionConfig)
+    from transformers import (
+        Cohere2Config,
+        Cohere2VisionConfig,
+        Cohere2VisionForConditionalGeneration,
+        Cohere2VisionImageProcessor,
+        Cohere2VisionProcessor,
+        SiglipVisionConfig,
+    )
 
-    named = {"boi_token": "<|START_OF_IMG|>", "eoi_token": "<|END_OF_IMG|>", "image_token": "<|IMG_PATCH|>",
-             "img_line_break_token": "<|IMG_LINE_BREAK|>"}
-    tok = tokenizer([*named.values(), "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>",
-                     "<|CHATBOT_TOKEN|>"], named)
+    named = {
+        "boi_token": "<|START_OF_IMG|>",
+        "eoi_token": "<|END_OF_IMG|>",
+        "image_token": "<|IMG_PATCH|>",
+        "img_line_break_token": "<|IMG_LINE_BREAK|>",
+    }
+    tok = tokenizer(
+        [*named.values(), "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>"],
+        named,
+    )
     vision = SiglipVisionConfig(**VISION, image_size=56, patch_size=14)
     text = Cohere2Config(**text_config(tok), sliding_window=8, layer_types=["sliding_attention", "full_attention"])
-    config = Cohere2VisionConfig(vision_config=vision, text_config=text, downsample_factor=2,
-                                 alignment_intermediate_size=64, image_token_id=tok.image_token_id)
-    images = Cohere2VisionImageProcessor(size={"height": 56, "width": 56}, patch_size=2, crop_to_patches=True,
-                                         max_patches=4)
+    config = Cohere2VisionConfig(
+        vision_config=vision,
+        text_config=text,
+        downsample_factor=2,
+        alignment_intermediate_size=64,
+        image_token_id=tok.image_token_id,
+    )
+    images = Cohere2VisionImageProcessor(
+        size={"height": 56, "width": 56}, patch_size=2, crop_to_patches=True, max_patches=4
+    )
     template = AYA_TEMPLATE.replace("'<image>'", "'<|IMG_PATCH|>'")
-    save(Cohere2VisionForConditionalGeneration(config), Cohere2VisionProcessor(images, tok, chat_template=template),
-         dest)
+    save(
+        Cohere2VisionForConditionalGeneration(config), Cohere2VisionProcessor(images, tok, chat_template=template), dest
+    )
 
 
 # OpenGVLab/InternVL3-1B-hf's format (ChatML, an image as <IMG_CONTEXT>)
@@ -277,15 +397,31 @@ INTERNVL_TEMPLATE = (
 
 def internvl(dest: Path) -> None:
     """InternVL: tiles plus a thumbnail, pixel-shuffled, their ``<IMG_CONTEXT>`` slots between ``<img>`` and ``</img>``."""
-    from transformers import (GotOcr2ImageProcessor, InternVLConfig, InternVLForConditionalGeneration,
-                              InternVLProcessor, InternVLVideoProcessor, InternVLVisionConfig, Qwen2Config)
+    from transformers import (
+        GotOcr2ImageProcessor,
+        InternVLConfig,
+        InternVLForConditionalGeneration,
+        InternVLProcessor,
+        InternVLVideoProcessor,
+        InternVLVisionConfig,
+        Qwen2Config,
+    )
 
-    named = {"start_image_token": "<img>", "end_image_token": "</img>", "context_image_token": "<IMG_CONTEXT>",
-             "video_token": "<video>"}
+    named = {
+        "start_image_token": "<img>",
+        "end_image_token": "</img>",
+        "context_image_token": "<IMG_CONTEXT>",
+        "video_token": "<video>",
+    }
     tok = tokenizer([*named.values(), "<|im_start|>", "<|im_end|>"], named)
     vision = InternVLVisionConfig(**VISION, image_size=56, patch_size=14)
-    config = InternVLConfig(vision_config=vision, text_config=Qwen2Config(**text_config(tok)),
-                            image_token_id=tok.context_image_token_id, image_seq_length=4, downsample_ratio=0.5)
+    config = InternVLConfig(
+        vision_config=vision,
+        text_config=Qwen2Config(**text_config(tok)),
+        image_token_id=tok.context_image_token_id,
+        image_seq_length=4,
+        downsample_ratio=0.5,
+    )
     images = GotOcr2ImageProcessor(size={"height": 56, "width": 56}, crop_to_patches=True, max_patches=4)
     videos = InternVLVideoProcessor(size={"height": 56, "width": 56})
     processor = InternVLProcessor(images, tok, videos, image_seq_length=4, chat_template=INTERNVL_TEMPLATE)
@@ -294,13 +430,22 @@ def internvl(dest: Path) -> None:
 
 def vipllava(dest: Path) -> None:
     """ViP-LLaVA: LLaVA's placeholders, features from five tower layers at once."""
-    from transformers import (CLIPImageProcessor, LlamaConfig, LlavaProcessor, VipLlavaConfig,
-                              VipLlavaForConditionalGeneration)
+    from transformers import (
+        CLIPImageProcessor,
+        LlamaConfig,
+        LlavaProcessor,
+        VipLlavaConfig,
+        VipLlavaForConditionalGeneration,
+    )
 
     tok = tokenizer(["<image>"])
     vision = clip_tower()
-    config = VipLlavaConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)),
-                            image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_layers=[-2, -1])
+    config = VipLlavaConfig(
+        vision_config=vision,
+        text_config=LlamaConfig(**text_config(tok)),
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layers=[-2, -1],
+    )
     images = CLIPImageProcessor(**CLIP_SIZES)
     processor = LlavaProcessor(images, tok, **LLAVA_PROCESSING, chat_template=LLAVA_TEMPLATE)
     save(VipLlavaForConditionalGeneration(config), processor, dest)
@@ -308,16 +453,26 @@ def vipllava(dest: Path) -> None:
 
 def llava_next_video(dest: Path) -> None:
     """LLaVA-NeXT-Video, its images: LLaVA-NeXT's tiles beside a video token of its own."""
-    from transformers import (LlamaConfig, LlavaNextImageProcessor, LlavaNextVideoConfig,
-                              LlavaNextVideoForConditionalGeneration, LlavaNextVideoProcessor,
-                              LlavaNextVideoVideoProcessor)
+    from transformers import (
+        LlamaConfig,
+        LlavaNextImageProcessor,
+        LlavaNextVideoConfig,
+        LlavaNextVideoForConditionalGeneration,
+        LlavaNextVideoProcessor,
+        LlavaNextVideoVideoProcessor,
+    )
 
     tok = tokenizer(["<image>", "<video>"])
     vision = clip_tower()
-    config = LlavaNextVideoConfig(vision_config=vision, text_config=LlamaConfig(**text_config(tok)),
-                                  image_token_index=tok.convert_tokens_to_ids("<image>"),
-                                  video_token_index=tok.convert_tokens_to_ids("<video>"), image_grid_pinpoints=PINPOINTS,
-                                  vision_feature_layer=-2, vision_feature_select_strategy="default")
+    config = LlavaNextVideoConfig(
+        vision_config=vision,
+        text_config=LlamaConfig(**text_config(tok)),
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        video_token_index=tok.convert_tokens_to_ids("<video>"),
+        image_grid_pinpoints=PINPOINTS,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
     images = LlavaNextImageProcessor(**CLIP_SIZES, image_grid_pinpoints=PINPOINTS)
     videos = LlavaNextVideoVideoProcessor(**CLIP_SIZES)
     processor = LlavaNextVideoProcessor(videos, images, tok, **LLAVA_PROCESSING, chat_template=LLAVA_VIDEO_TEMPLATE)
@@ -336,16 +491,31 @@ IDEFICS2_TEMPLATE = (
 def idefics2(dest: Path) -> None:
     """Idefics2: a perceiver resampler to a fixed number of ``<image>`` slots, framed by
     ``<fake_token_around_image>``."""
-    from transformers import (Idefics2Config, Idefics2ForConditionalGeneration, Idefics2ImageProcessor,
-                              Idefics2Processor, Idefics2VisionConfig, MistralConfig)
+    from transformers import (
+        Idefics2Config,
+        Idefics2ForConditionalGeneration,
+        Idefics2ImageProcessor,
+        Idefics2Processor,
+        Idefics2VisionConfig,
+        MistralConfig,
+    )
 
     tok = tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>"])
     vision = Idefics2VisionConfig(**VISION, image_size=56, patch_size=14)
-    perceiver = dict(hidden_size=TEXT["hidden_size"], resampler_n_latents=4, resampler_depth=1, resampler_n_heads=2,
-                     resampler_head_dim=16, num_key_value_heads=1)
-    config = Idefics2Config(vision_config=vision.to_dict(), perceiver_config=perceiver,
-                            text_config=MistralConfig(**text_config(tok)).to_dict(),
-                            image_token_id=tok.convert_tokens_to_ids("<image>"))
+    perceiver = dict(
+        hidden_size=TEXT["hidden_size"],
+        resampler_n_latents=4,
+        resampler_depth=1,
+        resampler_n_heads=2,
+        resampler_head_dim=16,
+        num_key_value_heads=1,
+    )
+    config = Idefics2Config(
+        vision_config=vision.to_dict(),
+        perceiver_config=perceiver,
+        text_config=MistralConfig(**text_config(tok)).to_dict(),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+    )
     images = Idefics2ImageProcessor(size={"shortest_edge": 56, "longest_edge": 56})
     processor = Idefics2Processor(images, tok, image_seq_len=4, chat_template=IDEFICS2_TEMPLATE)
     save(Idefics2ForConditionalGeneration(config), processor, dest)
@@ -363,22 +533,60 @@ GLM4V_TEMPLATE = (
 
 def glm4v(dest: Path) -> None:
     """GLM-4V: Qwen2-VL-like patch merging and M-RoPE positions from the model's ``get_rope_index``."""
-    from transformers import (Glm4vConfig, Glm4vForConditionalGeneration, Glm4vImageProcessor, Glm4vProcessor,
-                              Glm4vTextConfig, Glm4vVideoProcessor, Glm4vVisionConfig)
+    from transformers import (
+        Glm4vConfig,
+        Glm4vForConditionalGeneration,
+        Glm4vImageProcessor,
+        Glm4vProcessor,
+        Glm4vTextConfig,
+        Glm4vVideoProcessor,
+        Glm4vVisionConfig,
+    )
 
-    tokens = ["[gMASK]", "<sop>", "<|user|>", "<|assistant|>", "<|begin_of_image|>", "<|end_of_image|>", "<|image|>",
-              "<|begin_of_video|>", "<|end_of_video|>", "<|video|>"]
+    tokens = [
+        "[gMASK]",
+        "<sop>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|begin_of_image|>",
+        "<|end_of_image|>",
+        "<|image|>",
+        "<|begin_of_video|>",
+        "<|end_of_video|>",
+        "<|video|>",
+    ]
     tok = tokenizer(tokens)
     ids = tok.convert_tokens_to_ids
-    vision = Glm4vVisionConfig(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, image_size=56,
-                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
-                               out_hidden_size=TEXT["hidden_size"])
-    text = Glm4vTextConfig(**text_config(tok), rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                                "mrope_section": [1, 1, 2], "partial_rotary_factor": 0.5})
-    config = Glm4vConfig(vision_config=vision, text_config=text, image_token_id=ids("<|image|>"),
-                         video_token_id=ids("<|video|>"), image_start_token_id=ids("<|begin_of_image|>"),
-                         image_end_token_id=ids("<|end_of_image|>"), video_start_token_id=ids("<|begin_of_video|>"),
-                         video_end_token_id=ids("<|end_of_video|>"))
+    vision = Glm4vVisionConfig(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        image_size=56,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=TEXT["hidden_size"],
+    )
+    text = Glm4vTextConfig(
+        **text_config(tok),
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [1, 1, 2],
+            "partial_rotary_factor": 0.5,
+        },
+    )
+    config = Glm4vConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_id=ids("<|image|>"),
+        video_token_id=ids("<|video|>"),
+        image_start_token_id=ids("<|begin_of_image|>"),
+        image_end_token_id=ids("<|end_of_image|>"),
+        video_start_token_id=ids("<|begin_of_video|>"),
+        video_end_token_id=ids("<|end_of_video|>"),
+    )
     pixels = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
     images = Glm4vImageProcessor(size=pixels, patch_size=14, merge_size=2, temporal_patch_size=2)
     videos = Glm4vVideoProcessor(size=pixels, patch_size=14, merge_size=2, temporal_patch_size=2)
@@ -398,14 +606,24 @@ PALIGEMMA_TEMPLATE = (
 def paligemma(dest: Path) -> None:
     """PaliGemma: its whole prompt (image, BOS, text, newline) attended both ways (``token_type_ids``),
     positions from 1."""
-    from transformers import (GemmaConfig, PaliGemmaConfig, PaliGemmaForConditionalGeneration, PaliGemmaProcessor,
-                              SiglipImageProcessor, SiglipVisionConfig)
+    from transformers import (
+        GemmaConfig,
+        PaliGemmaConfig,
+        PaliGemmaForConditionalGeneration,
+        PaliGemmaProcessor,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
+    )
 
     tok = tokenizer(["<image>"])
     vision = SiglipVisionConfig(**VISION, image_size=56, patch_size=14)
     text = GemmaConfig(**{**text_config(tok), "initializer_range": 0.2}, head_dim=16)
-    config = PaliGemmaConfig(vision_config=vision, text_config=text.to_dict(), projection_dim=TEXT["hidden_size"],
-                             image_token_index=tok.convert_tokens_to_ids("<image>"))
+    config = PaliGemmaConfig(
+        vision_config=vision,
+        text_config=text.to_dict(),
+        projection_dim=TEXT["hidden_size"],
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+    )
     images = SiglipImageProcessor(size={"height": 56, "width": 56})
     images.image_seq_length = 16  # (56 / 14) ** 2 patches
     processor = PaliGemmaProcessor(images, tok, chat_template=PALIGEMMA_TEMPLATE)
@@ -430,9 +648,16 @@ APERTUS1P5_TEMPLATE = (
 )
 
 # The processor's structure tokens (EMU3.5's image framing: "<boi>H*W<wrapper>rows joined by <eol><eoi>")
-APERTUS1P5_TOKENS = {"image_token": "<|image|>", "audio_token": "<|audio|>", "boi_token": "<|image start|>",
-                     "eoi_token": "<|image end|>", "image_wrapper_token": "<|image token|>",
-                     "eol_token": "<|extra_200|>", "boa_token": "<|audio start|>", "eoa_token": "<|audio end|>"}
+APERTUS1P5_TOKENS = {
+    "image_token": "<|image|>",
+    "audio_token": "<|audio|>",
+    "boi_token": "<|image start|>",
+    "eoi_token": "<|image end|>",
+    "image_wrapper_token": "<|image token|>",
+    "eol_token": "<|extra_200|>",
+    "boa_token": "<|audio start|>",
+    "eoa_token": "<|audio end|>",
+}
 
 
 def apertus1p5(dest: Path) -> None:
@@ -442,32 +667,78 @@ def apertus1p5(dest: Path) -> None:
     tokenizer keeps WavTokenizer's hop of 600 samples (40 codes a second at 24 kHz) with 4 base filters.
     Both codebooks hold 16 codes; the LM head is pruned to the tokenizer's own ids, as the released
     checkpoints' is."""
-    from transformers import (Apertus1p5Config, Apertus1p5ForConditionalGeneration, Apertus1p5ImageProcessor,
-                              Apertus1p5Processor, Apertus1p5TextConfig, Apertus1p5VisionTokenizerConfig,
-                              WavTokenizerEncoderConfig, WavTokenizerFeatureExtractor)
+    from transformers import (
+        Apertus1p5Config,
+        Apertus1p5ForConditionalGeneration,
+        Apertus1p5ImageProcessor,
+        Apertus1p5Processor,
+        Apertus1p5TextConfig,
+        Apertus1p5VisionTokenizerConfig,
+        WavTokenizerEncoderConfig,
+        WavTokenizerFeatureExtractor,
+    )
 
     named = APERTUS1P5_TOKENS
-    tok = tokenizer([*named.values(), "<|user_start|>", "<|user_end|>", "<|assistant_start|>", "<|assistant_end|>",
-                     "<|system_start|>", "<|system_end|>"], named)
-    vision = Apertus1p5VisionTokenizerConfig(codebook_size=16, embed_dim=16, latent_channels=16, base_channels=32,
-                                             channel_multiplier=(1, 1, 1), num_res_blocks=1, attn_resolutions=(),
-                                             resolution=16)
-    audio = WavTokenizerEncoderConfig(num_filters=4, upsampling_ratios=(6, 5, 5, 4), num_lstm_layers=1, hidden_size=16,
-                                      codebook_size=16, codebook_dim=16, decoder_hidden_size=16,
-                                      decoder_intermediate_size=32, decoder_num_layers=1,
-                                      decoder_attention_num_groups=4)
+    tok = tokenizer(
+        [
+            *named.values(),
+            "<|user_start|>",
+            "<|user_end|>",
+            "<|assistant_start|>",
+            "<|assistant_end|>",
+            "<|system_start|>",
+            "<|system_end|>",
+        ],
+        named,
+    )
+    vision = Apertus1p5VisionTokenizerConfig(
+        codebook_size=16,
+        embed_dim=16,
+        latent_channels=16,
+        base_channels=32,
+        channel_multiplier=(1, 1, 1),
+        num_res_blocks=1,
+        attn_resolutions=(),
+        resolution=16,
+    )
+    audio = WavTokenizerEncoderConfig(
+        num_filters=4,
+        upsampling_ratios=(6, 5, 5, 4),
+        num_lstm_layers=1,
+        hidden_size=16,
+        codebook_size=16,
+        codebook_dim=16,
+        decoder_hidden_size=16,
+        decoder_intermediate_size=32,
+        decoder_num_layers=1,
+        decoder_attention_num_groups=4,
+    )
     image_offset = len(tok)  # codes follow the tokenizer's own ids
     audio_offset = image_offset + vision.codebook_size
-    rope = {"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # Apertus' scaling, within 2048
-    text = Apertus1p5TextConfig(**text_config(tok, output_vocab_size=image_offset, rope_parameters=rope)
-                                | {"vocab_size": audio_offset + audio.codebook_size})
-    config = Apertus1p5Config(text_config=text, vision_config=vision, audio_config=audio,
-                              image_token_id=tok.convert_tokens_to_ids(named["image_token"]),
-                              audio_token_id=tok.convert_tokens_to_ids(named["audio_token"]),
-                              image_token_offset=image_offset, audio_token_offset=audio_offset)
-    images = Apertus1p5ImageProcessor(size={"min_pixels": 8 * 8, "max_pixels": 16 * 16},
-                                      spatial_factor=vision.spatial_scale_factor)
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 12000000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+    }  # Apertus' scaling, within 2048
+    text = Apertus1p5TextConfig(
+        **text_config(tok, output_vocab_size=image_offset, rope_parameters=rope)
+        | {"vocab_size": audio_offset + audio.codebook_size}
+    )
+    config = Apertus1p5Config(
+        text_config=text,
+        vision_config=vision,
+        audio_config=audio,
+        image_token_id=tok.convert_tokens_to_ids(named["image_token"]),
+        audio_token_id=tok.convert_tokens_to_ids(named["audio_token"]),
+        image_token_offset=image_offset,
+        audio_token_offset=audio_offset,
+    )
+    images = Apertus1p5ImageProcessor(
+        size={"min_pixels": 8 * 8, "max_pixels": 16 * 16}, spatial_factor=vision.spatial_scale_factor
+    )
     sounds = WavTokenizerFeatureExtractor(sampling_rate=24000, hop_length=audio.hop_length, normalize_audio=True)
     processor = Apertus1p5Processor(images, sounds, tok, chat_template=APERTUS1P5_TEMPLATE)
     model = Apertus1p5ForConditionalGeneration(config)
@@ -504,13 +775,23 @@ def save(model: torch.nn.Module, processor, dest: Path) -> None:
     processor.save_pretrained(dest)
 
 
-BUILDERS: dict[str, Callable[[Path], None]] = {"llava": llava, "mistral3": mistral3, "idefics3": idefics3,
-                                                   "llava_next": llava_next,
-                                                   "llava_onevision": llava_onevision, "aya_vision": aya_vision,
-                                                   "cohere2_vision": cohere2_vision, "internvl": internvl,
-                                                   "vipllava": vipllava, "llava_next_video": llava_next_video,
-                                                   "idefics2": idefics2, "glm4v": glm4v, "paligemma": paligemma,
-                                                   "smolvlm": smolvlm, "apertus1p5": apertus1p5}
+BUILDERS: dict[str, Callable[[Path], None]] = {
+    "llava": llava,
+    "mistral3": mistral3,
+    "idefics3": idefics3,
+    "llava_next": llava_next,
+    "llava_onevision": llava_onevision,
+    "aya_vision": aya_vision,
+    "cohere2_vision": cohere2_vision,
+    "internvl": internvl,
+    "vipllava": vipllava,
+    "llava_next_video": llava_next_video,
+    "idefics2": idefics2,
+    "glm4v": glm4v,
+    "paligemma": paligemma,
+    "smolvlm": smolvlm,
+    "apertus1p5": apertus1p5,
+}
 
 
 def build(model_type: str, dest: Path) -> Path:

@@ -9,6 +9,7 @@
 
 Imports ``pipeline.kv``, ``pipeline.runner`` and ``pipeline.spec`` (see ``[tool.importlinter]``).
 """
+
 from pipeline.engine.engine import Engine
 from pipeline.engine.handle import Cancelled, Handle
 from pipeline.engine.output import Output, TextStream, holdback
@@ -16,6 +17,17 @@ from pipeline.engine.scheduler import Scheduled, Scheduler
 from pipeline.engine.sequence import Drafting, Layout, Phases, Sequence, Status
 
 __all__ = [
-    "Engine", "Cancelled", "Handle", "Output", "TextStream", "holdback", "Scheduled", "Scheduler", "Drafting",
-    "Layout", "Phases", "Sequence", "Status",
+    "Engine",
+    "Cancelled",
+    "Handle",
+    "Output",
+    "TextStream",
+    "holdback",
+    "Scheduled",
+    "Scheduler",
+    "Drafting",
+    "Layout",
+    "Phases",
+    "Sequence",
+    "Status",
 ]

@@ -21,6 +21,7 @@ slower decode.)
 Errors: a request's own bad input fails that request alone (its handle raises); a failed
 forward fails the sequences in that step and the engine goes on with the rest.
 """
+
 from __future__ import annotations
 
 import threading
@@ -56,9 +57,17 @@ class Engine:
         self._inbox: list[Sequence] = []
         self._cond = threading.Condition()
         self._driving = False  # a thread is inside step()
-        self.counters = {"steps": 0, "tokens_in": 0, "tokens_out": 0, "preemptions": 0, "requests": 0,
-                         "kv_blocks_peak": 0, "blocking_transfers": 0, "blocking_transfers_step_max": 0,
-                         "oom_retries": 0}
+        self.counters = {
+            "steps": 0,
+            "tokens_in": 0,
+            "tokens_out": 0,
+            "preemptions": 0,
+            "requests": 0,
+            "kv_blocks_peak": 0,
+            "blocking_transfers": 0,
+            "blocking_transfers_step_max": 0,
+            "oom_retries": 0,
+        }
         self.busy_s = 0.0
         self._grammars: grammar.Grammars | None = None  # made on the first constrained request
 
@@ -93,7 +102,9 @@ class Engine:
         with self._cond:
             if self._grammars is None:
                 lm = seq.ctx.lm
-                self._grammars = grammar.Grammars(lm.tokenizer, int(text_config(lm.config).vocab_size), lm.eos_token_ids)
+                self._grammars = grammar.Grammars(
+                    lm.tokenizer, int(text_config(lm.config).vocab_size), lm.eos_token_ids
+                )
         grammars = self._grammars
         think = grammars.think_ids is not None and request.thinking is True  # reasoning first, then the constraint
         return grammars.open(grammar.constraint_of(request, think))
@@ -137,8 +148,11 @@ class Engine:
         """Engine figures: sequences, blocks (and recurrent-state slots), prefix-cache hit rate,
         the second tier's blocks, hits and loads (``kv_tier_*``), preemptions, tokens in/out."""
         pool, sched = self.pool, self.scheduler
-        states = {} if pool.states is None else {
-            "state_slots_free": pool.states.free_slots, "state_slots_total": pool.states.num_slots - 1}
+        states = (
+            {}
+            if pool.states is None
+            else {"state_slots_free": pool.states.free_slots, "state_slots_total": pool.states.num_slots - 1}
+        )
         tier = {} if pool.tier is None else {f"kv_tier_{k}": v for k, v in pool.tier.stats().items()}
         return {
             "running": len(sched.running),
@@ -162,8 +176,12 @@ class Engine:
         g = self._grammars
         if g is None:
             return {}
-        return {"grammar_compiles": g.compiles, "grammar_compile_s": g.compile_s, "grammar_masks": g.masks,
-                "grammar_step_s": g.step_s}
+        return {
+            "grammar_compiles": g.compiles,
+            "grammar_compile_s": g.compile_s,
+            "grammar_masks": g.masks,
+            "grammar_step_s": g.step_s,
+        }
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> None:
@@ -180,8 +198,12 @@ class Engine:
                 if out is None:
                     plan = []  # out of device memory: its sequences wait for a smaller step
                 else:
-                    note_step([i.seq.ctx.metrics for i in plan], [i.end for i in plan], self.pool,
-                              len(out.tokens) if out.tokens else 1)  # memory and KV reads, per request
+                    note_step(
+                        [i.seq.ctx.metrics for i in plan],
+                        [i.end for i in plan],
+                        self.pool,
+                        len(out.tokens) if out.tokens else 1,
+                    )  # memory and KV reads, per request
                     self._postprocess(plan, out)
         except BaseException as err:  # a failed step (Ctrl-C in a hook too): fail its sequences, serve the rest
             for seq in [item.seq for item in plan] or list(self.scheduler.running):
@@ -219,7 +241,9 @@ class Engine:
 
     def _await_grammars(self) -> None:
         """Nothing to run while requests wait for their grammars to compile: wait for one (briefly)."""
-        compiling = [s.grammar.compiled for s in self.scheduler.waiting if s.grammar is not None and not s.grammar.ready]
+        compiling = [
+            s.grammar.compiled for s in self.scheduler.waiting if s.grammar is not None and not s.grammar.ready
+        ]
         if compiling and not self.scheduler.running:
             wait_any(compiling, timeout=0.05, return_when=FIRST_COMPLETED)
 
@@ -359,8 +383,9 @@ class Engine:
         self._accept(seqs, *self._pick(seqs, logits)[:3])
 
     @staticmethod
-    def _pick(seqs: list[Sequence], logits: torch.Tensor, also: torch.Tensor | None = None
-              ) -> tuple[list[int], float, list[TokenLogprob | None], list[float]]:
+    def _pick(
+        seqs: list[Sequence], logits: torch.Tensor, also: torch.Tensor | None = None
+    ) -> tuple[list[int], float, list[TokenLogprob | None], list[float]]:
         """Each sequence's logits processors (one call per processor for all its rows), then one
         token per sequence (argmax rows together, other samplers on their own rows), the seconds
         that took, and the log-probabilities the sequences asked for (``Request.logprobs``), read
@@ -390,22 +415,29 @@ class Engine:
         return tokens, time.perf_counter() - t0, entries, values[len(seqs) + len(asked) * width :]
 
     @staticmethod
-    def _logprob_table(seqs: list[Sequence], asked: list[int], raw: torch.Tensor, logits: torch.Tensor,
-                       chosen: torch.Tensor, k: int) -> torch.Tensor:
+    def _logprob_table(
+        seqs: list[Sequence], asked: list[int], raw: torch.Tensor, logits: torch.Tensor, chosen: torch.Tensor, k: int
+    ) -> torch.Tensor:
         """``logprobs.table`` of the ``asked`` rows: from the model's ``raw`` logits, or for
         ``logprobs_mode="processed"`` rows from ``logits`` after processors and the sampler's filters."""
         index = upload(asked, logits.device)
         scores = raw.index_select(0, index)
         if any(seqs[i].ctx.request.logprobs_mode == "processed" for i in asked):
-            processed = logprobs.processed_scores(logits.index_select(0, index), [seqs[i].sampler for i in asked],
-                                                  lambda j: seqs[asked[j]].ids, lambda j: seqs[asked[j]].ctx.generated)
-            modes = upload([seqs[i].ctx.request.logprobs_mode == "processed" for i in asked], logits.device,
-                           dtype=torch.bool)
+            processed = logprobs.processed_scores(
+                logits.index_select(0, index),
+                [seqs[i].sampler for i in asked],
+                lambda j: seqs[asked[j]].ids,
+                lambda j: seqs[asked[j]].ctx.generated,
+            )
+            modes = upload(
+                [seqs[i].ctx.request.logprobs_mode == "processed" for i in asked], logits.device, dtype=torch.bool
+            )
             scores = torch.where(modes[:, None], processed, scores.float())
         return logprobs.table(scores, chosen.index_select(0, index), k)
 
-    def _accept(self, seqs: list[Sequence], tokens: list[int], sample_s: float,
-                scored: Seq[TokenLogprob | None] = ()) -> None:
+    def _accept(
+        self, seqs: list[Sequence], tokens: list[int], sample_s: float, scored: Seq[TokenLogprob | None] = ()
+    ) -> None:
         """The host side of one chosen token per sequence: record, stream, hooks, finish."""
         self.counters["tokens_out"] += len(tokens)
         for i, (seq, token_id) in enumerate(zip(seqs, tokens)):
@@ -456,8 +488,15 @@ class Engine:
         for item in plan:
             seq = item.seq
             decoding = item.end - item.begin == 1 and item.begin >= seq.prompt_len and seq.known - item.begin == 1
-            if (not decoding or seq.prefill_only or seq.spec is not None or seq.phases.processors or seq.grammar
-                    or not argmax_only(seq.sampler) or seq.ctx.request.logprobs is not None):
+            if (
+                not decoding
+                or seq.prefill_only
+                or seq.spec is not None
+                or seq.phases.processors
+                or seq.grammar
+                or not argmax_only(seq.sampler)
+                or seq.ctx.request.logprobs is not None
+            ):
                 return 1
             steps = min(steps, seq.ctx.request.max_new_tokens - len(seq.ctx.generated))
         return steps
@@ -473,8 +512,13 @@ class Engine:
             steps = 1  # no room to run ahead: one step, the slots reserved so far used as they come
         chunks = [make_chunk(item) for item in plan]
         positions = [[c.positions[r][0] for c in chunks] for r in range(len(chunks[0].positions))]
-        return self.runner.burst([c.ids[0] for c in chunks], positions, [c.start for c in chunks],
-                                 [item.seq.cache.blocks for item in plan], steps)
+        return self.runner.burst(
+            [c.ids[0] for c in chunks],
+            positions,
+            [c.start for c in chunks],
+            [item.seq.cache.blocks for item in plan],
+            steps,
+        )
 
     def _accept_burst(self, plan: list[Scheduled], out: StepOutput) -> None:
         """A burst's tokens, step by step. A row that ends inside the burst (EOS, a stop string)

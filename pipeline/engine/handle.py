@@ -1,4 +1,5 @@
 """What ``submit`` returns: the caller's side of one request in flight."""
+
 from __future__ import annotations
 
 import queue

@@ -1,5 +1,6 @@
 """From a request to the model's inputs: a sequence's front stages at admission, and the chunk
 each step feeds (``make_chunk``)."""
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -48,8 +49,11 @@ def prepare(seq: Sequence) -> None:
         eos = frozenset() if req.ignore_eos else frozenset(ctx.lm.eos_token_ids)
         seq.output = Output(ctx.lm.tokenizer, req.max_new_tokens, req.stop, eos, ctx.on_text)
     ctx.finish_reason = None
-    seq.layout = Layout(pos.reshape(-1, pos.shape[-1]).tolist(), family.decode_positions(ctx, 0).reshape(-1).tolist(),
-                        [(int(a), int(b)) for a, b in family.bidirectional_spans(ctx)])
+    seq.layout = Layout(
+        pos.reshape(-1, pos.shape[-1]).tolist(),
+        family.decode_positions(ctx, 0).reshape(-1).tolist(),
+        [(int(a), int(b)) for a, b in family.bidirectional_spans(ctx)],
+    )
 
 
 def check_media(stages: Mapping[str, Any], request: Any) -> None:
@@ -59,8 +63,10 @@ def check_media(stages: Mapping[str, Any], request: Any) -> None:
     encoded = {kind for stage in stages.values() for kind in getattr(stage, "media_kinds", ())}
     for name, kind in MEDIA.items():
         if getattr(request, name) and kind not in encoded:
-            raise UserError(f"the request has {name} but no stage encodes a {kind} (is stages.vision_encoder or "
-                            f"stages.audio_encoder null?)")
+            raise UserError(
+                f"the request has {name} but no stage encodes a {kind} (is stages.vision_encoder or "
+                f"stages.audio_encoder null?)"
+            )
 
 
 def _run_front(seq: Sequence) -> int | None:
@@ -86,8 +92,10 @@ def _check_limits(seq: Sequence, total: int) -> None:
     _check_logit_bias(seq)
     context = getattr(text_config(ctx.lm.config), "max_position_embeddings", None)
     if not seq.prefill_only and context and total + req.max_new_tokens > context:
-        raise UserError(f"the prompt ({total} tokens) plus max_new_tokens ({req.max_new_tokens}) exceed the "
-                        f"model's context of {context} tokens")
+        raise UserError(
+            f"the prompt ({total} tokens) plus max_new_tokens ({req.max_new_tokens}) exceed the "
+            f"model's context of {context} tokens"
+        )
     ctx.cache.ensure_capacity(total + (0 if seq.prefill_only else req.max_new_tokens - 1))
 
 
@@ -108,14 +116,17 @@ def _check_logprobs(seq: Sequence) -> None:
         raise UserError("prompt_logprobs needs the engine to run the prefill (this prompt was prefilled by hand)")
     start = req.prompt_logprobs_from
     if isinstance(start, bool) or not isinstance(start, int) or not 1 <= start < max(2, seq.prompt_len):
-        raise UserError(f"prompt_logprobs_from must be a prompt position from 1 to {max(1, seq.prompt_len - 1)} "
-                        f"(got {start!r})")
+        raise UserError(
+            f"prompt_logprobs_from must be a prompt position from 1 to {max(1, seq.prompt_len - 1)} (got {start!r})"
+        )
     if req.logprobs is None:
         return
     check_setting("logprobs_mode", req.logprobs_mode)
     if seq.spec is not None:
-        raise UserError("logprobs with speculative decoding (decode.speculative) are not supported yet: "
-                        "leave decode.speculative unset for requests that ask for them")
+        raise UserError(
+            "logprobs with speculative decoding (decode.speculative) are not supported yet: "
+            "leave decode.speculative unset for requests that ask for them"
+        )
 
 
 def make_chunk(item: Scheduled) -> Chunk:
@@ -135,9 +146,15 @@ def make_chunk(item: Scheduled) -> Chunk:
     if spans:  # read by the paged attention (runner.batch._query_limits)
         extras = {**(extras or {}), "blocks": spans}
     return Chunk(
-        table=list(seq.cache.blocks), start=begin, ids=seq.ids[begin:end] + drafts, positions=positions,
-        slots=item.slots, embeds=embeds[0, begin:mid] if embeds is not None and mid > begin else None,
-        state=seq.cache.state_io, logits=kept_rows(item), extras=extras,
+        table=list(seq.cache.blocks),
+        start=begin,
+        ids=seq.ids[begin:end] + drafts,
+        positions=positions,
+        slots=item.slots,
+        embeds=embeds[0, begin:mid] if embeds is not None and mid > begin else None,
+        state=seq.cache.state_io,
+        logits=kept_rows(item),
+        extras=extras,
     )
 
 

@@ -1,4 +1,5 @@
 """The host side of a sequence's tokens: detokenisation, streaming, stop checks, the final text."""
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence as Seq
@@ -85,8 +86,14 @@ class Output:
     ``eos``: token ids that end the answer (empty with ``ignore_eos``).
     """
 
-    def __init__(self, tokenizer: Any, max_new_tokens: int, stops: Seq[str], eos: frozenset,
-                 on_text: Callable[[str], None] | None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_new_tokens: int,
+        stops: Seq[str],
+        eos: frozenset,
+        on_text: Callable[[str], None] | None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.stops = [s for s in stops if s]

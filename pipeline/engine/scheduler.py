@@ -14,6 +14,7 @@ free blocks, never a tensor or the model, so it is tested on its own (``tests/te
   sequence not yet scheduled in this step (it may be itself): that one's blocks go back, and it
   waits at the head of the queue to recompute (mostly prefix-cache hits) with its output unchanged.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -97,8 +98,12 @@ class Scheduler:
         layers: a block is of use only with a state at its end, so nobody waits for one.)"""
         if self.pool.states is not None:
             return set()
-        return {d for s in self.running if s.cache.length < s.prompt_len
-                for d in s.cache.future_digests(s.keys[: s.prompt_len])}
+        return {
+            d
+            for s in self.running
+            if s.cache.length < s.prompt_len
+            for d in s.cache.future_digests(s.keys[: s.prompt_len])
+        }
 
     def _ready(self, seq: Sequence, prepare: Callable[[Sequence], None]) -> bool:
         """Prepare a new sequence, or let a readmitted one take what the prefix cache has now."""
@@ -194,6 +199,8 @@ class Scheduler:
         self.preemptions += 1
         seq.ctx.metrics.count("preemptions")
         states = self.pool.states
-        if not self.running and (self.pool.free_blocks < -(-seq.known // self.pool.block_size)
-                                 or (states is not None and states.free_slots == 0)):
+        if not self.running and (
+            self.pool.free_blocks < -(-seq.known // self.pool.block_size)
+            or (states is not None and states.free_slots == 0)
+        ):
             self._fail(seq, UserError("the KV pool is full of blocks held by other caches: raise kv.memory"))

@@ -1,4 +1,5 @@
 """A request in flight: plain data and a status, read and written by the engine's parts."""
+
 from __future__ import annotations
 
 import enum

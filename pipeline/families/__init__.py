@@ -1,4 +1,5 @@
 """Model knowledge per family, so that stages stay generic: one file per family plus one yaml."""
+
 from __future__ import annotations
 
 import importlib

@@ -26,6 +26,7 @@ linear attention as Qwen3.5 has it (recurrent states: ``pipeline.kv.states``), d
 family of its own; a model with other layers (Mamba, chunked attention, convolutions) is
 refused in one line.
 """
+
 from __future__ import annotations
 
 import os

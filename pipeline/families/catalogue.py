@@ -4,6 +4,7 @@ Generated from the code (the family registry, the generic vision family's rules,
 own image-text-to-text mapping), so the answer to "does it run my model?" cannot drift from what
 the loader does. docs/models.md is this command's output.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -48,6 +49,9 @@ def table() -> str:
     """``rows()`` as a Markdown table, with the text family's rule under it."""
     lines = ["| model_type | family | inputs | status |", "|---|---|---|---|"]
     lines += [f"| `{t}` | {f} | {i} | {s} |" for t, f, i, s in rows()]
-    lines += ["", "Any other decoder-only text model (`AutoModelForCausalLM`) whose layers are full or "
-              "sliding-window attention runs through the text family; other layers are refused before loading."]
+    lines += [
+        "",
+        "Any other decoder-only text model (`AutoModelForCausalLM`) whose layers are full or "
+        "sliding-window attention runs through the text family; other layers are refused before loading.",
+    ]
     return "\n".join(lines)

@@ -23,6 +23,7 @@ What is particular to it, so that the stages stay generic:
 ``Gemma3TextFamily`` runs the text-only checkpoints (``gemma3_text``, e.g. gemma-3-1b-it) the same
 way, without images.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Hashable, Sequence
@@ -61,8 +62,9 @@ class Gemma3Family(Family):
         images = load_images(list(request.images))
         marker = lm.processor.boi_token
         if text.count(marker) != len(images):
-            raise UserError(f"the prompt has {text.count(marker)} image placeholder(s) but {len(images)} image(s) "
-                            "were given")
+            raise UserError(
+                f"the prompt has {text.count(marker)} image placeholder(s) but {len(images)} image(s) were given"
+            )
         bos = lm.tokenizer.bos_token
         # As the processor's apply_chat_template: the template wrote the BOS, the tokenizer must not.
         kwargs = {"add_special_tokens": False} if bos and text.startswith(bos) else {}

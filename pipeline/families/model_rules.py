@@ -8,6 +8,7 @@ that code rather than written down per model (issue 48: the generic vision famil
 - ``position_offset``: where the model's positions start. PaliGemma's are 1-indexed: its
   ``prepare_inputs_for_generation`` adds 1 to the positions ``generate()`` computes.
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,8 +32,14 @@ def attention_blocks(model: torch.nn.Module, types: torch.Tensor) -> list[tuple[
     config = copy.deepcopy(model.config)
     config._attn_implementation = "sdpa"  # a boolean mask (None where plainly causal)
     mask = type(model).create_masks_for_generate(
-        config=config, inputs_embeds=torch.zeros(1, length, 1), attention_mask=torch.ones(1, length, dtype=torch.long),
-        cache=None, position_ids=torch.arange(length).view(1, -1), token_type_ids=types.cpu(), is_first_iteration=True)
+        config=config,
+        inputs_embeds=torch.zeros(1, length, 1),
+        attention_mask=torch.ones(1, length, dtype=torch.long),
+        cache=None,
+        position_ids=torch.arange(length).view(1, -1),
+        token_type_ids=types.cpu(),
+        is_first_iteration=True,
+    )
     if isinstance(mask, dict):  # full and sliding-window layers: the window is the paged attention's own rule
         mask = mask.get("full_attention", next(iter(mask.values())))
     if mask is None:
@@ -59,8 +66,10 @@ def blocks_of(mask: torch.Tensor) -> list[tuple[int, int]]:
     # causal plus exactly these blocks: each block's upper triangle full, nothing ahead outside them
     full = all(bool(ahead[a:b, a:b].triu(1).sum() == (b - a) * (b - a - 1) // 2) for a, b in blocks)
     if not full or int(ahead.sum()) != sum((b - a) * (b - a - 1) // 2 for a, b in blocks):
-        raise UserError("this model's prefill mask is not causal plus blocks attended both ways, which is what the "
-                        "paged attention applies")
+        raise UserError(
+            "this model's prefill mask is not causal plus blocks attended both ways, which is what the "
+            "paged attention applies"
+        )
     return blocks
 
 
@@ -69,8 +78,9 @@ def position_offset(model: torch.nn.Module) -> int:
     ids = torch.zeros(1, 2, dtype=torch.long)
     positions = torch.arange(2).view(1, -1)
     try:
-        inputs = model.prepare_inputs_for_generation(ids, position_ids=positions, cache=None,
-                                                     attention_mask=torch.ones_like(ids))
+        inputs = model.prepare_inputs_for_generation(
+            ids, position_ids=positions, cache=None, attention_mask=torch.ones_like(ids)
+        )
     except Exception:  # noqa: BLE001 - a model whose preparation wants more: positions as generate() makes them
         return 0
     given = inputs.get("position_ids")

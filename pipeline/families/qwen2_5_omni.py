@@ -19,6 +19,7 @@ What is particular to it, so that the stages can stay generic:
 - the published checkpoint (``model_type`` qwen2_5_omni, weights under ``thinker.``) loads into
   the thinker class as it is; its ``rope_deltas`` live in the cache state as for Qwen2-VL.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,14 +62,17 @@ class Qwen25OmniFamily(Qwen2VLFamily, Qwen2AudioFamily):
         """Media parts in the order given, then the text (the template reads each part's type)."""
         return Family.content(self, text, images, audios, kinds)
 
-    def prepare(self, lm: Any, request: "Request", long_audio: str = "split",
-                use_audio_in_video: bool = False) -> "Request":
+    def prepare(
+        self, lm: Any, request: "Request", long_audio: str = "split", use_audio_in_video: bool = False
+    ) -> "Request":
         """Videos decoded once, audio at the model's rate within its window (split as Qwen2-Audio
         does), and each video's track kept at that rate when it is heard, dropped otherwise."""
         request = Qwen2VLFamily.prepare(self, lm, request)
         request = Qwen2AudioFamily.prepare(self, lm, request, long_audio=long_audio)
-        videos = [self._track(lm, v, i) if use_audio_in_video else dataclasses.replace(v, audio=None)
-                  for i, v in enumerate(request.videos)]
+        videos = [
+            self._track(lm, v, i) if use_audio_in_video else dataclasses.replace(v, audio=None)
+            for i, v in enumerate(request.videos)
+        ]
         return dataclasses.replace(request, videos=videos) if videos else request
 
     def _track(self, lm: Any, video: Video, index: int) -> Video:
@@ -76,15 +80,19 @@ class Qwen25OmniFamily(Qwen2VLFamily, Qwen2AudioFamily):
         longer than the encoder's window (a track cannot be split: it is one with its frames)."""
         name = media_name(video, "video", index)
         if video.audio is None:
-            raise UserError(f"{name}: the clip has no audio track: media.use_audio_in_video=true hears every "
-                            "video of the prompt (set it false to watch without listening)")
+            raise UserError(
+                f"{name}: the clip has no audio track: media.use_audio_in_video=true hears every "
+                "video of the prompt (set it false to watch without listening)"
+            )
         wave, rate = video.audio
         target = self.sampling_rate(lm)
         wave = resample(wave, rate, target)
         if wave.numel() > int(round(self.window_seconds(lm) * target)):
-            raise UserError(f"{name}: its audio track is {wave.numel() / target:.1f} s, longer than the audio "
-                            f"encoder's {self.window_seconds(lm):g} s window (media.use_audio_in_video=false "
-                            "watches it without listening)")
+            raise UserError(
+                f"{name}: its audio track is {wave.numel() / target:.1f} s, longer than the audio "
+                f"encoder's {self.window_seconds(lm):g} s window (media.use_audio_in_video=false "
+                "watches it without listening)"
+            )
         if wave.numel() < 400:  # one feature frame (25 ms)
             raise UserError(f"{name}: its audio track is too short to hear")
         return dataclasses.replace(video, audio=(wave, target))
@@ -106,8 +114,10 @@ class Qwen25OmniFamily(Qwen2VLFamily, Qwen2AudioFamily):
         slots = _audio_slots(text) if heard else [None] * len(audios)  # each audio input: None or its video
         rate = self.sampling_rate(lm)
         waves = iter(audios)
-        clips = [np.asarray((next(waves) if k is None else videos[k].audio)[0].cpu().numpy(), dtype=np.float32)
-                 for k in slots]
+        clips = [
+            np.asarray((next(waves) if k is None else videos[k].audio)[0].cpu().numpy(), dtype=np.float32)
+            for k in slots
+        ]
         kwargs: dict[str, Any] = {"images": images or None}
         if videos:
             kwargs.update(videos=[v.frames for v in videos], fps=_frame_rate(videos), **self.video_kwargs(lm))
@@ -136,16 +146,22 @@ class Qwen25OmniFamily(Qwen2VLFamily, Qwen2AudioFamily):
         for j, n in enumerate(self.audio_token_counts(lm, mask)):
             if n < 1:
                 k = slots[j]
-                name = f"audio clip {sum(s is None for s in slots[:j]) + 1}" if k is None else \
-                    f"{media_name(videos[k], 'video', k)}'s audio track"
+                name = (
+                    f"audio clip {sum(s is None for s in slots[:j]) + 1}"
+                    if k is None
+                    else f"{media_name(videos[k], 'video', k)}'s audio track"
+                )
                 raise UserError(f"{name} is too short to give the encoder one frame")
 
     def token_keys(self, ctx: "Context") -> list[Hashable]:
         """Token ids, except ``(id, content hash, index)`` over each image, video (with its track
         when heard) and audio clip."""
         spans = image_spans(ctx) + self.video_spans(ctx) + self.audio_spans(ctx)
-        hashes = (list(ctx.model_inputs.get("image_hashes") or []) + list(ctx.model_inputs.get("video_hashes") or [])
-                  + [content_hash((w, r)) for w, r in ctx.request.audios])
+        hashes = (
+            list(ctx.model_inputs.get("image_hashes") or [])
+            + list(ctx.model_inputs.get("video_hashes") or [])
+            + [content_hash((w, r)) for w, r in ctx.request.audios]
+        )
         return media_keys(ctx.input_ids[0].tolist(), spans, hashes)
 
     # --- positions --------------------------------------------------------------------------
@@ -186,8 +202,10 @@ class Qwen25OmniFamily(Qwen2VLFamily, Qwen2AudioFamily):
             if ids[p] == config.audio_start_token_id and ids[p - 1] == config.vision_start_token_id:
                 spans.append((p + 1, next(e for e in ends if e > p)))
         if len(spans) != ctx.model_inputs["video_grid_thw"].shape[0]:
-            raise UserError(f"the prompt has {len(spans)} heard video placeholder(s) but "
-                            f"{ctx.model_inputs['video_grid_thw'].shape[0]} video(s) were given")
+            raise UserError(
+                f"the prompt has {len(spans)} heard video placeholder(s) but "
+                f"{ctx.model_inputs['video_grid_thw'].shape[0]} video(s) were given"
+            )
         return spans
 
     def encode_videos(self, ctx: "Context", items: list[int]) -> tuple[torch.Tensor, float]:
@@ -218,21 +236,25 @@ class Qwen25OmniFamily(Qwen2VLFamily, Qwen2AudioFamily):
         if not ctx.request.audios:
             return []
         ids = ctx.input_ids[0].clone()
-        for start, end in (self.video_spans(ctx) if ctx.model_inputs.get(HEARD) else []):
+        for start, end in self.video_spans(ctx) if ctx.model_inputs.get(HEARD) else []:
             ids[start:end] = -1
         counts = self.audio_token_counts(ctx.lm, ctx.model_inputs["feature_attention_mask"])
         return placeholder_spans(ids, self.audio_token_id(ctx.lm), counts, "audio")
 
-    def encode_audio(self, lm: Any, input_features: torch.Tensor, feature_attention_mask: torch.Tensor,
-                     batch_size: int | None = None) -> torch.Tensor:
+    def encode_audio(
+        self, lm: Any, input_features: torch.Tensor, feature_attention_mask: torch.Tensor, batch_size: int | None = None
+    ) -> torch.Tensor:
         """``[sum of audio tokens, hidden]`` in clip order, through the model's own
         ``get_audio_features`` (valid frames only, in 2 s windows)."""
         model = lm.model.model
         device = next(model.audio_tower.parameters()).device
         step = batch_size or input_features.shape[0]
-        out = [model.get_audio_features(input_features[b : b + step].to(device),
-                                        feature_attention_mask[b : b + step].to(device)).last_hidden_state
-               for b in range(0, input_features.shape[0], step)]
+        out = [
+            model.get_audio_features(
+                input_features[b : b + step].to(device), feature_attention_mask[b : b + step].to(device)
+            ).last_hidden_state
+            for b in range(0, input_features.shape[0], step)
+        ]
         return torch.cat(out, dim=0)
 
 
@@ -271,4 +293,3 @@ def _video_hash(video: Video) -> str:
     if video.audio is None:
         return content_hash(video)
     return hashlib.sha256(f"{content_hash(video)}\0{content_hash(video.audio)}".encode()).hexdigest()
-

@@ -10,6 +10,7 @@ What is special about this family, so that stages stay generic:
   ``Qwen2AudioModel.forward`` does (bidirectional mask, tower, projector, valid frames);
 - positions are plain 1-D (the base Family's explicit ``position_ids``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -173,7 +174,9 @@ class Qwen2AudioFamily(Family):
                 attention_mask=mask_2d,
             )
             hidden = projector(tower(feats, attention_mask=mask).last_hidden_state)
-            valid = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0) < out_lengths.to(hidden.device).unsqueeze(1)
+            valid = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0) < out_lengths.to(
+                hidden.device
+            ).unsqueeze(1)
             out.append(hidden[valid])
         return torch.cat(out, dim=0)
 
@@ -187,8 +190,12 @@ def waveform(item: Any, rate: int, i: int) -> tuple[torch.Tensor, str]:
     if not (isinstance(item, (tuple, list)) and len(item) == 2):
         raise UserError(f"{label}: expected a file path or a (waveform, sample_rate) pair, got {type(item).__name__}")
     wave, source_rate = item
-    if isinstance(source_rate, bool) or not isinstance(source_rate, numbers.Real) or source_rate <= 0 \
-            or int(source_rate) != source_rate:
+    if (
+        isinstance(source_rate, bool)
+        or not isinstance(source_rate, numbers.Real)
+        or source_rate <= 0
+        or int(source_rate) != source_rate
+    ):
         raise UserError(f"{label}: sample rate must be a positive integer (got {source_rate!r})")
     source_rate = int(source_rate)
     if isinstance(wave, np.ndarray):
@@ -226,7 +233,9 @@ def _expand_audio_items(messages: list[dict], chunks_per_item: list[int]) -> lis
             continue
         new_content: list = []
         for part in content:
-            is_audio = isinstance(part, dict) and (part.get("type") == "audio" or "audio" in part or "audio_url" in part)
+            is_audio = isinstance(part, dict) and (
+                part.get("type") == "audio" or "audio" in part or "audio_url" in part
+            )
             if is_audio and item < len(chunks_per_item):
                 new_content += [dict(part) for _ in range(chunks_per_item[item])]
                 item += 1

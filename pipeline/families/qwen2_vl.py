@@ -22,6 +22,7 @@ What is particular to these models, so that the stages can stay generic:
   is per request and lives in ``ctx.cache.state`` (never in the model, which would leak it
   between requests).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,7 +68,9 @@ def load_videos(videos: list[Any]) -> list[Video]:
         elif isinstance(video, Video):
             out.append(video)
         else:
-            raise UserError(f"video {i + 1}: expected a file path or a pipeline.media.Video, got {type(video).__name__}")
+            raise UserError(
+                f"video {i + 1}: expected a file path or a pipeline.media.Video, got {type(video).__name__}"
+            )
     return out
 
 
@@ -114,8 +117,11 @@ class Qwen2VLFamily(Family):
                 )
         media: dict[str, Any] = {"images": images or None}
         if videos:
-            media.update(videos=[v.frames for v in videos], video_metadata=[v.metadata() for v in videos],
-                         **self.video_kwargs(lm))
+            media.update(
+                videos=[v.frames for v in videos],
+                video_metadata=[v.metadata() for v in videos],
+                **self.video_kwargs(lm),
+            )
         try:
             with warnings.catch_warnings():
                 # min_pixels/max_pixels given to from_pretrained (model.processor) are replayed by
@@ -124,10 +130,14 @@ class Qwen2VLFamily(Family):
                 out = dict(lm.processor(text=[text], return_tensors="pt", **media))
         except ValueError as err:  # e.g. an aspect ratio beyond 200:1, which smart_resize refuses
             names = ", ".join(
-                [f"{media_name(src, 'image', i)} ({im.size[0]}x{im.size[1]})"
-                 for i, (src, im) in enumerate(zip(request.images, images))]
-                + [f"{media_name(src, 'video', i)} ({v.size[0]}x{v.size[1]})"
-                   for i, (src, v) in enumerate(zip(request.videos, videos))]
+                [
+                    f"{media_name(src, 'image', i)} ({im.size[0]}x{im.size[1]})"
+                    for i, (src, im) in enumerate(zip(request.images, images))
+                ]
+                + [
+                    f"{media_name(src, 'video', i)} ({v.size[0]}x{v.size[1]})"
+                    for i, (src, v) in enumerate(zip(request.videos, videos))
+                ]
             )
             raise UserError(f"{names}: the processor refused it: {' '.join(str(err).split())}") from None
         out.pop("video_metadata", None)  # returned by some processors; the clips keep their own
@@ -198,7 +208,9 @@ class Qwen2VLFamily(Family):
         tower, and the megapixels it saw: each sampled frame at its resized size (the copy of the
         last frame that pads an odd count to the temporal patch is not counted, as an image's
         second temporal copy is not)."""
-        grid, pixel_values = select_items(ctx.model_inputs["video_grid_thw"], ctx.model_inputs["pixel_values_videos"], items)
+        grid, pixel_values = select_items(
+            ctx.model_inputs["video_grid_thw"], ctx.model_inputs["pixel_values_videos"], items
+        )
         visual = ctx.lm.model.model
         device = next(visual.visual.parameters()).device
         features = visual.get_video_features(pixel_values.to(device), grid.to(device)).pooler_output

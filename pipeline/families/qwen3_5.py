@@ -17,6 +17,7 @@ What is particular to it:
 ``Qwen3_5TextFamily`` runs the text-only ``Qwen3_5ForCausalLM`` (``qwen3_5_text``) with plain
 positions: its model expands 1-D positions to its 4 rows itself.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
@@ -43,8 +44,16 @@ class Qwen3_5Family(Qwen3VLFamily):
     auto_class = "Qwen3_5ForConditionalGeneration"
     unquantised_modules = UNQUANTISED
 
-    def _encode(self, ctx: "Context", hook: str, pixel_values: torch.Tensor, grid: torch.Tensor,
-                spans: Sequence[tuple[int, int]], items: list[int], token: int) -> torch.Tensor:
+    def _encode(
+        self,
+        ctx: "Context",
+        hook: str,
+        pixel_values: torch.Tensor,
+        grid: torch.Tensor,
+        spans: Sequence[tuple[int, int]],
+        items: list[int],
+        token: int,
+    ) -> torch.Tensor:
         """The tower's merged embeddings of ``items`` (concatenated in that order); nothing kept."""
         model = ctx.lm.model.model
         device = next(model.visual.parameters()).device

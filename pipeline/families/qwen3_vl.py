@@ -18,6 +18,7 @@ What is particular to it:
 - the 4B Instruct template has no thinking switch (``thinking=`` changes nothing), the
   Thinking checkpoints always think.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
@@ -43,8 +44,9 @@ class Qwen3VLFamily(Qwen2VLFamily):
         """The embeddings of images ``items`` through the tower, and the megapixels it saw; their
         deepstack features are kept per prompt position for the prefill chunks."""
         grid, pixel_values = select_items(ctx.model_inputs["image_grid_thw"], ctx.model_inputs["pixel_values"], items)
-        features = self._encode(ctx, "get_image_features", pixel_values, grid, self.image_spans(ctx), items,
-                                self.image_token_id(ctx))
+        features = self._encode(
+            ctx, "get_image_features", pixel_values, grid, self.image_spans(ctx), items, self.image_token_id(ctx)
+        )
         return features, float(grid[:, 1:].prod(-1).sum()) * self._patch_area(ctx) / 1e6
 
     def video_spans(self, ctx: "Context") -> list[tuple[int, int]]:
@@ -56,7 +58,9 @@ class Qwen3VLFamily(Qwen2VLFamily):
     def encode_videos(self, ctx: "Context", items: list[int]) -> tuple[torch.Tensor, float]:
         """Rows for the whole span of each video in ``items``: the tower's embeddings at its
         placeholders, and the prompt's own embeddings at the timestamp text between them."""
-        grid, pixel_values = select_items(ctx.model_inputs["video_grid_thw"], ctx.model_inputs["pixel_values_videos"], items)
+        grid, pixel_values = select_items(
+            ctx.model_inputs["video_grid_thw"], ctx.model_inputs["pixel_values_videos"], items
+        )
         spans = self.video_spans(ctx)
         token = self.video_token_id(ctx)
         features = self._encode(ctx, "get_video_features", pixel_values, grid, spans, items, token)
@@ -73,22 +77,33 @@ class Qwen3VLFamily(Qwen2VLFamily):
         megapixels = float((grid[:, 1:].prod(-1).double() * frames).sum()) * self._patch_area(ctx) / 1e6
         return torch.cat(rows, dim=0), megapixels
 
-    def _encode(self, ctx: "Context", hook: str, pixel_values: torch.Tensor, grid: torch.Tensor,
-                spans: Sequence[tuple[int, int]], items: list[int], token: int) -> torch.Tensor:
+    def _encode(
+        self,
+        ctx: "Context",
+        hook: str,
+        pixel_values: torch.Tensor,
+        grid: torch.Tensor,
+        spans: Sequence[tuple[int, int]],
+        items: list[int],
+        token: int,
+    ) -> torch.Tensor:
         """The tower's embeddings of ``items`` (concatenated); their deepstack features are kept
         at the items' placeholder positions (``ctx.model_inputs[DEEPSTACK]``)."""
         model = ctx.lm.model.model
         device = next(model.visual.parameters()).device
         out = getattr(model, hook)(pixel_values.to(device), grid.to(device))
         ids = ctx.input_ids[0]
-        positions = torch.cat([start + (ids[start:end] == token).nonzero().view(-1).cpu() for start, end in
-                               (spans[k] for k in items)])  # the kept rows live on the host until packed
+        positions = torch.cat(
+            [start + (ids[start:end] == token).nonzero().view(-1).cpu() for start, end in (spans[k] for k in items)]
+        )  # the kept rows live on the host until packed
         kept = ctx.model_inputs.get(DEEPSTACK)
         if kept is None:
             length, layers = ids.shape[0], len(out.deepstack_features)
             hidden = out.deepstack_features[0][0].shape[-1]
-            kept = ctx.model_inputs[DEEPSTACK] = (torch.zeros(length, dtype=torch.bool),
-                                                  torch.zeros(layers, length, hidden, dtype=out.deepstack_features[0][0].dtype))
+            kept = ctx.model_inputs[DEEPSTACK] = (
+                torch.zeros(length, dtype=torch.bool),
+                torch.zeros(layers, length, hidden, dtype=out.deepstack_features[0][0].dtype),
+            )
         mask, features = kept
         mask[positions] = True
         for layer, rows in enumerate(out.deepstack_features):
@@ -120,5 +135,7 @@ class Qwen3VLFamily(Qwen2VLFamily):
                 rows.append(c.extras["deepstack"][:, visual])
             masks.append(mask)
         features = torch.cat(rows, dim=1).to(device)
-        return {"visual_pos_masks": torch.cat(masks).view(1, -1).to(device),
-                "deepstack_visual_embeds": list(features.unbind(0))}
+        return {
+            "visual_pos_masks": torch.cat(masks).view(1, -1).to(device),
+            "deepstack_visual_embeds": list(features.unbind(0)),
+        }

@@ -30,6 +30,7 @@ deepstack features, Qwen2-Audio's long clips split at the encoder window, the Om
 video). Gemma 3 keeps its family too, though this one's mask rule reads the same image blocks off its
 model (a test checks it): not folded yet.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -73,15 +74,27 @@ class Kind:
         return f"vision_{self.name}_{what}"
 
 
-VISION_TOWERS = ("vision_tower", "multi_modal_projector", "vision_model", "connector", "mlp1", "vision_projection",
-                 "visual", "image_newline", "vision_tokenizer")
+VISION_TOWERS = (
+    "vision_tower",
+    "multi_modal_projector",
+    "vision_model",
+    "connector",
+    "mlp1",
+    "vision_projection",
+    "visual",
+    "image_newline",
+    "vision_tokenizer",
+)
 AUDIO_TOWERS = ("audio_tower", "audio_model", "audio_encoder", "audio_tokenizer", "audio_projector")
-IMAGE = Kind("image", ("image_token_id", "image_token_index"), "image_token", "images", "get_image_features",
-             VISION_TOWERS)
-VIDEO = Kind("video", ("video_token_id", "video_token_index"), "video_token", "videos", "get_video_features",
-             VISION_TOWERS)
-AUDIO = Kind("audio", ("audio_token_id", "audio_token_index"), "audio_token", "audio", "get_audio_features",
-             AUDIO_TOWERS)
+IMAGE = Kind(
+    "image", ("image_token_id", "image_token_index"), "image_token", "images", "get_image_features", VISION_TOWERS
+)
+VIDEO = Kind(
+    "video", ("video_token_id", "video_token_index"), "video_token", "videos", "get_video_features", VISION_TOWERS
+)
+AUDIO = Kind(
+    "audio", ("audio_token_id", "audio_token_index"), "audio_token", "audio", "get_audio_features", AUDIO_TOWERS
+)
 
 # model_type -> why it cannot run here (checked before the weights load).
 REFUSED = {
@@ -101,9 +114,23 @@ REFUSED = {
 
 # Checked token for token against generate() by tests/test_generic_vision.py (tiny checkpoints built with
 # each architecture's own config, model and processor classes): what ``--list-models`` calls tested.
-TESTED = ("llava", "llava_next", "llava_next_video", "llava_onevision", "vipllava", "mistral3", "idefics2",
-          "idefics3", "internvl", "aya_vision", "cohere2_vision", "glm4v", "paligemma",
-          "smolvlm", "apertus1p5")
+TESTED = (
+    "llava",
+    "llava_next",
+    "llava_next_video",
+    "llava_onevision",
+    "vipllava",
+    "mistral3",
+    "idefics2",
+    "idefics3",
+    "internvl",
+    "aya_vision",
+    "cohere2_vision",
+    "glm4v",
+    "paligemma",
+    "smolvlm",
+    "apertus1p5",
+)
 
 
 class VisionFamily(Family):
@@ -138,16 +165,20 @@ class VisionFamily(Family):
             request = dataclasses.replace(request, videos=load_videos(list(request.videos)))
         if request.audios:
             rate = self.audio_rate(lm)
-            request = dataclasses.replace(request, audios=[(waveform(a, rate, i)[0], rate)
-                                                           for i, a in enumerate(request.audios)])
+            request = dataclasses.replace(
+                request, audios=[(waveform(a, rate, i)[0], rate) for i, a in enumerate(request.audios)]
+            )
         return request
 
     def process(self, lm: Any, text: str, request: Any) -> dict:
         """The processor's outputs for the whole prompt (ids; the spans its mask attends both ways), and
         per image, video and audio clip its own inputs, slot count and content hash, from the processor
         run on it alone."""
-        items = {IMAGE: load_images(list(request.images)), VIDEO: load_videos(list(request.videos)),
-                 AUDIO: list(request.audios)}
+        items = {
+            IMAGE: load_images(list(request.images)),
+            VIDEO: load_videos(list(request.videos)),
+            AUDIO: list(request.audios),
+        }
         bos = lm.tokenizer.bos_token
         # As the processor's apply_chat_template: a template that wrote the BOS, the tokenizer must not.
         kwargs = {"add_special_tokens": False} if bos and text.startswith(bos) else {}
@@ -157,21 +188,31 @@ class VisionFamily(Family):
             if not found:
                 continue
             slot = slot_id(lm, kind)
-            alone = [self._run_processor(lm, [marker(lm, kind)], request, add_special_tokens=False,
-                                         **_media_args(kind, [item])) for item in found]
+            alone = [
+                self._run_processor(
+                    lm, [marker(lm, kind)], request, add_special_tokens=False, **_media_args(kind, [item])
+                )
+                for item in found
+            ]
             counts = [int((a["input_ids"] == slot).sum()) for a in alone]
             if 0 in counts:
                 article = "an" if kind.name[0] in "aeiou" else "a"
-                raise UserError(f"{lm.path}: its processor writes no {kind.name} slot for {article} {kind.name} (it "
-                                f"expands it into other tokens): the generic vision family cannot place its {kind.name}s")
+                raise UserError(
+                    f"{lm.path}: its processor writes no {kind.name} slot for {article} {kind.name} (it "
+                    f"expands it into other tokens): the generic vision family cannot place its {kind.name}s"
+                )
             placed = int((out["input_ids"] == slot).sum())
             if placed != sum(counts):
-                raise UserError(f"the prompt has {placed} {kind.name} slots but its {len(found)} {kind.name}(s) fill "
-                                f"{sum(counts)}: the chat template wrote a different number of placeholders")
+                raise UserError(
+                    f"the prompt has {placed} {kind.name} slots but its {len(found)} {kind.name}(s) fill "
+                    f"{sum(counts)}: the chat template wrote a different number of placeholders"
+                )
             out[kind.key("inputs")] = [{k: v for k, v in a.items() if k not in TEXT_KEYS} for a in alone]
             out[kind.key("slots")] = counts
             out[kind.key("hashes")] = [content_hash(_first_tensor(v)) for v in out[kind.key("inputs")]]
-        for key in [k for k in out if k not in TEXT_KEYS and not k.startswith("vision_") and not k.endswith("_grid_thw")]:
+        for key in [
+            k for k in out if k not in TEXT_KEYS and not k.startswith("vision_") and not k.endswith("_grid_thw")
+        ]:
             del out[key]  # the whole prompt's pixels: the per-item inputs above are what is encoded (grids: positions)
         types = out.get("token_type_ids")
         out[BLOCKS] = attention_blocks(lm.model, types) if self.token_types and types is not None else []
@@ -182,9 +223,11 @@ class VisionFamily(Family):
         try:
             return lm.processor(text=text, return_tensors="pt", **kwargs)
         except ValueError as err:
-            names = ", ".join([media_name(src, "image", i) for i, src in enumerate(request.images)]
-                              + [media_name(src, "video", i) for i, src in enumerate(request.videos)]
-                              + [media_name(src, "audio", i) for i, src in enumerate(request.audios)])
+            names = ", ".join(
+                [media_name(src, "image", i) for i, src in enumerate(request.images)]
+                + [media_name(src, "video", i) for i, src in enumerate(request.videos)]
+                + [media_name(src, "audio", i) for i, src in enumerate(request.audios)]
+            )
             reason = " ".join(str(err).split())
             raise UserError(f"{names or 'the prompt'}: {type(lm.processor).__name__} refused it: {reason}") from None
 
@@ -265,8 +308,11 @@ def _media_args(kind: Kind, found: list) -> dict:
     if not found:
         return {}
     if kind is VIDEO:
-        return {"videos": [v.frames for v in found], "video_metadata": [v.metadata() for v in found],
-                "do_sample_frames": False}
+        return {
+            "videos": [v.frames for v in found],
+            "video_metadata": [v.metadata() for v in found],
+            "do_sample_frames": False,
+        }
     if kind is AUDIO:  # (wave, rate) pairs, all at the feature extractor's rate (prepare)
         return {"audio": [wave.numpy() for wave, _ in found], "sampling_rate": found[0][1]}
     return {kind.argument: found}
@@ -301,7 +347,9 @@ def _encode(ctx: "Context", kind: Kind, items: list[int]) -> tuple[torch.Tensor,
         except (RuntimeError, ValueError, IndexError) as err:  # e.g. Mistral 3 on an image under one merged patch
             name = media_name(getattr(ctx.request, f"{kind.name}s")[k], kind.name, k)
             reason = " ".join(str(err).split())[:300]
-            raise UserError(f"{name}: {type(lm.model).__name__}.{kind.features} could not encode it: {reason}") from None
+            raise UserError(
+                f"{name}: {type(lm.model).__name__}.{kind.features} could not encode it: {reason}"
+            ) from None
         start, end = spans[k]
         run = current[start:end].clone()
         where = (ids[start:end] == slot).to(run.device)
@@ -393,8 +441,9 @@ def model_class(config: Any) -> type | None:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    return getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(getattr(config, "model_type", ""), ""),
-                   None)
+    return getattr(
+        transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(getattr(config, "model_type", ""), ""), None
+    )
 
 
 def rope_index_class(cls: type) -> type | None:
@@ -406,8 +455,12 @@ def rope_index_class(cls: type) -> type | None:
         if method is None:
             continue
         params = set(inspect.signature(method).parameters) - {"self", "kwargs", "attention_mask"}
-        if "mm_token_type_ids" in params and params <= {"input_ids", "mm_token_type_ids", "image_grid_thw",
-                                                        "video_grid_thw"}:
+        if "mm_token_type_ids" in params and params <= {
+            "input_ids",
+            "mm_token_type_ids",
+            "image_grid_thw",
+            "video_grid_thw",
+        }:
             return c
     return None
 
@@ -423,19 +476,26 @@ def refusal(config: Any) -> str | None:
     if model_type in REFUSED:
         return REFUSED[model_type]
     if getattr(getattr(config, "vision_config", None), "deepstack_visual_indexes", None):
-        return "its vision features are also added inside the decoder (deepstack), which only the qwen3-vl family applies"
+        return (
+            "its vision features are also added inside the decoder (deepstack), which only the qwen3-vl family applies"
+        )
     cls = model_class(config)
     if cls is None or not hasattr(cls, "get_image_features"):
         return "its transformers class has no get_image_features (the surface this family runs models through)"
     if "token_type_ids" in inspect.signature(cls.forward).parameters and not takes_token_types(cls):
-        return ("its attention depends on token_type_ids in a way its create_masks_for_generate does not say "
-                "(the generic family reads image or prefix blocks attended both ways from it)")
+        return (
+            "its attention depends on token_type_ids in a way its create_masks_for_generate does not say "
+            "(the generic family reads image or prefix blocks attended both ways from it)"
+        )
     module = inspect.getmodule(cls)
-    if rope_index_class(cls) is None and any(isinstance(c, type) and hasattr(c, "get_rope_index")
-                                             for c in vars(module).values()):
+    if rope_index_class(cls) is None and any(
+        isinstance(c, type) and hasattr(c, "get_rope_index") for c in vars(module).values()
+    ):
         return "its get_rope_index (M-RoPE positions) takes other inputs than ids, token types and grids"
     other = set(layer_kinds(config)) - ATTENTION_KINDS
     if other:
-        return (f"its language model has {', '.join(sorted(other))} layers; the paged KV cache holds full and "
-                "sliding-window attention")
+        return (
+            f"its language model has {', '.join(sorted(other))} layers; the paged KV cache holds full and "
+            "sliding-window attention"
+        )
     return None

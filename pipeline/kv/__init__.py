@@ -8,6 +8,7 @@
 
 The bottom layer: it imports nothing else of the engine (see ``[tool.importlinter]``).
 """
+
 from pipeline.errors import OutOfBlocks
 from pipeline.kv.cache import KVCache, Snapshot, shared_prefix_length
 from pipeline.kv.pool import ATTENTION, NULL_BLOCK, BlockPool
@@ -15,7 +16,21 @@ from pipeline.kv.sizing import kv_memory_setting, pool_for, state_budget
 from pipeline.kv.states import LINEAR, ZERO_SLOT, OutOfSlots, StateIO, StateShape, StateSlots, state_shape
 
 __all__ = [
-    "ATTENTION", "KVCache", "Snapshot", "shared_prefix_length", "BlockPool", "NULL_BLOCK", "OutOfBlocks", "kv_memory_setting",
-    "pool_for", "state_budget", "LINEAR", "ZERO_SLOT", "OutOfSlots", "StateIO", "StateShape", "StateSlots",
+    "ATTENTION",
+    "KVCache",
+    "Snapshot",
+    "shared_prefix_length",
+    "BlockPool",
+    "NULL_BLOCK",
+    "OutOfBlocks",
+    "kv_memory_setting",
+    "pool_for",
+    "state_budget",
+    "LINEAR",
+    "ZERO_SLOT",
+    "OutOfSlots",
+    "StateIO",
+    "StateShape",
+    "StateSlots",
     "state_shape",
 ]

@@ -21,6 +21,7 @@ with checkpoints at earlier positions: the cache owns a ``RecurrentStates``
 changes. Going back in time there may stop short of the position asked for (at the nearest
 checkpoint), and ``reuse`` attaches prefix-cache blocks only up to a position with a state.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -16,6 +16,7 @@ on rollback, ``attach`` on reuse from the prefix cache, ``mark`` on snapshot, ``
 ``clear``. It never sees the block table itself: the block hashes it registers checkpoints under
 are passed in.
 """
+
 from __future__ import annotations
 
 from typing import Sequence

@@ -6,6 +6,7 @@ weight's bytes (two fine-tunes of one config differ there), how the weights were
 the pool's layout (``kv.dtype``, block size, heads). Files of another model or setting are
 refused and the request recomputes.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -71,11 +72,15 @@ def check_offload(kind: str, recurrent: bool, shards: int, model: str = "this mo
     if kind == "none":
         return
     if recurrent:
-        raise UserError(f"kv.offload keeps key/value blocks only: {model}'s linear-attention layers also need their "
-                        "recurrent states, which are not offloaded (use kv.offload=none)")
+        raise UserError(
+            f"kv.offload keeps key/value blocks only: {model}'s linear-attention layers also need their "
+            "recurrent states, which are not offloaded (use kv.offload=none)"
+        )
     if shards > 1:
-        raise UserError("kv.offload under tensor parallel is not supported: each rank holds only its own heads "
-                        "(use kv.offload=none)")
+        raise UserError(
+            "kv.offload under tensor parallel is not supported: each rank holds only its own heads "
+            "(use kv.offload=none)"
+        )
 
 
 def fingerprint(pool: BlockPool, lm: Any) -> str:
@@ -86,8 +91,15 @@ def fingerprint(pool: BlockPool, lm: Any) -> str:
         "config": hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:32] if config else "",
         "weights": weights_digest(model),
         "quant": str(getattr(lm, "quant", "none")),
-        "pool": [pool.kv_dtype, str(pool.dtype), pool.block_size, pool.layers, pool.kv_heads, pool.head_dim,
-                 pool.shards],
+        "pool": [
+            pool.kv_dtype,
+            str(pool.dtype),
+            pool.block_size,
+            pool.layers,
+            pool.kv_heads,
+            pool.head_dim,
+            pool.shards,
+        ],
         "torch": torch.__version__.split("+")[0],
     }
     return json.dumps(parts, sort_keys=True)
@@ -119,7 +131,9 @@ def _stored(tensor: torch.Tensor) -> list[torch.Tensor]:
         return [tensor]
     if hasattr(tensor, "__tensor_flatten__"):
         names, _ = tensor.__tensor_flatten__()
-        return [leaf for n in names if isinstance(getattr(tensor, n), torch.Tensor) for leaf in _stored(getattr(tensor, n))]
+        return [
+            leaf for n in names if isinstance(getattr(tensor, n), torch.Tensor) for leaf in _stored(getattr(tensor, n))
+        ]
     state = getattr(tensor, "quant_state", None)
     scales = [getattr(state, "absmax", None), getattr(tensor, "SCB", None)]
     return [tensor.as_subclass(torch.Tensor), *(s for s in scales if isinstance(s, torch.Tensor))]

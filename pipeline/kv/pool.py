@@ -8,6 +8,7 @@ starts the same way attaches those blocks instead of computing them. Blocks are
 reference-counted: a block can belong to several sequences at once (forks, prefix hits); an
 unreferenced cached block stays until the pool needs it (least recently used first).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,7 +22,16 @@ import torch
 from pipeline.errors import OutOfBlocks, UserError
 from pipeline.kv.quantised import LayerKV, kv_format
 from pipeline.kv.states import StateSlots, state_shape
-from pipeline.memory import ATTENTION_KINDS, KV_SCALE_DTYPE, kv_bytes, kv_shape, layer_kinds, sliding_window, text_config, uncacheable_layers
+from pipeline.memory import (
+    ATTENTION_KINDS,
+    KV_SCALE_DTYPE,
+    kv_bytes,
+    kv_shape,
+    layer_kinds,
+    sliding_window,
+    text_config,
+    uncacheable_layers,
+)
 from pipeline.transfer import upload
 
 __all__ = ["ATTENTION", "BlockPool", "NULL_BLOCK", "OutOfBlocks"]
@@ -49,19 +59,32 @@ class BlockPool:
     """
 
     def __init__(
-        self, config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device],
-        state_slots: int = 0, checkpoint_every: int | None = None, reserved_slots: int = 0,
-        attention: str = "auto", shards: int = 1, kv_dtype: str = "auto",
+        self,
+        config: Any,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        devices: Sequence[torch.device],
+        state_slots: int = 0,
+        checkpoint_every: int | None = None,
+        reserved_slots: int = 0,
+        attention: str = "auto",
+        shards: int = 1,
+        kv_dtype: str = "auto",
     ) -> None:
         other = uncacheable_layers(config)
         if other:
-            raise UserError(f"the paged KV cache handles full, sliding-window and linear attention layers only; this "
-                            f"model also has {sorted(other)}")
+            raise UserError(
+                f"the paged KV cache handles full, sliding-window and linear attention layers only; this "
+                f"model also has {sorted(other)}"
+            )
         # A text model's own flag (EmbeddingGemma). Inside a multimodal config it is the outer model that builds
         # the mask (PaliGemma sets it on its Gemma and attends causally past the prompt): the family says how.
         if text_config(config) is config and getattr(config, "use_bidirectional_attention", False):
-            raise UserError("this model attends both ways over all its text (an encoder or embedding model, e.g. "
-                            "EmbeddingGemma): the paged KV cache decodes causal models only")
+            raise UserError(
+                "this model attends both ways over all its text (an encoder or embedding model, e.g. "
+                "EmbeddingGemma): the paged KV cache decodes causal models only"
+            )
         if num_blocks < 2:
             raise ValueError(f"a pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         # Under tensor parallel (``shards`` ranks) each rank's pool holds its own key/value heads.
@@ -198,7 +221,9 @@ class BlockPool:
         fmt = self.format
         for device, layers in by_device.items():
             shape = (len(layers), 2, self.num_blocks, self.block_size, self.kv_heads)
-            store = torch.empty((*shape, self.head_dim), dtype=self.dtype if fmt is None else fmt.storage, device=device)
+            store = torch.empty(
+                (*shape, self.head_dim), dtype=self.dtype if fmt is None else fmt.storage, device=device
+            )
             scales = None if fmt is None else torch.empty(shape, dtype=KV_SCALE_DTYPE, device=device)
             self._stores += [store] if scales is None else [store, scales]
             for i, layer in enumerate(layers):
@@ -206,8 +231,9 @@ class BlockPool:
                 if scales is None:
                     self._kv[layer] = LayerKV(k, v)
                 else:
-                    self._kv[layer] = LayerKV(k, v, fmt, scales[i, 0].view(slots, self.kv_heads),
-                                              scales[i, 1].view(slots, self.kv_heads))
+                    self._kv[layer] = LayerKV(
+                        k, v, fmt, scales[i, 0].view(slots, self.kv_heads), scales[i, 1].view(slots, self.kv_heads)
+                    )
         self._dirty = [NULL_BLOCK] + self._dirty
         self._allocated = True
 
@@ -219,8 +245,7 @@ class BlockPool:
 
     def kv_tensors(self) -> list[torch.Tensor]:
         """Every attention layer's key and value views, and scales (what a forward reads and writes)."""
-        return [t for kv in self._kv if kv is not None
-                for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None]
+        return [t for kv in self._kv if kv is not None for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None]
 
     # blocks ---------------------------------------------------------------------------------
     def allocate(self) -> int:
@@ -392,4 +417,3 @@ class BlockPool:
             self._evictable.clear()
             if self.states is not None:
                 self.states.clear_registry()
-

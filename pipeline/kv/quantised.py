@@ -20,6 +20,7 @@ Attention dequantises what a step reads (the gathered rows of each sequence) to 
 dtype; FlexAttention, which reads the pool in place, is not used on a quantised pool
 (``pipeline.runner.flex.usable``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,8 +51,10 @@ class KVFormat:
         return self.name == "fp8"
 
 
-FORMATS = {"int8": KVFormat("int8", torch.int8, 127.0),
-           "fp8": KVFormat("fp8", torch.uint8, float(torch.finfo(torch.float8_e4m3fn).max))}
+FORMATS = {
+    "int8": KVFormat("int8", torch.int8, 127.0),
+    "fp8": KVFormat("fp8", torch.uint8, float(torch.finfo(torch.float8_e4m3fn).max)),
+}
 KV_DTYPES = ("auto", *FORMATS)  # kv.dtype: "auto" is the model's own dtype
 
 
@@ -88,8 +91,14 @@ class LayerKV:
 
     __slots__ = ("k", "v", "k_scale", "v_scale", "fmt")
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, fmt: KVFormat | None = None,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fmt: KVFormat | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> None:
         self.k, self.v, self.fmt, self.k_scale, self.v_scale = k, v, fmt, k_scale, v_scale
 
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -112,19 +121,24 @@ class LayerKV:
         """Keys and values of ``slots`` [B, K] as [B, kv_heads, K, head_dim] in ``dtype`` (one
         index_select each: the cheapest gather on CPU)."""
         flat = slots.reshape(-1)
-        return tuple(self._read(pool.index_select(0, flat), scales, flat, dtype)
-                     .view(*slots.shape, *pool.shape[1:]).transpose(1, 2)
-                     for pool, scales in ((self.k, self.k_scale), (self.v, self.v_scale)))
+        return tuple(
+            self._read(pool.index_select(0, flat), scales, flat, dtype)
+            .view(*slots.shape, *pool.shape[1:])
+            .transpose(1, 2)
+            for pool, scales in ((self.k, self.k_scale), (self.v, self.v_scale))
+        )
 
     def span(self, first: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the consecutive slots [first, first + n) as [1, kv_heads, n, head_dim]
         (a view of the pool where it is stored in ``dtype``)."""
-        return tuple(self._read(pool[first : first + n], scales, slice(first, first + n), dtype)
-                     .transpose(0, 1).unsqueeze(0)
-                     for pool, scales in ((self.k, self.k_scale), (self.v, self.v_scale)))
+        return tuple(
+            self._read(pool[first : first + n], scales, slice(first, first + n), dtype).transpose(0, 1).unsqueeze(0)
+            for pool, scales in ((self.k, self.k_scale), (self.v, self.v_scale))
+        )
 
-    def _read(self, rows: torch.Tensor, scales: torch.Tensor | None, where: torch.Tensor | slice,
-              dtype: torch.dtype) -> torch.Tensor:
+    def _read(
+        self, rows: torch.Tensor, scales: torch.Tensor | None, where: torch.Tensor | slice, dtype: torch.dtype
+    ) -> torch.Tensor:
         if self.fmt is None:
             return rows if rows.dtype == dtype else rows.to(dtype)
         picked = scales[where] if isinstance(where, slice) else scales.index_select(0, where)

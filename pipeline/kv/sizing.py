@@ -6,6 +6,7 @@ room for the activations of the largest step (measured by a pipeline's warm-up,
 sized with its target's from one budget (``pools_for``), and each CUDA pool is allocated as soon
 as it is sized, so that free memory read afterwards sees it gone.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,8 +34,11 @@ def kv_memory_setting(value: Any) -> float | int | str:
     """``kv.memory`` checked: ``auto`` (also None), a number of bytes, or a fraction in (0, 1]."""
     if value is None or value == "auto":
         return "auto"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
-        isinstance(value, float) and value > 1
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or value <= 0
+        or (isinstance(value, float) and value > 1)
     ):
         raise UserError(f"kv.memory must be auto, a number of bytes, or a fraction in (0, 1] (got {value!r})")
     return value
@@ -63,11 +67,13 @@ class Pools:
         """One line for the run's report: each pool's size and tokens, and where the budget
         came from (what ``auto`` kept for activations, and why)."""
         names = ["kv pool", "draft kv pool"]
-        parts = [f"{names[min(i, 1)]} {fmt_bytes(p.num_blocks * p.block_bytes)}"
-                 f"{'' if p.kv_dtype == 'auto' else f' {p.kv_dtype}'} "
-                 f"({p.capacity_tokens:,} tokens in blocks of {p.block_size}"
-                 f"{f', on each of {p.shards} tensor-parallel ranks' if p.shards > 1 else ''})"
-                 for i, p in enumerate(self.pools)]
+        parts = [
+            f"{names[min(i, 1)]} {fmt_bytes(p.num_blocks * p.block_bytes)}"
+            f"{'' if p.kv_dtype == 'auto' else f' {p.kv_dtype}'} "
+            f"({p.capacity_tokens:,} tokens in blocks of {p.block_size}"
+            f"{f', on each of {p.shards} tensor-parallel ranks' if p.shards > 1 else ''})"
+            for i, p in enumerate(self.pools)
+        ]
         tier = self.pools[0].tier
         kept = "" if tier is None else f"; {describe_tier(tier)}"
         return f"{' + '.join(parts)}: {self.budget.asked}{kept}"
@@ -81,8 +87,13 @@ def describe_tier(tier: Any) -> str:
 
 
 def pool_for(
-    lm: Any, memory: float | int | str | None = None, block_size: int = 16, checkpoint_every: int = 1024,
-    max_seqs: int = 8, max_batch_tokens: int = 2048, kv_dtype: str = "auto",
+    lm: Any,
+    memory: float | int | str | None = None,
+    block_size: int = 16,
+    checkpoint_every: int = 1024,
+    max_seqs: int = 8,
+    max_batch_tokens: int = 2048,
+    kv_dtype: str = "auto",
 ) -> BlockPool:
     """A pool sized by ``memory`` (``kv_memory_setting``): bytes, a fraction of what is free now,
     or ``auto``: 80% of free CUDA memory once the activations of a ``max_batch_tokens`` prefill
@@ -96,14 +107,18 @@ def pool_for(
     writes) plus one checkpoint per ``checkpoint_every`` tokens the blocks hold. ``kv_dtype``:
     ``kv.dtype`` (quantised keys and values: ``pipeline.kv.quantised``).
     """
-    return pools_for([lm], memory, block_size, checkpoint_every, max_seqs, max_batch_tokens,
-                     kv_dtype=kv_dtype).pools[0]
+    return pools_for([lm], memory, block_size, checkpoint_every, max_seqs, max_batch_tokens, kv_dtype=kv_dtype).pools[0]
 
 
 def pools_for(
-    models: Sequence[Any], memory: float | int | str | None = None, block_size: int = 16,
-    checkpoint_every: int = 1024, max_seqs: int = 8, max_batch_tokens: int = 2048,
-    headroom: tuple[int, str] | None = None, kv_dtype: str = "auto",
+    models: Sequence[Any],
+    memory: float | int | str | None = None,
+    block_size: int = 16,
+    checkpoint_every: int = 1024,
+    max_seqs: int = 8,
+    max_batch_tokens: int = 2048,
+    headroom: tuple[int, str] | None = None,
+    kv_dtype: str = "auto",
 ) -> Pools:
     """One pool per model (a target, then its draft model) from one ``memory`` budget measured on
     the first model's device, split by their KV bytes per token so that every pool holds the
@@ -128,8 +143,9 @@ def pools_for(
     pools = []
     for i, (lm, rate) in enumerate(zip(models, rates)):
         asked = budget.asked if i == 0 else f"the draft model's share of {budget.asked}"
-        pools.append(_pool(lm, int(budget.nbytes * rate / sum(rates)), asked, block_size, checkpoint_every, max_seqs,
-                           kv_dtype))
+        pools.append(
+            _pool(lm, int(budget.nbytes * rate / sum(rates)), asked, block_size, checkpoint_every, max_seqs, kv_dtype)
+        )
     return Pools(pools, list(models), budget)
 
 
@@ -145,8 +161,9 @@ def pool_device(lm: Any) -> torch.device:
     return next((d for d in devices if d.type == "cuda"), devices[0] if devices else torch.device("cpu"))
 
 
-def pool_bytes_for(lm: Any, tokens: int, block_size: int, checkpoint_every: int, max_seqs: int,
-                   kv_dtype: str = "auto") -> int:
+def pool_bytes_for(
+    lm: Any, tokens: int, block_size: int, checkpoint_every: int, max_seqs: int, kv_dtype: str = "auto"
+) -> int:
     """Bytes of ``memory`` that give a pool room for ``tokens`` tokens (and, for models with
     recurrent states, the slots ``state_budget`` sets aside first): ``pools_for``'s inverse."""
     nbytes = -(-tokens // block_size) * kv_bytes(lm.config, block_size, _kv_dtype(lm), shards(lm), kv_dtype)
@@ -165,8 +182,9 @@ def bytes_per_token(lm: Any, block_size: int, checkpoint_every: int, kv_dtype: s
     return rate + (shape.slot_bytes / checkpoint_every if shape is not None else 0.0)
 
 
-def _pool(lm: Any, nbytes: int, asked: str, block_size: int, checkpoint_every: int, max_seqs: int,
-          kv_dtype: str = "auto") -> BlockPool:
+def _pool(
+    lm: Any, nbytes: int, asked: str, block_size: int, checkpoint_every: int, max_seqs: int, kv_dtype: str = "auto"
+) -> BlockPool:
     """A pool of ``nbytes`` for ``lm``, allocated now when it lives on a GPU."""
     dtype = _kv_dtype(lm)
     block_bytes = kv_bytes(lm.config, block_size, dtype, shards(lm), kv_dtype)
@@ -175,9 +193,13 @@ def _pool(lm: Any, nbytes: int, asked: str, block_size: int, checkpoint_every: i
         blocks, slots, reserved = nbytes // block_bytes, 0, 0
     else:
         if checkpoint_every % block_size:
-            raise UserError(f"kv.state_checkpoint_every ({checkpoint_every}) must be a multiple of kv.block_size "
-                            f"({block_size}): checkpoints at block boundaries serve the prefix cache")
-        blocks, slots, reserved = state_budget(nbytes, block_bytes, block_size, shape.slot_bytes, checkpoint_every, max_seqs)
+            raise UserError(
+                f"kv.state_checkpoint_every ({checkpoint_every}) must be a multiple of kv.block_size "
+                f"({block_size}): checkpoints at block boundaries serve the prefix cache"
+            )
+        blocks, slots, reserved = state_budget(
+            nbytes, block_bytes, block_size, shape.slot_bytes, checkpoint_every, max_seqs
+        )
     if blocks < 1:
         states = f" after {slots} recurrent-state slots ({fmt_bytes(slots * shape.slot_bytes)})" if slots else ""
         raise UserError(
@@ -185,9 +207,18 @@ def _pool(lm: Any, nbytes: int, asked: str, block_size: int, checkpoint_every: i
             f"({block_bytes:,} bytes){states}: raise kv.memory or model.max_memory"
         )
     devices = cache_devices(lm)
-    pool = BlockPool(lm.config, blocks + 1, block_size, dtype, devices,  # + the null block
-                     state_slots=slots + 1 if slots else 0, checkpoint_every=checkpoint_every, reserved_slots=reserved,
-                     shards=shards(lm), kv_dtype=kv_dtype)
+    pool = BlockPool(
+        lm.config,
+        blocks + 1,
+        block_size,
+        dtype,
+        devices,  # + the null block
+        state_slots=slots + 1 if slots else 0,
+        checkpoint_every=checkpoint_every,
+        reserved_slots=reserved,
+        shards=shards(lm),
+        kv_dtype=kv_dtype,
+    )
     if any(torch.device(d).type == "cuda" for d in devices):
         pool.prepare_write()  # allocated now: memory read after this (a draft's pool, the next job) sees it gone
     return pool
@@ -200,10 +231,16 @@ def _budget(memory: float | int | str, device: torch.device, lm: Any, reserved: 
     if memory == "auto":
         if device.type == "cuda":
             kept = f", after keeping {fmt_bytes(reserved)} for activations: {why}" if reserved else ""
-            return Budget(int(AUTO_CUDA_SHARE * max(free - reserved, 0)),
-                          f"kv.memory=auto (80% of {fmt_bytes(free)} free, {source}{kept})", reserved, why)
-        return Budget(min(int(AUTO_CPU_SHARE * free), AUTO_CPU_CAP),
-                      f"kv.memory=auto (25% of {fmt_bytes(free)} free, {source}, at most {fmt_bytes(AUTO_CPU_CAP)})")
+            return Budget(
+                int(AUTO_CUDA_SHARE * max(free - reserved, 0)),
+                f"kv.memory=auto (80% of {fmt_bytes(free)} free, {source}{kept})",
+                reserved,
+                why,
+            )
+        return Budget(
+            min(int(AUTO_CPU_SHARE * free), AUTO_CPU_CAP),
+            f"kv.memory=auto (25% of {fmt_bytes(free)} free, {source}, at most {fmt_bytes(AUTO_CPU_CAP)})",
+        )
     if isinstance(memory, float):
         return Budget(int(memory * free), f"kv.memory={memory} of {fmt_bytes(free)} free ({source})")
     asked = f"kv.memory={int(memory):,} bytes"
@@ -229,8 +266,9 @@ def activation_headroom(lm: Any, tokens: int, rows: int) -> tuple[int, str]:
     return text + vision, why
 
 
-def prefill_activation_bytes(config: Any, tokens: int, dtype: torch.dtype, rows: int,
-                             score_matrices: bool = PREFILL_SCORE_MATRICES) -> int:
+def prefill_activation_bytes(
+    config: Any, tokens: int, dtype: torch.dtype, rows: int, score_matrices: bool = PREFILL_SCORE_MATRICES
+) -> int:
     """Peak bytes one decoder layer's forward holds for ``tokens`` packed tokens, besides weights
     and pool: the residual stream and its normed copies, queries/keys/values, the keys and
     values a chunk's attention gathers (repeated to every query head), the MLP's gate, up and

@@ -22,6 +22,7 @@ The layer computation itself is the model's (its projections, ``conv1d`` weights
 module's own delta-rule functions); ``pipeline.runner.linear`` only feeds each sequence its own state: decode
 rows together (one recurrent step, batched), prefill chunks one by one (the chunked rule).
 """
+
 from __future__ import annotations
 
 import threading

@@ -10,6 +10,7 @@ recomputed, never loaded wrong), and a restarted server re-indexes the folder by
 alone, oldest first by mtime. File names carry a hash of the model and settings, so other models'
 blocks in the same folder are never read, counted or deleted.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,8 +46,10 @@ log = logging.getLogger(__name__)
 
 def _check_blob(blob: torch.Tensor, nbytes: int) -> None:
     if blob.dtype != torch.uint8 or tuple(blob.shape) != (nbytes,) or blob.device.type != "cpu":
-        raise ValueError(f"a tier stores {nbytes} bytes as a 1-D uint8 CPU tensor, got {blob.dtype} "
-                         f"{tuple(blob.shape)} on {blob.device}")
+        raise ValueError(
+            f"a tier stores {nbytes} bytes as a 1-D uint8 CPU tensor, got {blob.dtype} "
+            f"{tuple(blob.shape)} on {blob.device}"
+        )
 
 
 def _keys_json(keys: Any) -> str | None:
@@ -90,8 +93,13 @@ class _Tier:
 
     def stats(self) -> dict:
         with self.lock:
-            return {"tier": self.kind, "blocks": len(self._lru), "bytes": self._held_bytes(),
-                    "max_bytes": self.max_bytes, **self._n}
+            return {
+                "tier": self.kind,
+                "blocks": len(self._lru),
+                "bytes": self._held_bytes(),
+                "max_bytes": self.max_bytes,
+                **self._n,
+            }
 
 
 class HostTier(_Tier):
@@ -147,8 +155,10 @@ class DiskTier(_Tier):
 
     def __init__(self, folder: str | Path, block_nbytes: int, max_bytes: int, fingerprint: str) -> None:
         if max_bytes < block_nbytes + ALIGN:
-            raise UserError(f"kv.offload_bytes ({max_bytes}) is smaller than one KV block file ({block_nbytes + ALIGN} "
-                            f"bytes: {block_nbytes} of data and a {ALIGN}-byte header)")
+            raise UserError(
+                f"kv.offload_bytes ({max_bytes}) is smaller than one KV block file ({block_nbytes + ALIGN} "
+                f"bytes: {block_nbytes} of data and a {ALIGN}-byte header)"
+            )
         super().__init__(block_nbytes, max_bytes)
         self.folder, self.fingerprint = Path(folder), fingerprint
         self.fp = hashlib.sha256(fingerprint.encode()).hexdigest()[:12]
@@ -207,8 +217,13 @@ class DiskTier(_Tier):
                 self._lru.move_to_end(key)
                 return self._touch(key)
             data = blob.contiguous().numpy()
-            header = {"fingerprint": self.fingerprint, "digest": digest, "keys": keys, "nbytes": self.block_nbytes,
-                      "crc32": zlib.crc32(data)}
+            header = {
+                "fingerprint": self.fingerprint,
+                "digest": digest,
+                "keys": keys,
+                "nbytes": self.block_nbytes,
+                "crc32": zlib.crc32(data),
+            }
             head = MAGIC + json.dumps(header, separators=(",", ":")).encode() + b"\n"
             head += b" " * (-len(head) % ALIGN)
             size = len(head) + self.block_nbytes
@@ -293,8 +308,9 @@ class DiskTier(_Tier):
         return torch.from_numpy(data)
 
 
-def make_tier(kind: str, block_nbytes: int, max_bytes: int, folder: str | None, fingerprint: str,
-              pin: bool) -> HostTier | DiskTier | None:
+def make_tier(
+    kind: str, block_nbytes: int, max_bytes: int, folder: str | None, fingerprint: str, pin: bool
+) -> HostTier | DiskTier | None:
     """The tier ``kv.offload`` asks for (None for "none")."""
     check_tier(kind, folder)
     if kind == "none":

@@ -54,8 +54,10 @@ def _video_signature(head: bytes) -> bool:
     """MP4 / MOV / 3GP (ISO base media: an ``ftyp``, ``moov``, ``mdat``... box first), WebM /
     Matroska (EBML), AVI, FLV, MPEG program stream. M4A-style audio-only brands are not video."""
     return (
-        (head[4:8] in (b"ftyp", b"moov", b"mdat", b"wide", b"free", b"skip", b"pnot")
-         and head[8:12] not in (b"M4A ", b"M4B ", b"M4P ", b"F4A ", b"F4B "))
+        (
+            head[4:8] in (b"ftyp", b"moov", b"mdat", b"wide", b"free", b"skip", b"pnot")
+            and head[8:12] not in (b"M4A ", b"M4B ", b"M4P ", b"F4A ", b"F4B ")
+        )
         or head[:4] == b"\x1a\x45\xdf\xa3"
         or (head[:4] == b"RIFF" and head[8:12] == b"AVI ")
         or head[:3] == b"FLV"

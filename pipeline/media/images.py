@@ -81,8 +81,7 @@ def load_image(path: str | os.PathLike, max_pixels: int = DEFAULT_MAX_PIXELS) ->
                 w, h = im.size
                 if w * h > max_pixels:
                     raise UserError(
-                        f"{path}: image is {w}x{h} = {w * h:,} pixels, over the limit of "
-                        f"{max_pixels:,} (max_pixels)"
+                        f"{path}: image is {w}x{h} = {w * h:,} pixels, over the limit of {max_pixels:,} (max_pixels)"
                     )
                 if w <= 0 or h <= 0:
                     raise UserError(f"{path}: image has no pixels ({w}x{h})")

@@ -69,8 +69,13 @@ class Video:
             raise ValueError("Video: total_frames must be >= 1 and duration >= 0")
 
     @classmethod
-    def from_frames(cls, frames: Sequence[Image.Image | np.ndarray] | np.ndarray, fps: float,
-                    source: str | None = None, audio: tuple[torch.Tensor, int] | None = None) -> "Video":
+    def from_frames(
+        cls,
+        frames: Sequence[Image.Image | np.ndarray] | np.ndarray,
+        fps: float,
+        source: str | None = None,
+        audio: tuple[torch.Tensor, int] | None = None,
+    ) -> "Video":
         """A clip from frames already sampled at ``fps`` frames per second (Python API use), with
         its sound track ``(wave, rate)`` when it has one."""
         if not fps > 0:
@@ -127,8 +132,9 @@ class Video:
         return h.hexdigest()
 
 
-def check_sampling(fps: Any, max_frames: Any, error: type[Exception] = ValueError,
-                   names: tuple[str, str] = ("fps", "max_frames")) -> tuple[float, int]:
+def check_sampling(
+    fps: Any, max_frames: Any, error: type[Exception] = ValueError, names: tuple[str, str] = ("fps", "max_frames")
+) -> tuple[float, int]:
     """``(fps, max_frames)`` as numbers, or ``error`` naming the bad one (UserError for settings)."""
     try:
         rate = float(fps)
@@ -187,8 +193,7 @@ def load_video(
         raise UserError(f"{path}: corrupt or unreadable video ({reason})") from None
     if not frames:
         raise UserError(f"{path}: no video frames (zero decodable frames)")
-    return Video(np.stack(frames), indices, [t - start for t in times], total, duration, str(path),
-                 load_audio_track(p))
+    return Video(np.stack(frames), indices, [t - start for t in times], total, duration, str(path), load_audio_track(p))
 
 
 def load_audio_track(path: str | os.PathLike) -> tuple[torch.Tensor, int] | None:

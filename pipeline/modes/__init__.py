@@ -1,4 +1,5 @@
 """Modes are thin recipes over the library: each is a ``main(cfg)`` in its own module."""
+
 from __future__ import annotations
 
 import importlib

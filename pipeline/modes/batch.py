@@ -33,6 +33,7 @@ index i satisfies i % num_processes == rank, loads its own model copy on its own
 writes its own part; the main process waits for all, then merges. Rank 0's run folder is used
 by every rank, so Hydra's per-process ``${now:...}`` default cannot split the output.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,7 +71,14 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 # Log-probability settings: batch.<name> for the run, or a JSONL line's own (which wins).
 LOGPROB_SETTINGS = ("logprobs", "prompt_logprobs", "logprobs_mode")
 # Per-item settings a JSONL line may carry (each checked by _setting).
-ITEM_SETTINGS = ("max_new_tokens", "system_prompt", "ignore_eos", "stop", "thinking", "response_format") + LOGPROB_SETTINGS
+ITEM_SETTINGS = (
+    "max_new_tokens",
+    "system_prompt",
+    "ignore_eos",
+    "stop",
+    "thinking",
+    "response_format",
+) + LOGPROB_SETTINGS
 ITEM_KEYS = ("id", "prompt", "images", "videos", "audios") + ITEM_SETTINGS
 
 
@@ -131,7 +139,7 @@ def _json_item(path: Path, n: int, line: str) -> Item:
     except json.JSONDecodeError as err:
         raise UserError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
     if not isinstance(obj, dict):
-        raise UserError(f"{where}: expected a JSON object like {{\"id\": 1, \"prompt\": \"...\"}}")
+        raise UserError(f'{where}: expected a JSON object like {{"id": 1, "prompt": "..."}}')
     unknown = sorted(set(obj) - set(ITEM_KEYS))
     if unknown:
         raise UserError(f"{where}: unknown key {unknown[0]!r} (allowed: {', '.join(ITEM_KEYS)})")
@@ -147,7 +155,7 @@ def _json_item(path: Path, n: int, line: str) -> Item:
     if prompt is not None and not prompt.strip():
         raise UserError(f"{where}: the prompt is empty")
     if prompt is None and not (images or audios or videos):
-        raise UserError(f"{where}: no prompt (give \"prompt\", or images/videos/audios to describe)")
+        raise UserError(f'{where}: no prompt (give "prompt", or images/videos/audios to describe)')
     settings = {key: _setting(where, key, obj[key]) for key in ITEM_SETTINGS if key in obj}
     return Item(id=item_id, line=n, prompt=prompt, images=images, audios=audios, videos=videos, settings=settings)
 
@@ -195,8 +203,11 @@ def _setting(where: str, key: str, value: Any) -> Any:
 def run_logprob_settings(cfg: DictConfig) -> dict[str, Any]:
     """``batch.logprobs`` / ``prompt_logprobs`` / ``logprobs_mode``: every item's defaults, checked."""
     opts = cfg.get("batch") or {}
-    settings = {"logprobs": opts.get("logprobs"), "prompt_logprobs": opts.get("prompt_logprobs"),
-                "logprobs_mode": opts.get("logprobs_mode", "raw")}
+    settings = {
+        "logprobs": opts.get("logprobs"),
+        "prompt_logprobs": opts.get("prompt_logprobs"),
+        "logprobs_mode": opts.get("logprobs_mode", "raw"),
+    }
     for key, value in settings.items():
         check_setting(f"batch.{key}", value)
     return settings
@@ -298,8 +309,9 @@ def logprob_entries(entries: list[TokenLogprob | None], token_text: Callable[[in
     ids alone are unreadable. The alternatives stay [id, logprob] pairs."""
     if token_text is None:
         return [None if e is None else e.to_dict() for e in entries]
-    return [None if e is None else {"token_id": e.token_id, "token": token_text(e.token_id), **e.to_dict()}
-            for e in entries]
+    return [
+        None if e is None else {"token_id": e.token_id, "token": token_text(e.token_id), **e.to_dict()} for e in entries
+    ]
 
 
 def error_record(item: Item, message: str) -> dict:
@@ -451,7 +463,9 @@ def main(cfg: DictConfig) -> None:
     journal = out / f"results.part{rank}.jsonl"
     repair_journal(journal)
     if state.is_main_process and len(pending) < len(mine):
-        print(f"batch: resuming in {out}: {len(mine) - len(pending)} of {len(mine)} items already done", file=sys.stderr)
+        print(
+            f"batch: resuming in {out}: {len(mine) - len(pending)} of {len(mine)} items already done", file=sys.stderr
+        )
 
     if pending:
         place_on_rank(cfg, state)
@@ -463,8 +477,13 @@ def main(cfg: DictConfig) -> None:
         desc = "batch" if n == 1 else f"batch (rank 0 of {n})"
         show = bool(opts.get("progress", True)) and state.is_main_process
         with tqdm(
-            total=len(mine), initial=len(mine) - len(pending), desc=desc, unit="item",
-            file=sys.stderr, disable=not show, dynamic_ncols=True,
+            total=len(mine),
+            initial=len(mine) - len(pending),
+            desc=desc,
+            unit="item",
+            file=sys.stderr,
+            disable=not show,
+            dynamic_ncols=True,
         ) as bar:
 
             def on_record(record: dict) -> None:
@@ -480,7 +499,9 @@ def main(cfg: DictConfig) -> None:
             try:
                 run_items(pipe, cfg, pending, shared_prefix, on_record)
             except KeyboardInterrupt:
-                print(f"\nbatch: interrupted; finished items are kept: resume with hydra.run.dir={out}", file=sys.stderr)
+                print(
+                    f"\nbatch: interrupted; finished items are kept: resume with hydra.run.dir={out}", file=sys.stderr
+                )
                 raise
 
             wall = time.perf_counter() - t0
@@ -491,8 +512,16 @@ def main(cfg: DictConfig) -> None:
     state.wait_for_everyone()
     if not state.is_main_process:
         return
-    finish(out, items, dropped, num_processes=n, shared_prefix=shared_prefix, model=cfg.model.path,
-           max_seqs=pipe.max_seqs if pending else None, throughput_tok_s=throughput)
+    finish(
+        out,
+        items,
+        dropped,
+        num_processes=n,
+        shared_prefix=shared_prefix,
+        model=cfg.model.path,
+        max_seqs=pipe.max_seqs if pending else None,
+        throughput_tok_s=throughput,
+    )
 
 
 def finish(out: Path, items: list[Item], dropped: int, **info: Any) -> None:
@@ -500,7 +529,9 @@ def finish(out: Path, items: list[Item], dropped: int, **info: Any) -> None:
     best, _ = collect(out, items)
     missing = [item.id for item in items if item.key not in best]
     if missing:  # only when a rank died without raising: keep the parts for a resume
-        raise UserError(f"batch incomplete: no result for id {missing[0]!r} ({len(missing)} missing); run again to resume")
+        raise UserError(
+            f"batch incomplete: no result for id {missing[0]!r} ({len(missing)} missing); run again to resume"
+        )
     records = [best[item.key] for item in items]
     write_jsonl(out / RESULTS, records)
     summary = summarize(records, **info)

@@ -17,6 +17,7 @@ same model and ids (greedy, a batch of n equal-length rows, EOS not a stop: ``eo
 keeps the EOS token and goes on, as ``ignore_eos`` does), alternating with the pipeline so that
 drifting clocks or thermals hit both alike; rows then carry pipeline / generate ratios.
 """
+
 from __future__ import annotations
 
 import math
@@ -169,8 +170,17 @@ def time_pipeline(pipe: Pipeline, prompts: list[list[int]], gen: int) -> dict:
     for ctx in ctxs:
         ctx.cache.clear()
     out = _figures(len(prompts[0]), gen, first - start, end - start, len(prompts))
-    for key in ("prefill_tok_s", "decode_tok_s", "sample_s", "kv_cache_bytes", "peak_memory_bytes", "kv_pool_bytes",
-                "bandwidth_gb_s", "spec_accept_rate", "spec_tokens_per_step"):
+    for key in (
+        "prefill_tok_s",
+        "decode_tok_s",
+        "sample_s",
+        "kv_cache_bytes",
+        "peak_memory_bytes",
+        "kv_pool_bytes",
+        "bandwidth_gb_s",
+        "spec_accept_rate",
+        "spec_tokens_per_step",
+    ):
         out[key] = m.get(key)
     return out
 
@@ -268,8 +278,12 @@ class Row:
         return out
 
 
-def run_grid(pipe: Pipeline, settings: BenchSettings, on_run: Callable[[], None] | None = None,
-             speculative: dict[str, Any] | None = None) -> list[Row]:
+def run_grid(
+    pipe: Pipeline,
+    settings: BenchSettings,
+    on_run: Callable[[], None] | None = None,
+    speculative: dict[str, Any] | None = None,
+) -> list[Row]:
     """Warm up, then time every cell ``repetitions`` times (pipeline and baseline alternating).
 
     ``pipe`` needs ``prefill`` and ``decode`` stages (other stages are not run); its decode
@@ -294,7 +308,11 @@ def run_grid(pipe: Pipeline, settings: BenchSettings, on_run: Callable[[], None]
             prompts = [synthetic_prompt(lm, p, settings.seed + i) for i in range(b)]
             for method, spec in speculative.items():
                 decode.speculative = spec
-                label = f"pp{p}+tg{g}" + (f" B{b}" if b > 1 else "") + ("" if list(speculative) == ["none"] else f" {method}")
+                label = (
+                    f"pp{p}+tg{g}"
+                    + (f" B{b}" if b > 1 else "")
+                    + ("" if list(speculative) == ["none"] else f" {method}")
+                )
                 row = Row(label, p, g, b, speculative=method)
                 for rep in range(settings.warmup + settings.repetitions):
                     sample = time_pipeline(pipe, prompts, g)
@@ -361,7 +379,10 @@ def csv_rows(rows: list[Row]) -> list[list[Any]]:
         for which in ("pipeline", "baseline") if with_hf else ("pipeline",):
             s = r.stats(which)
             for key in FIGURES:
-                line += ["" if s[key]["mean"] is None else s[key]["mean"], "" if s[key]["std"] is None else s[key]["std"]]
+                line += [
+                    "" if s[key]["mean"] is None else s[key]["mean"],
+                    "" if s[key]["std"] is None else s[key]["std"],
+                ]
         if with_hf:
             q = r.ratios()
             line += ["" if q.get(k) is None else q[k] for k in ("pp_tok_s", "tg_tok_s", "pptg_tok_s")]
@@ -371,14 +392,19 @@ def csv_rows(rows: list[Row]) -> list[list[Any]]:
 
 def plot(rows: list[Row], path: Path, title: str) -> Path:
     """Bars of pp and tg tokens/s per cell with stddev whiskers; the baseline beside when measured."""
-    from matplotlib.figure import Figure  # slow to import, so only to plot; no pyplot: no global backend or figure state
+    from matplotlib.figure import (
+        Figure,
+    )  # slow to import, so only to plot; no pyplot: no global backend or figure state
 
     with_hf = any(r.baseline for r in rows)
     fig = Figure(figsize=(max(6.0, 1.2 * len(rows) + 3), 4.5), layout="constrained")
     axes = fig.subplots(1, 2)
     x = list(range(len(rows)))
     width = 0.38 if with_hf else 0.6
-    for ax, key, label in ((axes[0], "pp_tok_s", "prefill (pp) tokens/s"), (axes[1], "tg_tok_s", "decode (tg) tokens/s")):
+    for ax, key, label in (
+        (axes[0], "pp_tok_s", "prefill (pp) tokens/s"),
+        (axes[1], "tg_tok_s", "decode (tg) tokens/s"),
+    ):
         series = [("pipeline", "mm-pipeline")] + ([("baseline", "HF generate")] if with_hf else [])
         for i, (which, name) in enumerate(series):
             stats = [r.stats(which)[key] for r in rows]
@@ -407,11 +433,19 @@ def main(cfg: DictConfig) -> None:
     cfg = OmegaConf.merge(cfg, {"stages": {"decode": {"sampler": {"_target_": "stages.Sampler"}}}})
     lm = load_from_cfg(cfg)
     pipe = pipeline_from_cfg(cfg, lm)
-    configured = getattr(pipe.stages.get("decode"), "speculative", None)  # decode.speculative's own, its draft model loaded once
-    speculative = {m: configured if configured is not None and configured.method == m else speculative_from_cfg(cfg, lm, m)
-                   for m in settings.speculative}
-    runs = (len(settings.cells) * len(speculative) * (settings.warmup + settings.repetitions)
-            * (2 if settings.baseline else 1))
+    configured = getattr(
+        pipe.stages.get("decode"), "speculative", None
+    )  # decode.speculative's own, its draft model loaded once
+    speculative = {
+        m: configured if configured is not None and configured.method == m else speculative_from_cfg(cfg, lm, m)
+        for m in settings.speculative
+    }
+    runs = (
+        len(settings.cells)
+        * len(speculative)
+        * (settings.warmup + settings.repetitions)
+        * (2 if settings.baseline else 1)
+    )
     check_fits(pipe, settings)
     with tqdm(total=runs, desc="bench", unit="run", file=sys.stderr, dynamic_ncols=True) as bar:
         rows = run_grid(pipe, settings, on_run=lambda: bar.update(1), speculative=speculative)

@@ -4,6 +4,7 @@ A thin recipe over ``pipeline.ceval``: validate the files before loading the mod
 every question on one KV cache (the instruction and few-shot prefix are computed once per
 subject), then write the files and print the accuracy.
 """
+
 from __future__ import annotations
 
 import sys

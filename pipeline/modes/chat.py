@@ -4,6 +4,7 @@ One message per line, from a terminal or a pipe. Answers stream to stdout, one p
 prompts, notices and /stats go to stderr, so ``python -m pipeline mode=chat < q.txt > a.txt``
 captures only the answers. Every finished turn is appended to ``chat.jsonl`` in the run folder.
 """
+
 from __future__ import annotations
 
 import sys
@@ -12,7 +13,12 @@ from typing import Callable, TextIO
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.assemble import (
-    input_paths, load_from_cfg, max_image_pixels, pipeline_from_cfg, request_from_cfg, video_sampling,
+    input_paths,
+    load_from_cfg,
+    max_image_pixels,
+    pipeline_from_cfg,
+    request_from_cfg,
+    video_sampling,
 )
 from pipeline.chat import ChatSession
 from pipeline.errors import UserError
@@ -120,8 +126,10 @@ class Repl:
             result = self.session.send(text, on_text=write if self.stream else None)
         except KeyboardInterrupt:
             write("\n")
-            self.note(f"[stopped: answer dropped from the conversation, cache rolled back to "
-                      f"{self.session.cache.length} tokens]")
+            self.note(
+                f"[stopped: answer dropped from the conversation, cache rolled back to "
+                f"{self.session.cache.length} tokens]"
+            )
             return True
         except UserError as err:
             self.note(f"error: {err}")
@@ -146,8 +154,10 @@ class Repl:
         if turn is None:
             self.note("nothing to undo")
         else:
-            self.note(f"[undone: {turn.user!r}; {len(self.session.turns)} turns left, cache rolled back to "
-                      f"{self.session.cache.length} tokens]")
+            self.note(
+                f"[undone: {turn.user!r}; {len(self.session.turns)} turns left, cache rolled back to "
+                f"{self.session.cache.length} tokens]"
+            )
         return True
 
     def cmd_attach(self, kind: str, arg: str) -> bool:

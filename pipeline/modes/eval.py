@@ -4,6 +4,7 @@ A thin recipe over ``pipeline.evaluation``: the settings and task names are chec
 model loads, lm-eval runs its tasks on an ``EngineLM``, and its results land in the run folder.
 Under ``accelerate launch`` each process loads its own copy and lm-eval splits the documents.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -85,21 +86,31 @@ def main(cfg: DictConfig) -> None:
     if process.is_main_process:
         print(weights_line(lm), file=sys.stderr)
     pipe = pipeline_from_cfg(cfg, lm, stages)
-    model = EngineLM(pipe, max_length=max_length, thinking=cfg.thinking, progress=process.is_main_process,
-                     process=process)
+    model = EngineLM(
+        pipe, max_length=max_length, thinking=cfg.thinking, progress=process.is_main_process, process=process
+    )
     results = simple_evaluate(
-        model=model, tasks=names, limit=limit, num_fewshot=fewshot, task_manager=manager,
-        apply_chat_template=bool(settings.apply_chat_template), fewshot_as_multiturn=bool(settings.fewshot_as_multiturn),
-        log_samples=bool(settings.log_samples), random_seed=settings.seed, numpy_random_seed=settings.seed,
-        torch_random_seed=settings.seed, fewshot_random_seed=settings.seed,
+        model=model,
+        tasks=names,
+        limit=limit,
+        num_fewshot=fewshot,
+        task_manager=manager,
+        apply_chat_template=bool(settings.apply_chat_template),
+        fewshot_as_multiturn=bool(settings.fewshot_as_multiturn),
+        log_samples=bool(settings.log_samples),
+        random_seed=settings.seed,
+        numpy_random_seed=settings.seed,
+        torch_random_seed=settings.seed,
+        fewshot_random_seed=settings.seed,
     )
     if results is None:  # lm-eval returns None on processes other than the first
         return
     for task, samples in (results.pop("samples", None) or {}).items():
         write_jsonl(out / f"samples_{task}.jsonl", json.loads(json.dumps(samples, default=handle_non_serializable)))
     results["config"] = {**results.get("config", {}), "model": lm.path, "quant": lm.quant}
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=handle_non_serializable,
-                                                 ensure_ascii=False) + "\n", encoding="utf-8")
+    (out / "results.json").write_text(
+        json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
     table = make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
     write_text(out / "results.md", table)
     print(table)

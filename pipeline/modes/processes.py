@@ -2,6 +2,7 @@
 own copy of the model; modes that split their work over them (batch, eval) share these. Under
 tensor parallel the copies are the tensor-parallel groups (``model.tp=N`` in a launch of k x N
 processes), each driven by its rank 0, which alone takes part here."""
+
 from __future__ import annotations
 
 import shutil

@@ -9,6 +9,7 @@ result also names a swept setting (``quant``), that column holds what the job ra
 resolved), or the override itself when the result does not say. Writes ``report.md``, ``report.csv`` and
 ``report.png`` into ``dir`` and prints the markdown table on stdout.
 """
+
 from __future__ import annotations
 
 import json
@@ -100,18 +101,20 @@ def _bench_rows(doc: dict) -> list[dict[str, Any]]:
         samples = ((cell or {}).get("pipeline") or {}).get("samples") or []
         tg = [s.get("tg_tok_s") for s in samples]
         peaks = [s.get("peak_memory_bytes") for s in samples if isinstance(s.get("peak_memory_bytes"), (int, float))]
-        rows.append({
-            "status": "ok",
-            "source": "bench.json",
-            "test": cell.get("test"),
-            "ttft_s": _mean([s.get("ttft_s") for s in samples]),
-            "tpot_s": _mean([1 / v for v in tg if isinstance(v, (int, float)) and v > 0]),
-            "prefill_tok_s": _mean([s.get("prefill_tok_s", s.get("pp_tok_s")) for s in samples]),
-            "decode_tok_s": _mean([s.get("decode_tok_s", s.get("tg_tok_s")) for s in samples]),
-            "peak_memory_bytes": max(peaks) if peaks else None,
-            "weights_bytes": doc.get("weights_bytes"),
-            "quant": doc.get("quant"),
-        })
+        rows.append(
+            {
+                "status": "ok",
+                "source": "bench.json",
+                "test": cell.get("test"),
+                "ttft_s": _mean([s.get("ttft_s") for s in samples]),
+                "tpot_s": _mean([1 / v for v in tg if isinstance(v, (int, float)) and v > 0]),
+                "prefill_tok_s": _mean([s.get("prefill_tok_s", s.get("pp_tok_s")) for s in samples]),
+                "decode_tok_s": _mean([s.get("decode_tok_s", s.get("tg_tok_s")) for s in samples]),
+                "peak_memory_bytes": max(peaks) if peaks else None,
+                "weights_bytes": doc.get("weights_bytes"),
+                "quant": doc.get("quant"),
+            }
+        )
     return rows
 
 
@@ -151,8 +154,11 @@ def markdown(columns: list[str], rows: list[dict[str, Any]]) -> str:
 
 def labels(columns: list[str], rows: list[dict[str, Any]]) -> list[str]:
     """Bar labels: only the overrides that differ between rows (else the job folder)."""
-    varying = [c for c in columns if c not in MEASURED and c not in ("job", "status")
-               and len({str(r.get(c)) for r in rows}) > 1]
+    varying = [
+        c
+        for c in columns
+        if c not in MEASURED and c not in ("job", "status") and len({str(r.get(c)) for r in rows}) > 1
+    ]
     out = []
     for r in rows:
         parts = [f"{c}={r[c]}" if c != "test" else str(r[c]) for c in varying if r.get(c) is not None]
@@ -175,7 +181,9 @@ def plot(columns: list[str], rows: list[dict[str, Any]], path: Path, title: str)
         ax.bar(range(len(rows)), values, color="tab:blue")
         ax.set_title(key)
         ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels(names, fontsize=7, rotation=30 if len(rows) > 4 else 0, ha="right" if len(rows) > 4 else "center")
+        ax.set_xticklabels(
+            names, fontsize=7, rotation=30 if len(rows) > 4 else 0, ha="right" if len(rows) > 4 else "center"
+        )
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

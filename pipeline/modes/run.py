@@ -1,4 +1,5 @@
 """mode=run: one request, the answer streamed to stdout, result.json in the run folder."""
+
 from __future__ import annotations
 
 import sys

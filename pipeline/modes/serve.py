@@ -4,6 +4,7 @@ Settings are checked and the port is bound before the model loads, so a typo or 
 costs one line, not a model load. On a signal the server stops accepting connections, lets
 requests in flight finish for ``serve.drain_s`` seconds, cancels the rest and exits 0.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,7 +17,12 @@ import uvicorn
 from omegaconf import DictConfig
 
 from pipeline.assemble import (
-    load_from_cfg, max_image_pixels, pipeline_from_cfg, request_from_cfg, stages_from_cfg, video_sampling,
+    load_from_cfg,
+    max_image_pixels,
+    pipeline_from_cfg,
+    request_from_cfg,
+    stages_from_cfg,
+    video_sampling,
 )
 from pipeline.errors import UserError, whole_number
 from pipeline.loading import weights_line
@@ -67,7 +73,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except (OSError, OverflowError) as err:
-        raise UserError(f"cannot listen on {host}:{port} ({err.strerror if isinstance(err, OSError) else err})") from None
+        raise UserError(
+            f"cannot listen on {host}:{port} ({err.strerror if isinstance(err, OSError) else err})"
+        ) from None
     return sock
 
 
@@ -82,8 +90,9 @@ def main(cfg: DictConfig) -> None:
     pipe = pipeline_from_cfg(cfg, lm, stages)  # decode.compile: warmed up here, before the first request
     host, port = sock.getsockname()[:2]
 
-    config = uvicorn.Config(None, log_level="warning", timeout_graceful_shutdown=cfg.serve.drain_s,
-                            timeout_keep_alive=5)
+    config = uvicorn.Config(
+        None, log_level="warning", timeout_graceful_shutdown=cfg.serve.drain_s, timeout_keep_alive=5
+    )
     server = uvicorn.Server(config)
 
     def ready() -> None:

@@ -12,6 +12,7 @@
 
 Imports ``pipeline.kv`` (and the leaf modules ``errors``, ``transfer``) only (see ``[tool.importlinter]``).
 """
+
 from pipeline.runner.attention import ATTENTION, attach, detach, paged_attention
 from pipeline.runner.batch import Chunk, PagedBatch, build_batch
 from pipeline.runner.compiled import CompiledStep, FastPathFallback
@@ -22,7 +23,26 @@ from pipeline.runner.model_runner import ModelRunner, StepOutput
 from pipeline.runner.sampling import argmax_only, choose, fork_sampler
 
 __all__ = [
-    "ATTENTION", "attach", "detach", "paged_attention", "Chunk", "PagedBatch", "build_batch", "CompiledStep",
-    "GraphedStep", "FastPathFallback", "burst_state", "forward", "greedy_steps", "run_burst", "run_model", "LogitsProcessor",
-    "apply_processors", "ModelRunner", "StepOutput", "argmax_only", "choose", "fork_sampler",
+    "ATTENTION",
+    "attach",
+    "detach",
+    "paged_attention",
+    "Chunk",
+    "PagedBatch",
+    "build_batch",
+    "CompiledStep",
+    "GraphedStep",
+    "FastPathFallback",
+    "burst_state",
+    "forward",
+    "greedy_steps",
+    "run_burst",
+    "run_model",
+    "LogitsProcessor",
+    "apply_processors",
+    "ModelRunner",
+    "StepOutput",
+    "argmax_only",
+    "choose",
+    "fork_sampler",
 ]

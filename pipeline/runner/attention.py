@@ -11,6 +11,7 @@ Why our own kernel-free attention instead of transformers' ``PagedAttentionCache
 owns its scheduler state and knows neither 3-D positions nor ``inputs_embeds``; this file is
 the few dozen lines that do, on plain ``scaled_dot_product_attention``.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -61,9 +62,15 @@ def paged_attention(
     kv = batch.pool.layer(module.layer_idx)
     kv.write(batch.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     flat_q = query[0].transpose(0, 1)  # [T, heads, D]
-    parts = [(g, _attend_causal(g, query, key, value, kv, scaling) if g.causal else
-              _attend(g, flat_q, kv, window is not None, scaling, batch.pool.block_size))
-             for g in batch.groups]
+    parts = [
+        (
+            g,
+            _attend_causal(g, query, key, value, kv, scaling)
+            if g.causal
+            else _attend(g, flat_q, kv, window is not None, scaling, batch.pool.block_size),
+        )
+        for g in batch.groups
+    ]
     if len(parts) == 1 and parts[0][0].start == 0 and parts[0][1].shape[0] == flat_q.shape[0]:
         return parts[0][1].unsqueeze(0), None  # one contiguous group: already in packed order
     out = query.new_empty(flat_q.shape)
@@ -79,15 +86,18 @@ def _check_layer(module: torch.nn.Module, batch: PagedBatch, kwargs: dict) -> in
     """The layer's sliding window (None: full attention), refusing what the pool cannot serve."""
     window = kwargs.get("sliding_window")
     if window is not None and window != batch.pool.window:
-        raise ValueError(f"layer {module.layer_idx} attends with sliding_window={window} but the KV pool was built "
-                         f"for {batch.pool.window} (the config's layer types disagree with the model)")
+        raise ValueError(
+            f"layer {module.layer_idx} attends with sliding_window={window} but the KV pool was built "
+            f"for {batch.pool.window} (the config's layer types disagree with the model)"
+        )
     if kwargs.get("softcap") is not None:
         raise ValueError("the paged attention has no logit soft-capping (this model's layers pass softcap)")
     return window
 
 
-def _attend(g: Group, flat_q: torch.Tensor, kv: LayerKV, sliding: bool, scaling: float | None,
-            block_size: int) -> torch.Tensor:
+def _attend(
+    g: Group, flat_q: torch.Tensor, kv: LayerKV, sliding: bool, scaling: float | None, block_size: int
+) -> torch.Tensor:
     """One group's attention over its rows' blocks: [rows * q, heads, D] in row order
     (``sliding``: the layer has the pool's sliding window)."""
     if g.span is not None:
@@ -106,15 +116,17 @@ def _attend(g: Group, flat_q: torch.Tensor, kv: LayerKV, sliding: bool, scaling:
     else:
         k_slots, mask = g.k_slots, g.window_mask if sliding else g.mask
     if g.q == 1 and native_decode(qs, kv):
-        return torch.ops.mm_pipeline.decode_attention(qs[:, :, 0], kv.k, kv.v, k_slots, mask,
-                                                      dim ** -0.5 if scaling is None else scaling)
+        return torch.ops.mm_pipeline.decode_attention(
+            qs[:, :, 0], kv.k, kv.v, k_slots, mask, dim**-0.5 if scaling is None else scaling
+        )
     ks, vs = kv.gather(k_slots, qs.dtype)  # [B, kv_heads, K, D]
     kv_heads = ks.shape[1]
     if g.q == 1 and kv_heads != heads:
         # One query per row: the query heads sharing a key/value head become its rows (no
         # repeated keys, one mask for all of them).
-        o = scaled_dot_product_attention(qs.reshape(rows, kv_heads, heads // kv_heads, dim), ks, vs,
-                                         attn_mask=mask, scale=scaling)
+        o = scaled_dot_product_attention(
+            qs.reshape(rows, kv_heads, heads // kv_heads, dim), ks, vs, attn_mask=mask, scale=scaling
+        )
         return o.reshape(rows * q, heads, dim)
     o = scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=kv_heads != heads)
     return o.transpose(1, 2).reshape(rows * q, heads, dim)
@@ -127,9 +139,15 @@ def native_decode(qs: torch.Tensor, kv: LayerKV) -> bool:
     """Whether decode rows attend through the native kernel (``decode_attention.cpp``): on CPU
     with the engine's native kernels on (``decode.matvec``), keys stored in the queries' dtype
     (float32 or bfloat16, not quantised). It reads the pool in place: no gathered copy."""
-    return (qs.device.type == "cpu" and matvec.enabled() and kv.fmt is None and qs.dtype == kv.k.dtype
-            and qs.dtype in (torch.float32, torch.bfloat16) and qs.shape[-1] % 8 == 0
-            and qs.shape[1] // kv.k.shape[1] <= NATIVE_GROUP)
+    return (
+        qs.device.type == "cpu"
+        and matvec.enabled()
+        and kv.fmt is None
+        and qs.dtype == kv.k.dtype
+        and qs.dtype in (torch.float32, torch.bfloat16)
+        and qs.shape[-1] % 8 == 0
+        and qs.shape[1] // kv.k.shape[1] <= NATIVE_GROUP
+    )
 
 
 def _sizes(g: Group) -> tuple[Any, Any]:
@@ -142,8 +160,9 @@ def _sizes(g: Group) -> tuple[Any, Any]:
     return g.rows, g.q
 
 
-def _attend_flex(masks: flex.PagedMasks, qs: torch.Tensor, kv: LayerKV, sliding: bool, scaling: float | None,
-                 block_size: int) -> torch.Tensor | None:
+def _attend_flex(
+    masks: flex.PagedMasks, qs: torch.Tensor, kv: LayerKV, sliding: bool, scaling: float | None, block_size: int
+) -> torch.Tensor | None:
     """[B, heads, q, D] by FlexAttention over the pool in place; None where it cannot run (keys
     stored in another dtype than the queries, or the kernel failed: said once, then never tried)."""
     k_pool, v_pool = kv.k, kv.v
@@ -180,8 +199,9 @@ def _attend_in_place(g: Group, flat_q: torch.Tensor, kv: LayerKV, scaling: float
 QUERY_TILE = 64  # CPU: rows of a chunk over cached keys attended at once (bounds the mask it needs)
 
 
-def _attend_causal(g: Group, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV,
-                   scaling: float | None) -> torch.Tensor:
+def _attend_causal(
+    g: Group, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv: LayerKV, scaling: float | None
+) -> torch.Tensor:
     """One plainly causal prefill chunk (``batch.causal_chunk``): [q, heads, D].
 
     From position 0 its keys are its own new ones and the kernel is ``is_causal``, as
@@ -195,14 +215,17 @@ def _attend_causal(g: Group, query: torch.Tensor, key: torch.Tensor, value: torc
     gqa = key.shape[1] != query.shape[1]
     if g.span is None and g.k_slots is None:  # keys as the pool stores them: a prefix hit reads the same ones
         ks, vs = (kv.as_stored(t[:, :, first : first + q]) for t in (key, value))
-        return scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=gqa)[0].transpose(0, 1)
+        return scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=gqa)[0].transpose(
+            0, 1
+        )
     if g.span is not None:
         ks, vs = kv.span(*g.span, qs.dtype)
     else:
         ks, vs = kv.gather(g.k_slots, qs.dtype)
     if qs.device.type == "cuda":
-        o = scaled_dot_product_attention(qs, ks, vs, attn_mask=causal_lower_right(q, ks.shape[2]), scale=scaling,
-                                         enable_gqa=gqa)
+        o = scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=causal_lower_right(q, ks.shape[2]), scale=scaling, enable_gqa=gqa
+        )
         return o[0].transpose(0, 1)
     cached = ks.shape[2] - q
     parts = []
@@ -211,8 +234,11 @@ def _attend_causal(g: Group, query: torch.Tensor, key: torch.Tensor, value: torc
         seen = cached + hi
         rows = torch.arange(cached + lo, cached + hi, device=qs.device).unsqueeze(1)
         mask = torch.arange(seen, device=qs.device) <= rows  # [tile, seen]: causal
-        parts.append(scaled_dot_product_attention(qs[:, :, lo:hi], ks[:, :, :seen], vs[:, :, :seen], attn_mask=mask,
-                                                  scale=scaling, enable_gqa=gqa))
+        parts.append(
+            scaled_dot_product_attention(
+                qs[:, :, lo:hi], ks[:, :, :seen], vs[:, :, :seen], attn_mask=mask, scale=scaling, enable_gqa=gqa
+            )
+        )
     return torch.cat(parts, dim=2)[0].transpose(0, 1)
 
 

@@ -6,6 +6,7 @@ layer shares: each token's write slot, and per group of rows (decode rows togeth
 chunks together, each padded to its group's longest; padding reads the zeroed null block and is
 masked out) the key slots and masks.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,7 +68,9 @@ class Group:
     rows: int
     q: int
     k_slots: torch.Tensor | None  # [B, K] pool slot of every key position (padding: the null block)
-    mask: torch.Tensor | None  # [B, 1, q, K] causal (or-ed with bidirectional blocks) within the sequence, up to its length
+    mask: (
+        torch.Tensor | None
+    )  # [B, 1, q, K] causal (or-ed with bidirectional blocks) within the sequence, up to its length
     start: int | None
     q_index: torch.Tensor | None = None
     dest: torch.Tensor | None = None  # packed token index of each real query
@@ -115,7 +118,9 @@ def _fused_causal(pool: BlockPool, chunk: Chunk, prefill_flex: bool) -> bool:
     or its blocks are consecutive."""
     if not plainly_causal(pool, chunk):
         return False
-    return not prefill_flex or not chunk.start or in_place_span(pool, chunk.table, chunk.start + chunk.count) is not None
+    return (
+        not prefill_flex or not chunk.start or in_place_span(pool, chunk.table, chunk.start + chunk.count) is not None
+    )
 
 
 @dataclass
@@ -156,8 +161,9 @@ def _query_limits(chunk: Chunk, q: int) -> tuple[list[int], list[int]]:
     return positions, limits + limits[-1:] * (q - n)
 
 
-def _group(chunks: Sequence[Chunk], offsets: Sequence[int], pool: BlockPool, device: torch.device,
-           use_flex: bool) -> Group:
+def _group(
+    chunks: Sequence[Chunk], offsets: Sequence[int], pool: BlockPool, device: torch.device, use_flex: bool
+) -> Group:
     """Padded query / key indices and the masks of a set of chunks attended together.
 
     Each query sees the key positions below ``hi`` (its limit, cut at its row's length) and, in
@@ -176,14 +182,20 @@ def _group(chunks: Sequence[Chunk], offsets: Sequence[int], pool: BlockPool, dev
         hi = torch.minimum(upload([lim for _, lim in rows], device), hi)
         qpos = upload([pos for pos, _ in rows], device) if pool.window is not None else None
     if use_flex:
-        masks = flex.paged_masks(table, hi, qpos, pool.block_size, flex.extent_blocks(pool, tables, device),
-                                 pool.window)
+        masks = flex.paged_masks(
+            table, hi, qpos, pool.block_size, flex.extent_blocks(pool, tables, device), pool.window
+        )
         return _placed(chunks, offsets, q, device, Group(len(chunks), q, None, None, start=None, flex=masks))
     k_slots = key_slots(table, pool.block_size)
     keys = k_slots.shape[1]
     window_mask = None if qpos is None else dense_mask(keys, hi, window_start(qpos, pool.window))
-    return _placed(chunks, offsets, q, device,
-                   Group(len(chunks), q, k_slots, dense_mask(keys, hi), start=None, window_mask=window_mask))
+    return _placed(
+        chunks,
+        offsets,
+        q,
+        device,
+        Group(len(chunks), q, k_slots, dense_mask(keys, hi), start=None, window_mask=window_mask),
+    )
 
 
 def _placed(chunks: Sequence[Chunk], offsets: Sequence[int], q: int, device: torch.device, group: Group) -> Group:
@@ -216,8 +228,11 @@ def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device, 
     if decode:
         lone = chunks[decode[0]]
         span = in_place_span(pool, lone.table, lone.start + 1) if in_place and len(decode) == 1 else None
-        groups.append(Group(1, 1, None, None, start=offsets[decode[0]], span=span) if span
-                      else group(decode, flex.usable(pool, device)))
+        groups.append(
+            Group(1, 1, None, None, start=offsets[decode[0]], span=span)
+            if span
+            else group(decode, flex.usable(pool, device))
+        )
     prefill_flex = flex.usable_for_prefill(pool, device)
     if len(prefill) == 1 and _fused_causal(pool, chunks[prefill[0]], prefill_flex):
         groups.append(causal_chunk(pool, chunks[prefill[0]], offsets[prefill[0]], device))

@@ -20,6 +20,7 @@ the next one. Steps with prefill chunks run eagerly. Where the step cannot be co
 (bitsandbytes weights, a compile error) the engine warns once (``FastPathFallback``) and stays
 eager: the tokens are the same either way.
 """
+
 from __future__ import annotations
 
 import sys
@@ -99,8 +100,11 @@ class CompiledStep:
 
     def graphs(self, lm: Any) -> bool:
         """Whether the compiled step replays CUDA graphs (its outputs must then be cloned)."""
-        return self.backend == "inductor" and lm.device.type == "cuda" and self._settings(lm).get("mode") in (
-            "reduce-overhead", "max-autotune")
+        return (
+            self.backend == "inductor"
+            and lm.device.type == "cuda"
+            and self._settings(lm).get("mode") in ("reduce-overhead", "max-autotune")
+        )
 
     def fallback(self, reason: str) -> None:
         """Say once, in one line on stderr, why decoding stays eager; also raised as a
@@ -110,13 +114,16 @@ class CompiledStep:
             self._warned = True
             say_fallback(f"decode.compile: {reason}; decoding uncompiled")
 
-    def __call__(self, lm: Any, pool: BlockPool, chunks: Sequence[Chunk], device: torch.device | None = None) -> torch.Tensor:
+    def __call__(
+        self, lm: Any, pool: BlockPool, chunks: Sequence[Chunk], device: torch.device | None = None
+    ) -> torch.Tensor:
         """Next-token logits [rows, V] of decode rows (one token each), compiled, at bucketed shapes."""
         device = device if device is not None else lm.device
         state = chunks_state(pool, chunks, device, bucketed=self.why_not(lm) is None)
         pool.prepare_write()
-        logits = self._run(lambda step: step(lm.model, pool, *state)[3], lambda: decode_logits(lm.model, pool, *state),
-                           lm, pool)
+        logits = self._run(
+            lambda step: step(lm.model, pool, *state)[3], lambda: decode_logits(lm.model, pool, *state), lm, pool
+        )
         return logits[: len(chunks)]
 
     def greedy_steps(self, lm: Any, pool: BlockPool, state: tuple[torch.Tensor, ...], steps: int) -> list[torch.Tensor]:
@@ -128,11 +135,16 @@ class CompiledStep:
         the second step's, and nothing else runs in between: those calls skip the guards that
         cannot differ (``skip_guard_eval_unsafe``, which still picks between cached graphs).
         """
+
         def settled() -> Any:
             return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
 
-        return self._run(lambda step: greedy_steps(lm.model, pool, state, steps, step=step, settled=settled),
-                         lambda: greedy_steps(lm.model, pool, state, steps), lm, pool)
+        return self._run(
+            lambda step: greedy_steps(lm.model, pool, state, steps, step=step, settled=settled),
+            lambda: greedy_steps(lm.model, pool, state, steps),
+            lm,
+            pool,
+        )
 
     def _run(self, compiled_call: Any, eager_call: Any, lm: Any, pool: BlockPool) -> Any:
         """``compiled_call(compiled decode_step)``; ``eager_call()`` where compiling is impossible or
@@ -165,8 +177,9 @@ class CompiledStep:
         static = lm.device.type == "cuda"
         if static:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, flex.STATIC_GRAPHS)
-        compiled = torch.compile(flex.own_code(fn), backend=self.backend, dynamic=False if static else None,
-                                 **self._settings(lm))
+        compiled = torch.compile(
+            flex.own_code(fn), backend=self.backend, dynamic=False if static else None, **self._settings(lm)
+        )
         graphs = self.graphs(lm)
 
         def step(model: Any, pool: BlockPool, *inputs: torch.Tensor) -> Any:
@@ -187,12 +200,18 @@ class CompiledStep:
         return step
 
 
-def _mark_dynamic(ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, tables: torch.Tensor,
-                  extent: torch.Tensor) -> None:
+def _mark_dynamic(
+    ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, tables: torch.Tensor, extent: torch.Tensor
+) -> None:
     """The batch, table width and pool extent vary between calls: one graph for every bucket from
     2 up, instead of a recompile at the second size seen (size 1 stays specialised: its own graph)."""
-    for t, dims in ((ids, (1,)), (positions, (positions.dim() - 1,)), (lengths, (0,)), (tables, (0, 1)),
-                    (extent, (0,))):
+    for t, dims in (
+        (ids, (1,)),
+        (positions, (positions.dim() - 1,)),
+        (lengths, (0,)),
+        (tables, (0, 1)),
+        (extent, (0,)),
+    ):
         for d in dims:
             if t.shape[d] >= 2:
                 torch._dynamo.maybe_mark_dynamic(t, d)

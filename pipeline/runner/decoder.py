@@ -8,6 +8,7 @@ small size a decode step is bound by Python, not arithmetic: calling the decoder
 projection directly, and the decoder's undecorated forward when nothing needs the wrappers,
 makes the eager step about 10% faster with the same arithmetic.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -23,6 +23,7 @@ dynamic shapes once a graph has enough size symbols (``cpp_flex_attention_templa
 its split-size symbol by plain text replacement: "cur_kvSplitSize8 was not declared"), and a
 4,096-token prefill chunk over 12k keys took 5.5 s against SDPA's 2.3 s.
 """
+
 from __future__ import annotations
 
 import sys
@@ -92,8 +93,9 @@ def extent_blocks(pool: Any, tables: list[list[int]], device: torch.device) -> i
     return extent
 
 
-def paged_masks(tables: torch.Tensor, hi: torch.Tensor, qpos: torch.Tensor | None, block_size: int, extent: int,
-                window: int | None) -> PagedMasks:
+def paged_masks(
+    tables: torch.Tensor, hi: torch.Tensor, qpos: torch.Tensor | None, block_size: int, extent: int, window: int | None
+) -> PagedMasks:
     """The masks of rows with block ``tables`` [B, W], queries seeing keys below ``hi`` [B, L];
     with a sliding ``window`` a second mask for the sliding layers, from ``qpos`` [B, L] (the
     queries' positions: ``masks.window_start``)."""
@@ -107,8 +109,9 @@ def paged_masks(tables: torch.Tensor, hi: torch.Tensor, qpos: torch.Tensor | Non
     return PagedMasks(tables, hi, lo, extent * block_size, full, slide)
 
 
-def _block_mask(tables: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor | None, logical: torch.Tensor,
-                block_size: int, extent: int) -> BlockMask:
+def _block_mask(
+    tables: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor | None, logical: torch.Tensor, block_size: int, extent: int
+) -> BlockMask:
     """Per query block, the pool blocks from the one holding its lowest ``lo`` to the one holding
     its highest ``hi``; inside them the mask function keeps ``lo <= position < hi``."""
     rows, width = tables.shape
@@ -133,9 +136,14 @@ def _block_mask(tables: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor | None,
         seen = owned[b, block] & (position < hi[b, q])
         return seen if lo is None else seen & (position >= lo[b, q])
 
-    return BlockMask.from_kv_blocks(count.to(torch.int32).unsqueeze(1), indices, BLOCK_SIZE=(Q_BLOCK, block_size),
-                                    mask_mod=mask_mod, seq_lengths=(length, extent * block_size),
-                                    compute_q_blocks=False)
+    return BlockMask.from_kv_blocks(
+        count.to(torch.int32).unsqueeze(1),
+        indices,
+        BLOCK_SIZE=(Q_BLOCK, block_size),
+        mask_mod=mask_mod,
+        seq_lengths=(length, extent * block_size),
+        compute_q_blocks=False,
+    )
 
 
 def _per_query_block(values: torch.Tensor, blocks: int, reduce: Any) -> torch.Tensor:
@@ -177,21 +185,31 @@ class FlexKernel:
         self.unfused = False
         self._compiled: dict[bool, Any] = {}  # static shapes (CUDA decode rows) or dynamic -> the compiled function
 
-    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: BlockMask,
-                 scale: float | None, block_size: int) -> torch.Tensor:
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        mask: BlockMask,
+        scale: float | None,
+        block_size: int,
+    ) -> torch.Tensor:
         options = {"BLOCK_N": block_size} if query.is_cuda else None  # pool blocks are the kernel's key tiles
         gqa = key.shape[1] != query.shape[1]
         if torch.compiler.is_compiling() or self.unfused:
-            return flex_attention(query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa,
-                                  kernel_options=options)
+            return flex_attention(
+                query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=options
+            )
         static = query.is_cuda and query.shape[2] == 1
         if self._compiled.get(static) is None:
             if static:  # one graph per bucket: more than dynamo's default of 8 for one function
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, STATIC_GRAPHS)
-            self._compiled[static] = torch.compile(own_code(flex_attention) if static else flex_attention,
-                                                   dynamic=not static)
-        return self._compiled[static](query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa,
-                                      kernel_options=options)
+            self._compiled[static] = torch.compile(
+                own_code(flex_attention) if static else flex_attention, dynamic=not static
+            )
+        return self._compiled[static](
+            query, key, value, block_mask=mask, scale=scale, enable_gqa=gqa, kernel_options=options
+        )
 
     def fail(self, err: Exception) -> None:
         self.trace = "".join(traceback.format_exception(err))
@@ -205,8 +223,15 @@ class FlexKernel:
 KERNEL = FlexKernel()
 
 
-def attend(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, masks: PagedMasks, window: bool,
-           scale: float | None, block_size: int) -> torch.Tensor:
+def attend(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    masks: PagedMasks,
+    window: bool,
+    scale: float | None,
+    block_size: int,
+) -> torch.Tensor:
     """[B, heads, L, D] queries over the pool's first ``masks.extent`` slots, read in place."""
     keys = k_pool[: masks.extent].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, slots, D]: a view
     values = v_pool[: masks.extent].transpose(0, 1).unsqueeze(0)

@@ -5,6 +5,7 @@
 sees, at bucketed shapes); ``greedy_steps`` repeats a one-token greedy step with the chosen
 token fed straight back, no host work in between (a decode burst).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -160,9 +161,16 @@ class SingleRowStep:
         self.keys, self.first = keys, first_slot
         self.k_slots: torch.Tensor | None = None
 
-    def __call__(self, model: torch.nn.Module, pool: BlockPool, ids: torch.Tensor, positions: torch.Tensor,
-                 lengths: torch.Tensor, tables: torch.Tensor,
-                 extent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        pool: BlockPool,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: torch.Tensor,
+        tables: torch.Tensor,
+        extent: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n, self.keys = self.keys, self.keys + 1
         if self.k_slots is None:
             self.k_slots = key_slots(tables, pool.block_size)
@@ -174,8 +182,9 @@ class SingleRowStep:
         return argmax(logits).view(1, -1), positions + 1, lengths + 1
 
 
-def single_row_step(pool: BlockPool, tables: Sequence[Sequence[int]], starts: Sequence[int],
-                    steps: int) -> SingleRowStep | None:
+def single_row_step(
+    pool: BlockPool, tables: Sequence[Sequence[int]], starts: Sequence[int], steps: int
+) -> SingleRowStep | None:
     """The eager step for a burst of one row on a model without sliding windows (None otherwise)."""
     if len(tables) != 1 or pool.window is not None:
         return None
@@ -232,16 +241,27 @@ def burst_state(
     )
 
 
-def chunks_state(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device, bucketed: bool) -> tuple[torch.Tensor, ...]:
+def chunks_state(
+    pool: BlockPool, chunks: Sequence[Chunk], device: torch.device, bucketed: bool
+) -> tuple[torch.Tensor, ...]:
     """``burst_state`` for one step of decode ``chunks`` (one token each): what the fixed-shape
     steps (``compiled``, ``graphs``) run a single decode step from."""
     positions = [[c.positions[r][0] for c in chunks] for r in range(len(chunks[0].positions))]
-    return burst_state(pool, [c.ids[0] for c in chunks], positions, [c.start for c in chunks],
-                       [c.table for c in chunks], 1, device, bucketed=bucketed)
+    return burst_state(
+        pool,
+        [c.ids[0] for c in chunks],
+        positions,
+        [c.start for c in chunks],
+        [c.table for c in chunks],
+        1,
+        device,
+        bucketed=bucketed,
+    )
 
 
-def run_burst(lm: Any, pool: BlockPool, state: tuple[torch.Tensor, ...], steps: int, compiled: Any = None,
-              step: Any = None) -> list[torch.Tensor]:
+def run_burst(
+    lm: Any, pool: BlockPool, state: tuple[torch.Tensor, ...], steps: int, compiled: Any = None, step: Any = None
+) -> list[torch.Tensor]:
     """``greedy_steps`` from ``state``, on ``compiled`` (a ``CompiledStep``) when given, else
     eagerly with ``step`` (default ``decode_step``)."""
     pool.prepare_write()

@@ -18,6 +18,7 @@ Why xgrammar: the reference backend of vLLM and SGLang, CPU and GPU, token bitma
 matcher rollback (speculative decoding), and per-model tool-call formats (structural tags).
 It is imported on the first constrained request (importing it costs seconds).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,13 +39,50 @@ CACHE_BYTES = 512 << 20  # compiled grammars kept (xgrammar's own cache, least r
 
 # JSON Schema keywords the grammar enforces (or that only annotate). Anything else is refused:
 # a keyword silently ignored would let through output the schema forbids.
-SCHEMA_KEYWORDS = frozenset({
-    "type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
-    "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "minimum", "maximum",
-    "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "format", "minProperties",
-    "maxProperties", "patternProperties", "propertyNames", "title", "description", "default", "examples",
-    "$schema", "$id", "$comment", "deprecated", "readOnly", "writeOnly", "nullable", "strict",
-})
+SCHEMA_KEYWORDS = frozenset(
+    {
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "enum",
+        "const",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "$ref",
+        "$defs",
+        "definitions",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+        "minProperties",
+        "maxProperties",
+        "patternProperties",
+        "propertyNames",
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$schema",
+        "$id",
+        "$comment",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "nullable",
+        "strict",
+    }
+)
 SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions", "patternProperties"})  # name -> schema
 SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems"})  # [schema]
 SCHEMA_ONE = frozenset({"items", "additionalProperties", "propertyNames"})  # schema (or a bool)
@@ -105,8 +143,7 @@ def _spec(kind: str, value: Any) -> str:
             check_schema(value)
         return json.dumps(value, ensure_ascii=False)
     if kind == "choice":
-        if (not isinstance(value, (list, tuple)) or not value
-                or not all(isinstance(c, str) and c for c in value)):
+        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value):
             raise UserError("choice must be a non-empty list of non-empty strings")
         return json.dumps(list(value), ensure_ascii=False)
     if not isinstance(value, str) or not value:
@@ -176,15 +213,20 @@ def answer_grammar(kind: str, spec: str, think: bool) -> Any:
 def _reasoning_block(xgr: Any) -> Any:
     """An optional ``<think>...</think>`` then a blank line (the Qwen templates' shape)."""
     st = xgr.structural_tag
-    block = st.SequenceFormat(elements=[
-        st.TagFormat(begin=THINK[0], content=st.AnyTextFormat(excludes=list(THINK)), end=THINK[1]),
-        st.ConstStringFormat(value="\n\n")])
+    block = st.SequenceFormat(
+        elements=[
+            st.TagFormat(begin=THINK[0], content=st.AnyTextFormat(excludes=list(THINK)), end=THINK[1]),
+            st.ConstStringFormat(value="\n\n"),
+        ]
+    )
     return xgr.Grammar.from_structural_tag(st.StructuralTag(format=st.OptionalFormat(content=block)))
 
 
 def _ebnf_string(text: str) -> str:
     """A literal for xgrammar's EBNF (C-style escapes inside double quotes)."""
-    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    escaped = (
+        text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+    )
     return f'"{escaped}"'
 
 
@@ -232,8 +274,9 @@ class Grammars:
     def _compile(self, c: Constraint) -> Any:
         xgr = xgrammar()
         if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self.stop_ids)
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
+            )
             self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=CACHE_BYTES)
         t0 = time.perf_counter()
         try:
@@ -251,8 +294,9 @@ class Matcher:
     """One sequence's place in its grammar. Created at submission (compiling); ``start`` once the
     prompt is known (a prompt that ends inside an open ``<think>`` continues that block)."""
 
-    def __init__(self, compiled: Future, constraint: Constraint, think_ids: list[int] | None,
-                 owner: Grammars | None = None) -> None:
+    def __init__(
+        self, compiled: Future, constraint: Constraint, think_ids: list[int] | None, owner: Grammars | None = None
+    ) -> None:
         self.compiled, self.constraint, self.think_ids, self.owner = compiled, constraint, think_ids, owner
         self.matcher: Any = None
         self.seconds = 0.0  # this sequence's share of masking and accepting (its "grammar_s" metric)

@@ -23,6 +23,7 @@ model with hooks (accelerate's offloading, user hooks) decodes eagerly, said onc
 replays them with their arguments frozen as a CUDA graph freezes them, refusing host reads, so a
 step that would go wrong under capture goes wrong on CPU too (tests/test_cuda_graphs.py).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -109,7 +110,9 @@ class GraphedStep:
             self._warned = True
             say_fallback(f"decode.cuda_graphs: {reason}; decoding eagerly")
 
-    def __call__(self, lm: Any, pool: BlockPool, chunks: Sequence[Chunk], device: torch.device | None = None) -> torch.Tensor:
+    def __call__(
+        self, lm: Any, pool: BlockPool, chunks: Sequence[Chunk], device: torch.device | None = None
+    ) -> torch.Tensor:
         """Next-token logits [rows, V] of decode rows (one token each), replayed at their bucket."""
         device = device if device is not None else lm.device
         state = chunks_state(pool, chunks, device, bucketed=True)
@@ -155,8 +158,13 @@ class GraphedStep:
     def _capture(self, lm: Any, pool: BlockPool, state: Sequence[torch.Tensor]) -> Bucket:
         """Buffers shaped like ``state``, holding padding rows, and the step captured over them."""
         ids, positions, lengths, tables, extent = state
-        inputs = (torch.zeros_like(ids), torch.zeros_like(positions), torch.ones_like(lengths),
-                  torch.full_like(tables, NULL_BLOCK), torch.empty_like(extent))
+        inputs = (
+            torch.zeros_like(ids),
+            torch.zeros_like(positions),
+            torch.ones_like(lengths),
+            torch.full_like(tables, NULL_BLOCK),
+            torch.empty_like(extent),
+        )
         model = lm.model
 
         def step() -> torch.Tensor:
@@ -190,9 +198,19 @@ def _hooked(model: torch.nn.Module) -> str | None:
 
 # ATen calls that read the device from the host or build their output's shape from its data: a
 # CUDA graph cannot capture them (capture fails, or a replay keeps the capture's values).
-HOST_READS = {"aten::_local_scalar_dense", "aten::item", "aten::is_nonzero", "aten::equal", "aten::nonzero",
-              "aten::masked_select", "aten::_unique2", "aten::unique_consecutive", "aten::unique_dim",
-              "aten::lift_fresh", "aten::lift_fresh_copy"}
+HOST_READS = {
+    "aten::_local_scalar_dense",
+    "aten::item",
+    "aten::is_nonzero",
+    "aten::equal",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::_unique2",
+    "aten::unique_consecutive",
+    "aten::unique_dim",
+    "aten::lift_fresh",
+    "aten::lift_fresh_copy",
+}
 MASK_INDEXING = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}  # boolean: nonzero
 
 
@@ -210,8 +228,9 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         name = func._schema.name
-        if name in HOST_READS or (name in MASK_INDEXING and any(t.dtype in (torch.bool, torch.uint8)
-                                                                for t in _tensors(args[1:2]))):
+        if name in HOST_READS or (
+            name in MASK_INDEXING and any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(args[1:2]))
+        ):
             raise HostRead(f"{name} inside the decode step: a CUDA graph cannot capture it")
         out = func(*args, **kwargs)
         self.calls.append((func, args, kwargs, out, _aliases(out, args, kwargs)))
@@ -235,8 +254,10 @@ class CpuGraph:
                 if aliased or not isinstance(recorded, torch.Tensor):
                     continue  # a view of (or in place on) an argument: already up to date
                 if recorded.shape != new.shape:
-                    raise HostRead(f"{func._schema.name} gave shape {tuple(new.shape)} on replay, "
-                                   f"{tuple(recorded.shape)} at capture: its shape depends on data")
+                    raise HostRead(
+                        f"{func._schema.name} gave shape {tuple(new.shape)} on replay, "
+                        f"{tuple(recorded.shape)} at capture: its shape depends on data"
+                    )
                 recorded.copy_(new)
 
 

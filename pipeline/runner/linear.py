@@ -5,6 +5,7 @@ module's own delta-rule functions); this file only feeds each sequence its own s
 (``pipeline.kv.states``): decode rows together (one recurrent step, batched), prefill chunks one
 by one (the chunked rule).
 """
+
 from __future__ import annotations
 
 import functools
@@ -86,10 +87,18 @@ def linear_attention(module: torch.nn.Module, hidden: torch.Tensor, batch: Any) 
         k = k.reshape(b, count, -1, module.head_k_dim)
         v = v.reshape(b, count, -1, module.head_v_dim)
         rule = recurrent if count == 1 else chunked
-        out, matrix = rule(q, k, v, g=g[rows].view(b, count, -1), beta=beta[rows].view(b, count, -1),
-                           initial_state=matrix, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        out, matrix = rule(
+            q,
+            k,
+            v,
+            g=g[rows].view(b, count, -1),
+            beta=beta[rows].view(b, count, -1),
+            initial_state=matrix,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
         core[rows] = out.reshape(b * count, *core.shape[1:])
-        return window[..., -conv_slab.shape[-1]:], matrix
+        return window[..., -conv_slab.shape[-1] :], matrix
 
     if states.decode_rows is not None:
         rows = states.decode_rows
@@ -113,7 +122,9 @@ def linear_attention(module: torch.nn.Module, hidden: torch.Tensor, batch: Any) 
     return module.out_proj(core.reshape(1, tokens, -1))
 
 
-def _forward(module: torch.nn.Module, original: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _forward(
+    module: torch.nn.Module, original: Any, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
     batch = kwargs.get("paged")
     if batch is None:
         return original(hidden_states, *args, **kwargs)
@@ -135,8 +146,10 @@ def attach_linear(model: torch.nn.Module, shape: StateShape | None) -> None:
         if layer in shape.layers and hasattr(module, "A_log"):
             missing = [name for name in _REQUIRED if not hasattr(module, name)]
             if missing:
-                raise UserError(f"linear-attention layers like {type(module).__name__} are not supported by the paged "
-                                f"engine (no {', '.join(missing)}): only Gated DeltaNet as in Qwen3.5")
+                raise UserError(
+                    f"linear-attention layers like {type(module).__name__} are not supported by the paged "
+                    f"engine (no {', '.join(missing)}): only Gated DeltaNet as in Qwen3.5"
+                )
             if not module.__dict__.get("_mm_linear"):
                 # Under accelerate's hooks (device_map) wrap the inner forward, so they still run.
                 name = "_old_forward" if hasattr(module, "_old_forward") else "forward"
@@ -144,5 +157,7 @@ def attach_linear(model: torch.nn.Module, shape: StateShape | None) -> None:
                 module.__dict__["_mm_linear"] = True
             found.append(layer)
     if sorted(found) != sorted(shape.layers):
-        raise UserError(f"the config names linear-attention layers {list(shape.layers)} but the model has Gated "
-                        f"DeltaNet modules at {sorted(found)}: the paged engine cannot run it")
+        raise UserError(
+            f"the config names linear-attention layers {list(shape.layers)} but the model has Gated "
+            f"DeltaNet modules at {sorted(found)}: the paged engine cannot run it"
+        )

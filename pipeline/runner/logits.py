@@ -7,6 +7,7 @@ one; the sampler's penalties, grammar masks and log-probabilities plug in the sa
 that share a processor object (every request of one decode stage) go through one call; rows
 without processors are left untouched, so their tokens stay equal to their solo runs.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -36,8 +37,10 @@ def apply_processors(
             index = upload(rows, out.device)
             processed = fn(out.index_select(0, index), [owners[r] for r in rows])
             if processed.shape != (len(rows), out.shape[1]):
-                raise ValueError(f"logits processor {fn!r} returned shape {tuple(processed.shape)} for "
-                                 f"{len(rows)} rows of {out.shape[1]} logits")
+                raise ValueError(
+                    f"logits processor {fn!r} returned shape {tuple(processed.shape)} for "
+                    f"{len(rows)} rows of {out.shape[1]} logits"
+                )
             out.index_copy_(0, index, processed.to(out.dtype))
     return out
 

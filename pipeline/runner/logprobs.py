@@ -6,6 +6,7 @@ the distribution the token was chosen from, after them (tokens a filter removed 
 Computed on the device for the rows that ask, packed with the chosen ids into one tensor, so
 asking costs no extra wait for the device.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -24,13 +25,18 @@ def check_setting(name: str, value: Any) -> None:
     if name.rpartition(".")[2] == "logprobs_mode":
         if value not in MODES:
             raise UserError(f"{name} must be one of {', '.join(MODES)} (got {value!r})")
-    elif value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                or not 0 <= value <= MAX_LOGPROBS):
+    elif value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS
+    ):
         raise UserError(f"{name} must be a whole number from 0 to {MAX_LOGPROBS} (got {value!r})")
 
 
-def processed_scores(logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int], Sequence[int]],
-                     outputs: Callable[[int], Sequence[int]]) -> torch.Tensor:
+def processed_scores(
+    logits: torch.Tensor,
+    samplers: Sequence[Any],
+    history: Callable[[int], Sequence[int]],
+    outputs: Callable[[int], Sequence[int]],
+) -> torch.Tensor:
     """Each row of ``logits`` (after the logits processors) through its sampler's own filters:
     what ``Sampler.filtered_logits`` leaves (a sampler without it, or none: the row as it is)."""
     rows = []

@@ -5,6 +5,7 @@ of reading the pool (``runner.flex`` and SDPA over gathered keys) build their ma
 end of a bidirectional media block it lies in; the row's length). ``lo`` [B, L]: the first its
 sliding window still sees, or None without a window.
 """
+
 from __future__ import annotations
 
 import torch

@@ -15,6 +15,7 @@ runs the engine's eager bfloat16 products of 8 rows or more (prefill, batched de
 float32 on CPUs without native bfloat16 matmuls (``widens``), and on prepacked weights on CPUs
 with them (``pipeline.runner.packed``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,8 +74,9 @@ def _build() -> str | None:
         from torch.utils import cpp_extension
 
         # built once (about 10 s), then loaded from torch's extensions folder (about 0.3 s)
-        cpp_extension.load(name=build_name(), sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
-                           is_python_module=False)
+        cpp_extension.load(
+            name=build_name(), sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, is_python_module=False
+        )
     except Exception as e:  # no compiler, no ninja, a failed build: PyTorch's kernels run
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         message = f"native matvec kernel unavailable ({reason}); linear layers use PyTorch's kernels"
@@ -105,13 +107,15 @@ def _register_fake() -> None:
     torch.library.register_fake("mm_pipeline::decode_attention")(_fake_attention)
 
 
-def _fake(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-          bias: torch.Tensor | None = None) -> torch.Tensor:
+def _fake(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def _fake_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
-                    scale: float) -> torch.Tensor:
+def _fake_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
@@ -232,8 +236,9 @@ def _native_bf16() -> bool:
     return packed.native_bf16()
 
 
-def run(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-        bias: torch.Tensor | None = None) -> torch.Tensor:
+def run(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x @ weight.T (* scale) (+ bias)`` for one row ``x``, on the kernel (``load()`` first)."""
     return torch.ops.mm_pipeline.matvec(x, weight, scale, bias)
 

@@ -14,6 +14,7 @@ why in one line and exits, and the others, whose next collective then fails, fol
 seconds (``stop``). Ctrl-C on rank 0 waits for the step in flight to end on every rank before it
 interrupts (``_interrupts_after``), so a drained run stays in step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -43,8 +44,14 @@ class Mirror:
     def __init__(self, group: Group, pool: BlockPool, compiled: CompiledStep | None, native: bool) -> None:
         self.group, self.pool, self.id = group, pool, next(_RUNNERS)
         pool.zeroed, pool.copies = [], []
-        spec = {"num_blocks": pool.num_blocks, "block_size": pool.block_size, "dtype": pool.dtype,
-                "attention": pool.attention, "shards": pool.shards, "kv_dtype": pool.kv_dtype}
+        spec = {
+            "num_blocks": pool.num_blocks,
+            "block_size": pool.block_size,
+            "dtype": pool.dtype,
+            "attention": pool.attention,
+            "shards": pool.shards,
+            "kv_dtype": pool.kv_dtype,
+        }
         settings = None if compiled is None else (compiled.backend, compiled.mode)
         self._send(("runner", self.id, spec, settings, native))
         self.steps = 0
@@ -85,8 +92,11 @@ class Mirror:
             if cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t0
-        spent = sum(e.self_device_time_total if cuda else e.self_cpu_time_total
-                    for e in prof.key_averages() if any(c in e.key.lower() for c in COLLECTIVES))
+        spent = sum(
+            e.self_device_time_total if cuda else e.self_cpu_time_total
+            for e in prof.key_averages()
+            if any(c in e.key.lower() for c in COLLECTIVES)
+        )
         self.sampled_s += wall
         self.collective_s += min(spent / 1e6, wall)
 

@@ -9,6 +9,7 @@ and ``graphs``).
 The engine hands it chunks and gets logits (``forward``) or, for a greedy decode burst, the
 chosen tokens (``burst``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,8 +57,9 @@ class ModelRunner:
     CUDA), or None; ``native``: one-row linear layers on the native CPU kernel,
     ``pipeline.runner.matvec``, where it applies)."""
 
-    def __init__(self, lm: Any, pool: BlockPool, compiled: CompiledStep | GraphedStep | None = None,
-                 native: bool = True) -> None:
+    def __init__(
+        self, lm: Any, pool: BlockPool, compiled: CompiledStep | GraphedStep | None = None, native: bool = True
+    ) -> None:
         self.lm = lm
         self.pool = pool
         self.device = lm.device  # (a property that walks the parameters: read once)
@@ -110,16 +112,21 @@ class ModelRunner:
         return forward(lm, pool, chunks, device=device)
 
     def burst(
-        self, fed: Sequence[int], positions: Sequence[Sequence[int]], starts: Sequence[int],
-        tables: Sequence[Sequence[int]], steps: int,
+        self,
+        fed: Sequence[int],
+        positions: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        steps: int,
     ) -> StepOutput:
         """``steps`` greedy decode steps for rows that each feed one token (``fed`` at
         ``positions``, cache lengths ``starts``, block tables covering every slot written),
         each chosen token fed straight back; one host read at the end."""
         with self._mirrored("burst", fed, positions, starts, tables, steps):
             fixed = self._fixed()
-            state = burst_state(self.pool, fed, positions, starts, tables, steps, self.device,
-                                bucketed=fixed is not None)
+            state = burst_state(
+                self.pool, fed, positions, starts, tables, steps, self.device, bucketed=fixed is not None
+            )
             t0 = time.perf_counter()
             step = None if fixed is not None else single_row_step(self.pool, tables, starts, steps)
             with matvec.active(self.native):

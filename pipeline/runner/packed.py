@@ -12,6 +12,7 @@ weight (a weak map: it goes when the weight goes) and remade when the weight cha
 Arithmetic: float32 accumulation, one rounding to bfloat16, as unpacked (the order of the sums
 may differ, as between any two GEMM kernels).
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,8 +43,11 @@ def native_bf16() -> bool:
         return False
 
 
-SUPPORTED = (native_bf16() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")  # a plain bool: read
-             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))  # inside compiled graphs without breaking them
+SUPPORTED = (
+    native_bf16()
+    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")  # a plain bool: read
+    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+)  # inside compiled graphs without breaking them
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -62,8 +66,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-@torch.library.custom_op("mm_pipeline::packed_linear", mutates_args=(),
-                         schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+@torch.library.custom_op(
+    "mm_pipeline::packed_linear", mutates_args=(), schema="(Tensor x, Tensor weight, Tensor? bias) -> Tensor"
+)
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``linear`` as an op a compiled graph calls as it is (oneDNN's packed tensors cannot enter one)."""
     return linear(x, weight, bias)
@@ -94,5 +99,8 @@ def packed_copy(weight: torch.Tensor) -> torch.Tensor | None:
 
 @functools.cache
 def _say_once() -> None:
-    print(f"mm-pipeline: too little RAM for prepacked bfloat16 weights (a second copy; at least {FLOOR:.0%} of RAM "
-          "stays free): some batched products use PyTorch's unpacked path", file=sys.stderr)
+    print(
+        f"mm-pipeline: too little RAM for prepacked bfloat16 weights (a second copy; at least {FLOOR:.0%} of RAM "
+        "stays free): some batched products use PyTorch's unpacked path",
+        file=sys.stderr,
+    )

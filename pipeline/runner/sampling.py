@@ -1,4 +1,5 @@
 """Choosing each row's token: plain argmax rows together, every other row by its own sampler."""
+
 from __future__ import annotations
 
 import copy
@@ -33,8 +34,12 @@ def fork_sampler(sampler: Any) -> Any:
     return sampler.fork() if hasattr(sampler, "fork") else copy.copy(sampler)
 
 
-def choose(logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int], Sequence[int]],
-           outputs: Callable[[int], Sequence[int]] | None = None) -> torch.Tensor:
+def choose(
+    logits: torch.Tensor,
+    samplers: Sequence[Any],
+    history: Callable[[int], Sequence[int]],
+    outputs: Callable[[int], Sequence[int]] | None = None,
+) -> torch.Tensor:
     """One token id per row of ``logits`` [n, V]. ``history(i)``: row i's ids so far, asked only
     for rows whose sampler looks back (repetition penalty); ``outputs(i)``: its generated ids
     (presence and frequency penalties; default ``history``).
@@ -61,8 +66,14 @@ def choose(logits: torch.Tensor, samplers: Sequence[Any], history: Callable[[int
             parts.append(argmax(part))
         elif callable(key):
             outs = outputs or history
-            parts.append(key([samplers[i] for i in rows], part, lambda j, rows=rows: history(rows[j]),
-                             lambda j, rows=rows: outs(rows[j])))
+            parts.append(
+                key(
+                    [samplers[i] for i in rows],
+                    part,
+                    lambda j, rows=rows: history(rows[j]),
+                    lambda j, rows=rows: outs(rows[j]),
+                )
+            )
         else:
             token = samplers[key](part, upload([list(history(key))], logits.device))
             parts.append(torch.as_tensor(token, device=logits.device).reshape(-1)[:1].long())

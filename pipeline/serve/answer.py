@@ -2,6 +2,7 @@
 field) and ``tool_calls`` read from the text (``pipeline.tools.parse``), whole or as stream deltas
 (a call's id and name first, then its argument fragments), so the deltas of a stream assemble to
 the whole answer."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -65,7 +66,7 @@ class Deltas:
         delta: dict = {}
         for key, value in (("reasoning_content", parsed.reasoning or ""), ("content", parsed.content)):
             if len(value) > self.sent[key]:
-                delta[key] = value[self.sent[key]:]
+                delta[key] = value[self.sent[key] :]
                 self.sent[key] = len(value)
         calls = self._calls(parsed.calls)
         if calls:

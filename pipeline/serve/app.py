@@ -8,6 +8,7 @@ committed (status 200) only once its first piece of text or its end is known, so
 fails before generating anything (bad media, a prompt too long) still gets its 4xx JSON error. A client that goes away cancels its sequences:
 their blocks go back to the pool at the next engine step.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,8 +42,17 @@ from pipeline.serve.media import MediaPolicy, audio_from_base64, image_from_url,
 from pipeline.serve.metrics import ServerMetrics
 from pipeline.serve import logprobs as lp
 from pipeline.serve.protocol import (
-    FINISH, RESERVED_TEMPLATE_KWARGS, AudioPart, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ImagePart,
-    Sampling, TextPart, TokenizeRequest, VideoPart,
+    FINISH,
+    RESERVED_TEMPLATE_KWARGS,
+    AudioPart,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ImagePart,
+    Sampling,
+    TextPart,
+    TokenizeRequest,
+    VideoPart,
 )
 from pipeline.tools import call_grammar, check_tools, tool_format
 from stages.sampler import Sampler
@@ -86,7 +96,9 @@ class APIError(Exception):
         self.status, self.message, self.type, self.code = status, message, type_, code
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, type_: str = "invalid_request_error", code: str | None = None
+) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": type_, "code": code}}, status_code=status)
 
 
@@ -137,10 +149,15 @@ class BodyLimit:
         await error_response(413, message, code="body_too_large")(scope, receive, send)
 
 
-def create_app(pipe: Pipeline, settings: ServeSettings, draining: Callable[[], bool] = lambda: False,
-               on_ready: Callable[[], None] | None = None) -> FastAPI:
+def create_app(
+    pipe: Pipeline,
+    settings: ServeSettings,
+    draining: Callable[[], bool] = lambda: False,
+    on_ready: Callable[[], None] | None = None,
+) -> FastAPI:
     """The FastAPI app serving ``pipe``. Some other thread must drive its engine while it serves,
     e.g. ``pipe.engine.drive(stopped.is_set)`` (``mode=serve`` drives it on the main thread)."""
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if on_ready is not None:
@@ -179,8 +196,9 @@ def create_app(pipe: Pipeline, settings: ServeSettings, draining: Callable[[], b
         given = http.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
-            raise APIError(401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error",
-                           "invalid_api_key")
+            raise APIError(
+                401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error", "invalid_api_key"
+            )
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -198,9 +216,14 @@ def create_app(pipe: Pipeline, settings: ServeSettings, draining: Callable[[], b
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": settings.model_name, "object": "model", "created": api.started, "owned_by": "mm-pipeline"}
-        ]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {"id": settings.model_name, "object": "model", "created": api.started, "owned_by": "mm-pipeline"}
+                ],
+            }
+        )
 
     @app.post("/tokenize", dependencies=[Depends(authorized)])
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
@@ -251,8 +274,12 @@ class _API:
             raise APIError(503, "the server is shutting down", "unavailable", "draining")
         unsupported = body.unsupported()
         if unsupported:
-            raise APIError(400, f"{', '.join(unsupported)}: not supported by this server (docs/serve.md lists the "
-                                f"fields it implements)", code="unsupported_parameter")
+            raise APIError(
+                400,
+                f"{', '.join(unsupported)}: not supported by this server (docs/serve.md lists the "
+                f"fields it implements)",
+                code="unsupported_parameter",
+            )
         if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value")
         if isinstance(body, CompletionRequest) and max_tokens == 0 and not body.echo:
@@ -260,8 +287,9 @@ class _API:
         if isinstance(body, CompletionRequest) and body.echo and body.stream:
             raise APIError(400, "echo with stream is not supported: ask without stream", code="invalid_value")
         if body.model and body.model != s.model_name:
-            raise APIError(404, f"model {body.model!r} not found: this server serves {s.model_name!r}",
-                           code="model_not_found")
+            raise APIError(
+                404, f"model {body.model!r} not found: this server serves {s.model_name!r}", code="model_not_found"
+            )
         if body.n > s.max_n:
             raise APIError(400, f"n={body.n} is over serve.max_n ({s.max_n})", code="invalid_value")
         tokens = max_tokens if max_tokens is not None else s.default_max_tokens
@@ -273,8 +301,17 @@ class _API:
         """The server's sampler settings, overridden by the request's temperature / top_p / seed
         (choice ``i`` of ``n`` seeded with seed + i, so the choices differ and each reproduces)."""
         base = getattr(self.pipe.stages.get("decode"), "sampler", None)
-        names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "logit_bias", "seed")
+        names = (
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "logit_bias",
+            "seed",
+        )
         settings = {k: getattr(base, k) for k in names} if isinstance(base, Sampler) else {}
         for name in names:
             value = getattr(body, name)
@@ -354,8 +391,16 @@ class _API:
                 raise UserError(f"chat_template_kwargs: {reserved[0]!r} is set by the server (tools go in tools)")
             thinking = kwargs.pop("enable_thinking", None)
             reading, constraint = self._tools(body)
-            common.update(messages=messages, images=images, audios=audios, videos=videos, chat_template_kwargs=kwargs or None,
-                          thinking=None if thinking is None else bool(thinking), tools=body.tools, **constraint)
+            common.update(
+                messages=messages,
+                images=images,
+                audios=audios,
+                videos=videos,
+                chat_template_kwargs=kwargs or None,
+                thinking=None if thinking is None else bool(thinking),
+                tools=body.tools,
+                **constraint,
+            )
             top = (body.top_logprobs or 0) if body.logprobs else None
             requests = [Request(**common, sampler=self._sampler(body, i), logprobs=top) for i in range(body.n)]
             return Call(requests, [None] * body.n, [""] * body.n, body.n, top=top, reading=reading)
@@ -366,8 +411,11 @@ class _API:
         call = Call([], [], [], body.n, echo, top)
         for ids, text in prompts:
             for i in range(body.n):
-                call.requests.append(Request(**common, sampler=self._sampler(body, i), logprobs=top,
-                                             prompt_logprobs=top if echo else None))
+                call.requests.append(
+                    Request(
+                        **common, sampler=self._sampler(body, i), logprobs=top, prompt_logprobs=top if echo else None
+                    )
+                )
                 call.ids.append(ids)
                 call.prompts.append(text)
         return call
@@ -400,8 +448,10 @@ class _API:
         tag = None if reading.fmt is None else call_grammar(reading.fmt, tools, choice, body.parallel_tool_calls)
         if tag is not None:
             if constraint:
-                raise UserError("tool_choice required or a named function already constrains the answer: "
-                                "leave out response_format / structured_outputs")
+                raise UserError(
+                    "tool_choice required or a named function already constrains the answer: "
+                    "leave out response_format / structured_outputs"
+                )
             constraint = {"structural_tag": tag}
         return reading, constraint
 
@@ -439,10 +489,18 @@ class _API:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", code="invalid_value")
         if body.messages is not None:
-            messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-                         "".join(p.text for p in m.content or [] if isinstance(p, TextPart))} for m in body.messages]
-            text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=body.add_generation_prompt)
+            messages = [
+                {
+                    "role": m.role,
+                    "content": m.content
+                    if isinstance(m.content, str)
+                    else "".join(p.text for p in m.content or [] if isinstance(p, TextPart)),
+                }
+                for m in body.messages
+            ]
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt
+            )
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         else:
             ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
@@ -453,16 +511,25 @@ class _API:
         tokenizer = self.pipe.lm.tokenizer
         bad = [t for t in body.tokens if not 0 <= t < len(tokenizer)]
         if bad:
-            raise APIError(400, f"tokens: ids {bad[:5]} are outside the vocabulary of {len(tokenizer)} tokens",
-                           code="invalid_value")
+            raise APIError(
+                400,
+                f"tokens: ids {bad[:5]} are outside the vocabulary of {len(tokenizer)} tokens",
+                code="invalid_value",
+            )
         return {"prompt": tokenizer.decode(body.tokens)}
 
     def tokenizer_info(self) -> dict:
         tokenizer = self.pipe.lm.tokenizer
-        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
-                "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token,
-                "unk_token": tokenizer.unk_token, "chat_template": getattr(tokenizer, "chat_template", None),
-                "model_max_length": self._context(), "vocab_size": len(tokenizer)}
+        return {
+            "tokenizer_class": type(tokenizer).__name__,
+            "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token,
+            "pad_token": tokenizer.pad_token,
+            "unk_token": tokenizer.unk_token,
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "model_max_length": self._context(),
+            "vocab_size": len(tokenizer),
+        }
 
     def _context(self) -> int | None:
         """The model's context length, as the engine's limit check reads it."""
@@ -523,8 +590,10 @@ class _API:
             self.metrics.finished(result.metrics)
         self.metrics.requests.labels(endpoint, "200").inc()
         m = results[0].metrics
-        log(f"{rid} 200 prompt={m.get('prompt_tokens')} generated={sum(len(r.token_ids) for r in results)} "
-            f"ttft={m.get('ttft_s') or 0:.3f}s reused={m.get('kv_reused_tokens')}")
+        log(
+            f"{rid} 200 prompt={m.get('prompt_tokens')} generated={sum(len(r.token_ids) for r in results)} "
+            f"ttft={m.get('ttft_s') or 0:.3f}s reused={m.get('kv_reused_tokens')}"
+        )
 
     @staticmethod
     def _usage(results: list[Result], n: int) -> dict:
@@ -534,17 +603,32 @@ class _API:
         prompt = sum(r.prompt_tokens for r in firsts)
         completion = sum(len(r.token_ids) for r in results)
         cached = sum(int(r.metrics.get("kv_reused_tokens") or 0) for r in firsts)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     @staticmethod
     def _metrics(result: Result) -> dict:
-        keys = ("ttft_s", "tpot_s", "decode_tok_s", "prefill_tok_s", "queue_s", "prompt_tokens",
-                "kv_reused_tokens", "prefill_tokens", "generated_tokens", "total_s")
+        keys = (
+            "ttft_s",
+            "tpot_s",
+            "decode_tok_s",
+            "prefill_tok_s",
+            "queue_s",
+            "prompt_tokens",
+            "kv_reused_tokens",
+            "prefill_tokens",
+            "generated_tokens",
+            "total_s",
+        )
         return {k: result.metrics.get(k) for k in keys}
 
-    async def _whole(self, http: HTTPRequest, sub: Submission, meta: dict, chat: bool, endpoint: str,
-                     call: Call) -> Response:
+    async def _whole(
+        self, http: HTTPRequest, sub: Submission, meta: dict, chat: bool, endpoint: str, call: Call
+    ) -> Response:
         async def watch() -> None:  # a client that hangs up cancels its sequences
             while not await http.is_disconnected():
                 await asyncio.sleep(0.25)
@@ -565,12 +649,25 @@ class _API:
             choices = []
             for i, r in enumerate(results):
                 msg, finish = message(call.reading, r.text, self._opened(r.prompt_ids), FINISH[r.finish_reason])
-                choices.append({"index": i, "message": msg, "logprobs": self._chat_logprobs(call, r.logprobs),
-                                "finish_reason": finish})
+                choices.append(
+                    {
+                        "index": i,
+                        "message": msg,
+                        "logprobs": self._chat_logprobs(call, r.logprobs),
+                        "finish_reason": finish,
+                    }
+                )
         else:
             choices = [self._completion_choice(call, i, r) for i, r in enumerate(results)]
-        return JSONResponse({**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                             "usage": self._usage(results, call.n), "metrics": self._metrics(results[0])})
+        return JSONResponse(
+            {
+                **meta,
+                "object": "chat.completion" if chat else "text_completion",
+                "choices": choices,
+                "usage": self._usage(results, call.n),
+                "metrics": self._metrics(results[0]),
+            }
+        )
 
     def _chat_logprobs(self, call: Call, entries: Any) -> dict | None:
         return None if call.top is None else {"content": lp.chat_content(entries or [], self.texts), "refusal": None}
@@ -587,8 +684,9 @@ class _API:
         finish = "length" if call.requests[i].max_new_tokens == 0 else FINISH[r.finish_reason]
         return {"index": i, "text": prompt + r.text, "logprobs": logprobs, "finish_reason": finish}
 
-    async def _stream(self, body: Sampling, http: HTTPRequest, sub: Submission, meta: dict, chat: bool,
-                      endpoint: str, call: Call) -> Response:
+    async def _stream(
+        self, body: Sampling, http: HTTPRequest, sub: Submission, meta: dict, chat: bool, endpoint: str, call: Call
+    ) -> Response:
         try:
             first = await sub.next_events()  # commit to 200 only once something is known
         except BaseException:
@@ -610,7 +708,7 @@ class _API:
             """The log-probabilities of the tokens this choice generated since its last chunk."""
             if call.top is None:
                 return None
-            entries = sub.handles[choice].context.logprobs[sent[choice]:]
+            entries = sub.handles[choice].context.logprobs[sent[choice] :]
             sent[choice] += len(entries)
             if chat:
                 return self._chat_logprobs(call, entries)
@@ -618,12 +716,26 @@ class _API:
             offsets[choice] += len(text or "")
             return out
 
-        def chunk(choice: int, text: str | None = None, finish: str | None = None, role: bool = False,
-                  held: dict | None = None) -> str:
+        def chunk(
+            choice: int,
+            text: str | None = None,
+            finish: str | None = None,
+            role: bool = False,
+            held: dict | None = None,
+        ) -> str:
             """A chunk of ``text`` (or ``held``: the delta of what a chat answer held back, sent as it is)."""
             if held is not None:
-                return "data: " + json.dumps({**meta, "object": obj, "choices": [
-                    {"index": choice, "delta": held, "logprobs": None, "finish_reason": None}]}) + "\n\n"
+                return (
+                    "data: "
+                    + json.dumps(
+                        {
+                            **meta,
+                            "object": obj,
+                            "choices": [{"index": choice, "delta": held, "logprobs": None, "finish_reason": None}],
+                        }
+                    )
+                    + "\n\n"
+                )
             logprobs = None if role else scores(choice, text)
             if chat:
                 delta: dict = {"role": "assistant", "content": ""} if role else {}
@@ -658,8 +770,11 @@ class _API:
                         if err is not None:
                             self.metrics.requests.labels(endpoint, str(err.status)).inc()
                             log(f"{meta['id']} {err.status} (streaming) {err.message}")
-                            yield "data: " + json.dumps({"error": {"message": err.message, "type": err.type,
-                                                                   "code": err.code}}) + "\n\n"
+                            yield (
+                                "data: "
+                                + json.dumps({"error": {"message": err.message, "type": err.type, "code": err.code}})
+                                + "\n\n"
+                            )
                             yield "data: [DONE]\n\n"
                             return
                         finished[choice] = result
@@ -674,14 +789,20 @@ class _API:
                 self._done(meta["id"], endpoint, results)
                 if include_usage:
                     usage = self._usage(results, call.n)
-                    yield "data: " + json.dumps({**meta, "object": obj, "choices": [], "usage": usage,
-                                                 "metrics": self._metrics(results[0])}) + "\n\n"
+                    yield (
+                        "data: "
+                        + json.dumps(
+                            {**meta, "object": obj, "choices": [], "usage": usage, "metrics": self._metrics(results[0])}
+                        )
+                        + "\n\n"
+                    )
                 yield "data: [DONE]\n\n"
             finally:
                 sub.cancel()  # client gone mid-stream (or done): nothing keeps running for it
 
-        return StreamingResponse(lines(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     def _outcome_of(self, sub: Submission, choice: int) -> tuple[Result | None, APIError | None]:
         results, err = self._outcome([sub.handles[choice]])

@@ -1,5 +1,6 @@
 """Between the event loop and the engine: each request's events (text pieces, ends), produced on
 the engine's thread, carried to the loop without ever blocking it."""
+
 from __future__ import annotations
 
 import asyncio

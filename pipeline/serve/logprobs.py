@@ -1,6 +1,7 @@
 """Log-probabilities in OpenAI's two response shapes, from the engine's ``TokenLogprob`` entries:
 chat's ``logprobs.content`` list (token, logprob, bytes, top_logprobs) and the legacy
 completions' parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
+
 from __future__ import annotations
 
 from typing import Sequence

@@ -5,6 +5,7 @@
 Decoding goes through the CLI's own loaders (``pipeline.media``), so every bad file gets the same
 one-line diagnosis, here naming the request part (``messages[1].content[0]``) instead of a path.
 """
+
 from __future__ import annotations
 
 import base64
@@ -104,6 +105,7 @@ def _checked_kind(path: str, kind: str) -> None:
 
 def image_from_url(url: str, where: str, policy: MediaPolicy) -> Any:
     """An ``image_url`` part -> an RGB PIL image (bomb guard and decoding as the CLI's)."""
+
     def load(path: str) -> Any:
         return load_image(path, max_pixels=policy.max_image_pixels)
 
@@ -115,10 +117,12 @@ def image_from_url(url: str, where: str, policy: MediaPolicy) -> Any:
 def video_from_url(url: str, where: str, policy: MediaPolicy) -> Any:
     """A ``video_url`` part -> a ``Video`` sampled as the CLI samples (``media.video_fps``,
     ``media.video_max_frames``), frames under the image pixel guard."""
+
     def load(path: str) -> Any:
         _checked_kind(path, "video")
-        return load_video(path, fps=policy.video_fps, max_frames=policy.video_max_frames,
-                          max_pixels=policy.max_image_pixels)
+        return load_video(
+            path, fps=policy.video_fps, max_frames=policy.video_max_frames, max_pixels=policy.max_image_pixels
+        )
 
     video = _from_url(url, where, policy, "video", load)
     video.source = where

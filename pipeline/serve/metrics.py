@@ -3,6 +3,7 @@
 Request outcomes, tokens and latencies are recorded as requests end; the engine's state
 (sequences, KV blocks, prefix-cache hits, preemptions) is read at scrape time.
 """
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -22,22 +23,34 @@ class _EngineCollector:
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats()
         pool = self.engine.pool
-        for name, help_text in (("running", "sequences in flight"), ("waiting", "requests waiting for admission"),
-                                ("kv_blocks_used", "KV blocks held"), ("kv_blocks_free", "KV blocks free or evictable")):
+        for name, help_text in (
+            ("running", "sequences in flight"),
+            ("waiting", "requests waiting for admission"),
+            ("kv_blocks_used", "KV blocks held"),
+            ("kv_blocks_free", "KV blocks free or evictable"),
+        ):
             yield GaugeMetricFamily(f"mm_{name}", help_text, value=stats[name])
         if "state_slots_free" in stats:  # models with linear-attention layers (recurrent states)
-            yield GaugeMetricFamily("mm_state_slots_free", "recurrent-state slots free or evictable",
-                                    value=stats["state_slots_free"])
-        yield GaugeMetricFamily("mm_kv_bytes_per_token", "KV cache bytes a token takes (on each tensor-parallel rank)",
-                                value=stats["kv_bytes_per_token"])
+            yield GaugeMetricFamily(
+                "mm_state_slots_free", "recurrent-state slots free or evictable", value=stats["state_slots_free"]
+            )
+        yield GaugeMetricFamily(
+            "mm_kv_bytes_per_token",
+            "KV cache bytes a token takes (on each tensor-parallel rank)",
+            value=stats["kv_bytes_per_token"],
+        )
         yield GaugeMetricFamily("mm_tp_ranks", "tensor-parallel ranks (1: one process)", value=stats["tp_ranks"])
         if stats.get("tp_collective_share") is not None:
-            yield GaugeMetricFamily("mm_tp_collective_share", "share of rank 0's step time in collectives (sampled)",
-                                    value=stats["tp_collective_share"])
+            yield GaugeMetricFamily(
+                "mm_tp_collective_share",
+                "share of rank 0's step time in collectives (sampled)",
+                value=stats["tp_collective_share"],
+            )
         yield CounterMetricFamily("mm_prefix_cache_hits", "full blocks taken from the prefix cache", value=pool.hits)
         yield CounterMetricFamily("mm_prefix_cache_lookups", "prefix-cache lookups", value=pool.lookups)
-        yield CounterMetricFamily("mm_preemptions", "sequences preempted (recomputed later)",
-                                  value=stats["preemptions"])
+        yield CounterMetricFamily(
+            "mm_preemptions", "sequences preempted (recomputed later)", value=stats["preemptions"]
+        )
         yield from _tier_metrics(stats)
 
 
@@ -67,12 +80,15 @@ class ServerMetrics:
     def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("mm_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "mm_requests", "HTTP requests by endpoint and status", ["endpoint", "status"], registry=r
+        )
         self.prompt_tokens = Counter("mm_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.completion_tokens = Counter("mm_completion_tokens", "tokens generated", registry=r)
         self.ttft = Histogram("mm_ttft_seconds", "time to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("mm_tpot_seconds", "time per output token after the first", buckets=LATENCY_BUCKETS,
-                              registry=r)
+        self.tpot = Histogram(
+            "mm_tpot_seconds", "time per output token after the first", buckets=LATENCY_BUCKETS, registry=r
+        )
         r.register(_EngineCollector(engine))
 
     def finished(self, metrics: dict) -> None:

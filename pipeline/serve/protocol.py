@@ -5,6 +5,7 @@ A top-level field the server does not implement is refused with a 400 that names
 (``unsupported``), except a few that change nothing about the answer (``HARMLESS``); inside
 messages and parts, unknown fields are ignored. Known fields of the wrong type are refused.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
@@ -153,5 +154,15 @@ class DetokenizeRequest(_Open):
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", None: "stop"}
 # Arguments the server itself gives apply_chat_template: not for chat_template_kwargs.
-RESERVED_TEMPLATE_KWARGS = frozenset({"tokenize", "add_generation_prompt", "continue_final_message", "return_dict",
-                                      "return_tensors", "tools", "conversation", "messages"})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "tokenize",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_dict",
+        "return_tensors",
+        "tools",
+        "conversation",
+        "messages",
+    }
+)

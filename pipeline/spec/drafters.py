@@ -1,4 +1,5 @@
 """Drafters, one per sequence: n-gram prompt lookup and a draft model on its own paged cache."""
+
 from __future__ import annotations
 
 from typing import Any, Sequence

@@ -24,6 +24,7 @@ Drafters, one per sequence:
 The engine (``pipeline.engine``) asks the drafter for k tokens when a sequence is decoding,
 verifies them in the same packed forward as every other sequence's step, and calls ``verify``.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -44,9 +45,17 @@ class Speculative:
     model's KV pool is shared by their caches: the one its target's ``Pipeline`` sized with its
     own from one budget (``use_pool``), else one sized by ``draft_memory`` on first use."""
 
-    def __init__(self, method: str = "none", num_draft: int = 4, ngram_max: int = 3, ngram_min: int = 1,
-                 draft: Any = None, draft_memory: float | int | str | None = None, compile: bool = False,
-                 compile_backend: str = "inductor") -> None:
+    def __init__(
+        self,
+        method: str = "none",
+        num_draft: int = 4,
+        ngram_max: int = 3,
+        ngram_min: int = 1,
+        draft: Any = None,
+        draft_memory: float | int | str | None = None,
+        compile: bool = False,
+        compile_backend: str = "inductor",
+    ) -> None:
         check_settings(method, num_draft, ngram_max, ngram_min, has_draft=draft is not None)
         if draft is not None:
             refuse_recurrent_draft(draft)
@@ -70,8 +79,10 @@ class Speculative:
         return self.method != "none"
 
     def __repr__(self) -> str:
-        return (f"Speculative(method={self.method!r}, num_draft={self.num_draft}, ngram_max={self.ngram_max}, "
-                f"ngram_min={self.ngram_min}, compile={self.compiled is not None})")
+        return (
+            f"Speculative(method={self.method!r}, num_draft={self.num_draft}, ngram_max={self.ngram_max}, "
+            f"ngram_min={self.ngram_min}, compile={self.compiled is not None})"
+        )
 
     @property
     def shares_budget(self) -> bool:
@@ -101,8 +112,10 @@ def refuse_recurrent_draft(draft: Any) -> None:
     """A draft model drafts in decode bursts over its own cache, which recurrent states do not
     support: a draft with linear-attention layers is refused in one line (as a target it works)."""
     if getattr(draft, "recurrent", False):
-        raise UserError("decode.draft_model has linear-attention layers (recurrent states, e.g. Qwen3.5): a draft "
-                        "model must be an attention-only model; use decode.speculative=ngram or another draft")
+        raise UserError(
+            "decode.draft_model has linear-attention layers (recurrent states, e.g. Qwen3.5): a draft "
+            "model must be an attention-only model; use decode.speculative=ngram or another draft"
+        )
 
 
 def check_settings(method: str, num_draft: Any, ngram_max: Any, ngram_min: Any, *, has_draft: bool) -> None:
@@ -124,5 +137,7 @@ def check_same_tokenizer(target: Any, draft: Any, name: str = "decode.draft_mode
     tv, dv = target.get_vocab(), draft.get_vocab()
     if tv != dv:
         differ = sorted(set(tv.items()) ^ set(dv.items()), key=lambda kv: kv[1])[:3]
-        raise UserError(f"{name} has another tokenizer than the target model ({len(dv)} vs {len(tv)} tokens; "
-                        f"first differences: {differ}): the draft must share the target's tokenizer")
+        raise UserError(
+            f"{name} has another tokenizer than the target model ({len(dv)} vs {len(tv)} tokens; "
+            f"first differences: {differ}): the draft must share the target's tokenizer"
+        )

@@ -1,4 +1,5 @@
 """Verification: which drafted tokens the target keeps (exact for greedy and for sampling)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -9,8 +10,14 @@ from pipeline.runner.sampling import argmax, argmax_only
 from pipeline.transfer import read
 
 
-def verify(sampler: Any, logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None,
-           history: list[int], outputs: list[int] | None = None) -> tuple[list[int], int]:
+def verify(
+    sampler: Any,
+    logits: torch.Tensor,
+    drafts: list[int],
+    q: torch.Tensor | None,
+    history: list[int],
+    outputs: list[int] | None = None,
+) -> tuple[list[int], int]:
     """The tokens to keep, and how many of them are accepted drafts.
 
     ``logits`` [len(drafts) + 1, V]: row i is the target's prediction after the i-th draft (row 0
@@ -29,8 +36,9 @@ def verify(sampler: Any, logits: torch.Tensor, drafts: list[int], q: torch.Tenso
         return drafts[:m] + [best[m]], m
     out: list[int] = []
     for i in range(len(drafts) + 1):
-        scores = sampler.filtered_logits(logits[i : i + 1], [history + out],
-                                         [(history if outputs is None else outputs) + out])[0]
+        scores = sampler.filtered_logits(
+            logits[i : i + 1], [history + out], [(history if outputs is None else outputs) + out]
+        )[0]
         if sampler.greedy:
             token = int(scores.argmax())
             out.append(token)

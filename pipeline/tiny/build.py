@@ -59,8 +59,12 @@ def _write(family: str, seed: int, dest: Path) -> None:
     with _quiet_progress():
         model.save_pretrained(dest, safe_serialization=True)
         (processor if processor is not None else tok).save_pretrained(dest)
-    marker = {"family": family, "seed": seed, "recipe_version": RECIPE_VERSION,
-              "note": "random weights built by mm-pipeline; outputs are meaningless"}
+    marker = {
+        "family": family,
+        "seed": seed,
+        "recipe_version": RECIPE_VERSION,
+        "note": "random weights built by mm-pipeline; outputs are meaningless",
+    }
     (dest / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 

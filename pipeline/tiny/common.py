@@ -67,8 +67,13 @@ QWEN_VISION_TOKENS = [
 ]
 # Role tokens of the Qwen families: (bos, eos, pad, generation-config eos list). A family module
 # names its own as ``ROLES``.
-QWEN_ROLES: dict[str, Any] = {"bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>", "config_bos": "<|endoftext|>",
-                              "gen_eos": ["<|im_end|>", "<|endoftext|>"]}
+QWEN_ROLES: dict[str, Any] = {
+    "bos": None,
+    "eos": "<|im_end|>",
+    "pad": "<|endoftext|>",
+    "config_bos": "<|endoftext|>",
+    "gen_eos": ["<|im_end|>", "<|endoftext|>"],
+}
 QWEN_SPECIAL_TOKENS = QWEN_BASE_TOKENS + QWEN_VISION_TOKENS  # what Qwen2-VL, Qwen2.5-VL and Qwen3-VL publish
 
 

@@ -32,17 +32,37 @@ if TYPE_CHECKING:
 
 FAMILY = "gemma3"
 RANK = 5
-ROLES: dict[str, Any] = {"bos": "<bos>", "eos": "<eos>", "pad": "<pad>", "config_bos": "<bos>",
-                         "gen_eos": ["<eos>", "<end_of_turn>"]}
+ROLES: dict[str, Any] = {
+    "bos": "<bos>",
+    "eos": "<eos>",
+    "pad": "<pad>",
+    "config_bos": "<bos>",
+    "gen_eos": ["<eos>", "<end_of_turn>"],
+}
 # In the published order (ids 0-5, 105, 106, 255999, 256000, 262144 there; consecutive here).
 SPECIAL_TOKENS = [
     (t, True)
-    for t in ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "[multimodal]", "<start_of_turn>", "<end_of_turn>",
-              "<start_of_image>", "<end_of_image>", "<image_soft_token>")
+    for t in (
+        "<pad>",
+        "<eos>",
+        "<bos>",
+        "<unk>",
+        "<mask>",
+        "[multimodal]",
+        "<start_of_turn>",
+        "<end_of_turn>",
+        "<start_of_image>",
+        "<end_of_image>",
+        "<image_soft_token>",
+    )
 ]
 # Named special tokens beyond bos/eos/pad; Gemma3Processor reads tokenizer.boi_token, .image_token, .eoi_token.
-NAMED_TOKENS = {"unk_token": "<unk>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                "image_token": "<image_soft_token>"}
+NAMED_TOKENS = {
+    "unk_token": "<unk>",
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
 
 # The published gemma-3-4b-it template.
 GEMMA3_CHAT_TEMPLATE = """{{ bos_token }}
@@ -99,14 +119,29 @@ def text_config(tok: PreTrainedTokenizerBase) -> dict[str, Any]:
     """The language model's config (also what a text-only ``Gemma3ForCausalLM`` takes)."""
     roles, ids = ROLES, tok.convert_tokens_to_ids
     return dict(
-        model_type="gemma3_text", vocab_size=_vocab_size(tok), hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-        num_hidden_layers=len(LAYER_TYPES), num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM, hidden_activation="gelu_pytorch_tanh",
-        sliding_window=SLIDING_WINDOW, layer_types=list(LAYER_TYPES), max_position_embeddings=131072,
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
-        initializer_range=INIT_RANGE, rms_norm_eps=1e-6, bos_token_id=ids(roles["config_bos"]),
-        eos_token_id=ids(roles["eos"]), pad_token_id=ids(roles["pad"]), tie_word_embeddings=False,
+        model_type="gemma3_text",
+        vocab_size=_vocab_size(tok),
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=len(LAYER_TYPES),
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        query_pre_attn_scalar=HEAD_DIM,
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=SLIDING_WINDOW,
+        layer_types=list(LAYER_TYPES),
+        max_position_embeddings=131072,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        initializer_range=INIT_RANGE,
+        rms_norm_eps=1e-6,
+        bos_token_id=ids(roles["config_bos"]),
+        eos_token_id=ids(roles["eos"]),
+        pad_token_id=ids(roles["pad"]),
+        tie_word_embeddings=False,
     )
 
 
@@ -117,9 +152,17 @@ def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
     ids = tok.convert_tokens_to_ids
     return Gemma3Config(
         text_config=text_config(tok),
-        vision_config=dict(model_type="siglip_vision_model", hidden_size=VISION_DIM, intermediate_size=2 * VISION_DIM,
-                           num_hidden_layers=VISION_DEPTH, num_attention_heads=VISION_HEADS, image_size=IMAGE_SIZE,
-                           patch_size=PATCH, layer_norm_eps=1e-6, vision_use_head=False),
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=VISION_DIM,
+            intermediate_size=2 * VISION_DIM,
+            num_hidden_layers=VISION_DEPTH,
+            num_attention_heads=VISION_HEADS,
+            image_size=IMAGE_SIZE,
+            patch_size=PATCH,
+            layer_norm_eps=1e-6,
+            vision_use_head=False,
+        ),
         mm_tokens_per_image=TOKENS_PER_IMAGE,
         boi_token_index=ids("<start_of_image>"),
         eoi_token_index=ids("<end_of_image>"),
@@ -151,5 +194,6 @@ def make_processor(tok: PreTrainedTokenizerBase) -> ProcessorMixin:
 
     # As published: the pan-and-scan settings unset, so the processor's defaults (off) apply.
     image_processor = Gemma3ImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
-    return Gemma3Processor(image_processor=image_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE,
-                           image_seq_length=TOKENS_PER_IMAGE)
+    return Gemma3Processor(
+        image_processor=image_processor, tokenizer=tok, chat_template=CHAT_TEMPLATE, image_seq_length=TOKENS_PER_IMAGE
+    )

@@ -13,13 +13,28 @@ if TYPE_CHECKING:
 
 FAMILY = "llama"
 RANK = 1
-ROLES = {"bos": "<|begin_of_text|>", "eos": "<|eot_id|>", "pad": "<|finetune_right_pad_id|>",
-         "config_bos": "<|begin_of_text|>", "gen_eos": ["<|end_of_text|>", "<|eot_id|>"]}
+ROLES = {
+    "bos": "<|begin_of_text|>",
+    "eos": "<|eot_id|>",
+    "pad": "<|finetune_right_pad_id|>",
+    "config_bos": "<|begin_of_text|>",
+    "gen_eos": ["<|end_of_text|>", "<|eot_id|>"],
+}
 SPECIAL_TOKENS = [
     (t, True)
-    for t in ("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-              "<|finetune_right_pad_id|>", "<|reserved_special_token_2|>", "<|start_header_id|>",
-              "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>")
+    for t in (
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|reserved_special_token_0|>",
+        "<|reserved_special_token_1|>",
+        "<|finetune_right_pad_id|>",
+        "<|reserved_special_token_2|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eom_id|>",
+        "<|eot_id|>",
+        "<|python_tag|>",
+    )
 ]
 
 # The published Meta-Llama-3-8B-Instruct template.
@@ -39,8 +54,9 @@ def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
     from transformers import LlamaConfig
 
     text = _text_kwargs(tok, FAMILY, ROLES)
-    return LlamaConfig(**text, rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
-                       attention_bias=False, mlp_bias=False)
+    return LlamaConfig(
+        **text, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, attention_bias=False, mlp_bias=False
+    )
 
 
 def model_class() -> type[PreTrainedModel]:

@@ -52,9 +52,15 @@ SPECIAL_TOKENS = QWEN_BASE_TOKENS + [
     )
 ]
 # What Qwen2_5OmniProcessor reads from the tokenizer (``tok.image_token``...).
-NAMED_TOKENS = {"image_token": "<|IMAGE|>", "video_token": "<|VIDEO|>", "audio_token": "<|AUDIO|>",
-                "vision_bos_token": "<|vision_bos|>", "vision_eos_token": "<|vision_eos|>",
-                "audio_bos_token": "<|audio_bos|>", "audio_eos_token": "<|audio_eos|>"}
+NAMED_TOKENS = {
+    "image_token": "<|IMAGE|>",
+    "video_token": "<|VIDEO|>",
+    "audio_token": "<|AUDIO|>",
+    "vision_bos_token": "<|vision_bos|>",
+    "vision_eos_token": "<|vision_eos|>",
+    "audio_bos_token": "<|audio_bos|>",
+    "audio_eos_token": "<|audio_eos|>",
+}
 WINDOW_S = 30  # the tiny feature extractor's window (the published one's is 300 s): less padding to featurise
 
 # The published Qwen2.5-Omni-3B/7B template.
@@ -89,13 +95,32 @@ def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
     ids = tok.convert_tokens_to_ids
     return Qwen2_5OmniThinkerConfig(
         text_config=_text_config(tok, FAMILY),
-        vision_config=dict(depth=VISION_DEPTH, hidden_size=VISION_DIM, intermediate_size=2 * VISION_DIM,
-                           out_hidden_size=HIDDEN, num_heads=VISION_HEADS, in_channels=3, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                           fullatt_block_indexes=[VISION_DEPTH - 1], hidden_act="silu", initializer_range=INIT_RANGE),
-        audio_config=dict(num_mel_bins=128, encoder_layers=AUDIO_LAYERS, encoder_attention_heads=AUDIO_HEADS,
-                          encoder_ffn_dim=2 * AUDIO_DIM, d_model=AUDIO_DIM, output_dim=HIDDEN, n_window=50,
-                          max_source_positions=1500, initializer_range=INIT_RANGE),
+        vision_config=dict(
+            depth=VISION_DEPTH,
+            hidden_size=VISION_DIM,
+            intermediate_size=2 * VISION_DIM,
+            out_hidden_size=HIDDEN,
+            num_heads=VISION_HEADS,
+            in_channels=3,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            fullatt_block_indexes=[VISION_DEPTH - 1],
+            hidden_act="silu",
+            initializer_range=INIT_RANGE,
+        ),
+        audio_config=dict(
+            num_mel_bins=128,
+            encoder_layers=AUDIO_LAYERS,
+            encoder_attention_heads=AUDIO_HEADS,
+            encoder_ffn_dim=2 * AUDIO_DIM,
+            d_model=AUDIO_DIM,
+            output_dim=HIDDEN,
+            n_window=50,
+            max_source_positions=1500,
+            initializer_range=INIT_RANGE,
+        ),
         audio_token_index=ids("<|AUDIO|>"),
         image_token_index=ids("<|IMAGE|>"),
         video_token_index=ids("<|VIDEO|>"),
@@ -121,8 +146,19 @@ def make_processor(tok: PreTrainedTokenizerBase) -> ProcessorMixin:
     from transformers import Qwen2_5OmniProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor, WhisperFeatureExtractor
 
     bounds = dict(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, temporal_patch_size=2, merge_size=2)
-    fe = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=WINDOW_S,
-                                 n_fft=400, padding_value=0.0, return_attention_mask=True)
-    return Qwen2_5OmniProcessor(image_processor=Qwen2VLImageProcessor(**bounds),
-                                video_processor=Qwen2VLVideoProcessor(**bounds), feature_extractor=fe,
-                                tokenizer=tok, chat_template=CHAT_TEMPLATE)
+    fe = WhisperFeatureExtractor(
+        feature_size=128,
+        sampling_rate=16000,
+        hop_length=160,
+        chunk_length=WINDOW_S,
+        n_fft=400,
+        padding_value=0.0,
+        return_attention_mask=True,
+    )
+    return Qwen2_5OmniProcessor(
+        image_processor=Qwen2VLImageProcessor(**bounds),
+        video_processor=Qwen2VLVideoProcessor(**bounds),
+        feature_extractor=fe,
+        tokenizer=tok,
+        chat_template=CHAT_TEMPLATE,
+    )

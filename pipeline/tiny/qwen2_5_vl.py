@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.tiny.common import HIDDEN, INIT_RANGE, QWEN_ROLES, QWEN_SPECIAL_TOKENS, VISION_DEPTH, VISION_DIM, VISION_HEADS
+from pipeline.tiny.common import (
+    HIDDEN,
+    INIT_RANGE,
+    QWEN_ROLES,
+    QWEN_SPECIAL_TOKENS,
+    VISION_DEPTH,
+    VISION_DIM,
+    VISION_HEADS,
+)
 from pipeline.tiny.qwen2_vl import QWEN2_VL_CHAT_TEMPLATE, _media_processors, _text_config, _vision_token_ids
 
 # transformers' config, model and processor classes are imported in the functions that use them: each
@@ -26,11 +34,22 @@ def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
 
     return Qwen2_5_VLConfig(
         text_config=_text_config(tok, FAMILY),
-        vision_config=dict(depth=VISION_DEPTH, hidden_size=VISION_DIM, intermediate_size=2 * VISION_DIM,
-                           out_hidden_size=HIDDEN, num_heads=VISION_HEADS, in_channels=3, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, tokens_per_second=2, window_size=112,
-                           fullatt_block_indexes=[VISION_DEPTH - 1], hidden_act="silu",
-                           initializer_range=INIT_RANGE),
+        vision_config=dict(
+            depth=VISION_DEPTH,
+            hidden_size=VISION_DIM,
+            intermediate_size=2 * VISION_DIM,
+            out_hidden_size=HIDDEN,
+            num_heads=VISION_HEADS,
+            in_channels=3,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            tokens_per_second=2,
+            window_size=112,
+            fullatt_block_indexes=[VISION_DEPTH - 1],
+            hidden_act="silu",
+            initializer_range=INIT_RANGE,
+        ),
         **_vision_token_ids(tok),
         tie_word_embeddings=False,
     )
@@ -47,5 +66,6 @@ def make_processor(tok: PreTrainedTokenizerBase) -> ProcessorMixin:
     from transformers import Qwen2_5_VLProcessor
 
     image_processor, video_processor = _media_processors()
-    return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                               chat_template=CHAT_TEMPLATE)
+    return Qwen2_5_VLProcessor(
+        image_processor=image_processor, tokenizer=tok, video_processor=video_processor, chat_template=CHAT_TEMPLATE
+    )

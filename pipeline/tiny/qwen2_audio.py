@@ -48,12 +48,24 @@ def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
     ids = tok.convert_tokens_to_ids
     text = _text_kwargs(tok, FAMILY, ROLES)
     return Qwen2AudioConfig(
-        text_config={"model_type": "qwen2", **text, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
-                     "use_sliding_window": False},
-        audio_config=dict(model_type="qwen2_audio_encoder", num_mel_bins=128, encoder_layers=AUDIO_LAYERS,
-                          encoder_attention_heads=AUDIO_HEADS, encoder_ffn_dim=2 * AUDIO_DIM, d_model=AUDIO_DIM,
-                          max_source_positions=1500, scale_embedding=False, activation_function="gelu",
-                          initializer_range=INIT_RANGE),
+        text_config={
+            "model_type": "qwen2",
+            **text,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+            "use_sliding_window": False,
+        },
+        audio_config=dict(
+            model_type="qwen2_audio_encoder",
+            num_mel_bins=128,
+            encoder_layers=AUDIO_LAYERS,
+            encoder_attention_heads=AUDIO_HEADS,
+            encoder_ffn_dim=2 * AUDIO_DIM,
+            d_model=AUDIO_DIM,
+            max_source_positions=1500,
+            scale_embedding=False,
+            activation_function="gelu",
+            initializer_range=INIT_RANGE,
+        ),
         audio_token_index=ids("<|AUDIO|>"),
     )
 
@@ -68,6 +80,13 @@ def make_processor(tok: PreTrainedTokenizerBase) -> ProcessorMixin:
     """The real ``Qwen2AudioProcessor`` (128-bin Whisper features at 16 kHz) around ``tok``."""
     from transformers import Qwen2AudioProcessor, WhisperFeatureExtractor
 
-    fe = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=30,
-                                 n_fft=400, padding_value=0.0, return_attention_mask=True)
+    fe = WhisperFeatureExtractor(
+        feature_size=128,
+        sampling_rate=16000,
+        hop_length=160,
+        chunk_length=30,
+        n_fft=400,
+        padding_value=0.0,
+        return_attention_mask=True,
+    )
     return Qwen2AudioProcessor(feature_extractor=fe, tokenizer=tok, chat_template=CHAT_TEMPLATE)

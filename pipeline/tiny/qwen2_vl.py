@@ -80,10 +80,12 @@ def _media_processors() -> tuple[BaseImageProcessor, BaseVideoProcessor]:
     """Image and video processors with small pixel budgets, so an image is a handful of tokens."""
     from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    image_processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14,
-                                            temporal_patch_size=2, merge_size=2)
-    video_processor = Qwen2VLVideoProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14,
-                                            temporal_patch_size=2, merge_size=2)
+    image_processor = Qwen2VLImageProcessor(
+        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, temporal_patch_size=2, merge_size=2
+    )
+    video_processor = Qwen2VLVideoProcessor(
+        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, temporal_patch_size=2, merge_size=2
+    )
     return image_processor, video_processor
 
 
@@ -93,9 +95,18 @@ def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
 
     return Qwen2VLConfig(
         text_config=_text_config(tok, FAMILY),
-        vision_config=dict(depth=VISION_DEPTH, embed_dim=VISION_DIM, hidden_size=HIDDEN, mlp_ratio=2,
-                           num_heads=VISION_HEADS, in_channels=3, patch_size=14, spatial_merge_size=2,
-                           temporal_patch_size=2, initializer_range=INIT_RANGE),
+        vision_config=dict(
+            depth=VISION_DEPTH,
+            embed_dim=VISION_DIM,
+            hidden_size=HIDDEN,
+            mlp_ratio=2,
+            num_heads=VISION_HEADS,
+            in_channels=3,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            initializer_range=INIT_RANGE,
+        ),
         **_vision_token_ids(tok),
         tie_word_embeddings=False,
     )
@@ -112,5 +123,6 @@ def make_processor(tok: PreTrainedTokenizerBase) -> ProcessorMixin:
     from transformers import Qwen2VLProcessor
 
     image_processor, video_processor = _media_processors()
-    return Qwen2VLProcessor(image_processor=image_processor, tokenizer=tok, video_processor=video_processor,
-                            chat_template=CHAT_TEMPLATE)
+    return Qwen2VLProcessor(
+        image_processor=image_processor, tokenizer=tok, video_processor=video_processor, chat_template=CHAT_TEMPLATE
+    )

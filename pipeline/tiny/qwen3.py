@@ -118,8 +118,13 @@ def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
     from transformers import Qwen3Config
 
     text = _text_kwargs(tok, FAMILY, ROLES)
-    return Qwen3Config(**text, head_dim=HEAD_DIM, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                       use_sliding_window=False, attention_bias=False)
+    return Qwen3Config(
+        **text,
+        head_dim=HEAD_DIM,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        use_sliding_window=False,
+        attention_bias=False,
+    )
 
 
 def model_class() -> type[PreTrainedModel]:

@@ -40,8 +40,13 @@ PATCH = 16
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 HEAD_DIM = 64  # gated attention; a quarter of it rotates (partial_rotary_factor 0.25, as published)
 MROPE_SECTION = [3, 3, 2]  # the 8 rotary frequencies split T/H/W, interleaved (published: [11, 11, 10] of 32)
-LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-              linear_conv_kernel_dim=4)
+LINEAR = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
 
 # The published Qwen/Qwen3.5-0.8B template (chat_template.jinja): Qwen3-VL's media items, XML
 # tool calls, and a generation prompt that does NOT think unless asked (enable_thinking=true):
@@ -209,10 +214,21 @@ def make_text_config(tok: PreTrainedTokenizerBase) -> dict[str, Any]:
     interleaved M-RoPE on a quarter of each 64-wide head; ids from ``tok``."""
     text = _text_kwargs(tok, FAMILY, ROLES)
     text.pop("max_window_layers")
-    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-            "mrope_section": list(MROPE_SECTION), "mrope_interleaved": True}
-    return {**text, "num_hidden_layers": len(LAYER_TYPES), "layer_types": list(LAYER_TYPES), "head_dim": HEAD_DIM,
-            "rope_parameters": rope, **LINEAR}
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 1e7,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": list(MROPE_SECTION),
+        "mrope_interleaved": True,
+    }
+    return {
+        **text,
+        "num_hidden_layers": len(LAYER_TYPES),
+        "layer_types": list(LAYER_TYPES),
+        "head_dim": HEAD_DIM,
+        "rope_parameters": rope,
+        **LINEAR,
+    }
 
 
 def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
@@ -221,10 +237,19 @@ def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
 
     return Qwen3_5Config(
         text_config=make_text_config(tok),
-        vision_config=dict(depth=VISION_DEPTH, hidden_size=VISION_DIM, intermediate_size=2 * VISION_DIM,
-                           num_heads=VISION_HEADS, in_channels=3, patch_size=PATCH, spatial_merge_size=2,
-                           temporal_patch_size=2, out_hidden_size=HIDDEN, num_position_embeddings=64,
-                           initializer_range=INIT_RANGE),
+        vision_config=dict(
+            depth=VISION_DEPTH,
+            hidden_size=VISION_DIM,
+            intermediate_size=2 * VISION_DIM,
+            num_heads=VISION_HEADS,
+            in_channels=3,
+            patch_size=PATCH,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=HIDDEN,
+            num_position_embeddings=64,
+            initializer_range=INIT_RANGE,
+        ),
         **_vision_token_ids(tok),
         tie_word_embeddings=False,
     )
@@ -243,5 +268,9 @@ def make_processor(tok: PreTrainedTokenizerBase) -> ProcessorMixin:
 
     bounds = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
     common = dict(patch_size=PATCH, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(size=bounds, **common), tokenizer=tok,
-                            video_processor=Qwen3VLVideoProcessor(size=bounds, **common), chat_template=CHAT_TEMPLATE)
+    return Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=bounds, **common),
+        tokenizer=tok,
+        video_processor=Qwen3VLVideoProcessor(size=bounds, **common),
+        chat_template=CHAT_TEMPLATE,
+    )

@@ -29,126 +29,126 @@ DEEPSTACK = [0, 1]  # vision blocks whose features go to decoder layers 0 and 1
 
 # The published Qwen3-VL-4B-Instruct template (no default system prompt, no thinking switch).
 CHAT_TEMPLATE = (
-    '{%- if tools %}\n'
+    "{%- if tools %}\n"
     "    {{- '<|im_start|>system\\n' }}\n"
     "    {%- if messages[0].role == 'system' %}\n"
-    '        {%- if messages[0].content is string %}\n'
-    '            {{- messages[0].content }}\n'
-    '        {%- else %}\n'
-    '            {%- for content in messages[0].content %}\n'
+    "        {%- if messages[0].content is string %}\n"
+    "            {{- messages[0].content }}\n"
+    "        {%- else %}\n"
+    "            {%- for content in messages[0].content %}\n"
     "                {%- if 'text' in content %}\n"
-    '                    {{- content.text }}\n'
-    '                {%- endif %}\n'
-    '            {%- endfor %}\n'
-    '        {%- endif %}\n'
+    "                    {{- content.text }}\n"
+    "                {%- endif %}\n"
+    "            {%- endfor %}\n"
+    "        {%- endif %}\n"
     "        {{- '\\n\\n' }}\n"
-    '    {%- endif %}\n'
+    "    {%- endif %}\n"
     '    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}\n'
-    '    {%- for tool in tools %}\n'
+    "    {%- for tool in tools %}\n"
     '        {{- "\\n" }}\n'
-    '        {{- tool | tojson }}\n'
-    '    {%- endfor %}\n'
+    "        {{- tool | tojson }}\n"
+    "    {%- endfor %}\n"
     '    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}\n'
-    '{%- else %}\n'
+    "{%- else %}\n"
     "    {%- if messages[0].role == 'system' %}\n"
     "        {{- '<|im_start|>system\\n' }}\n"
-    '        {%- if messages[0].content is string %}\n'
-    '            {{- messages[0].content }}\n'
-    '        {%- else %}\n'
-    '            {%- for content in messages[0].content %}\n'
+    "        {%- if messages[0].content is string %}\n"
+    "            {{- messages[0].content }}\n"
+    "        {%- else %}\n"
+    "            {%- for content in messages[0].content %}\n"
     "                {%- if 'text' in content %}\n"
-    '                    {{- content.text }}\n'
-    '                {%- endif %}\n'
-    '            {%- endfor %}\n'
-    '        {%- endif %}\n'
+    "                    {{- content.text }}\n"
+    "                {%- endif %}\n"
+    "            {%- endfor %}\n"
+    "        {%- endif %}\n"
     "        {{- '<|im_end|>\\n' }}\n"
-    '    {%- endif %}\n'
-    '{%- endif %}\n'
-    '{%- set image_count = namespace(value=0) %}\n'
-    '{%- set video_count = namespace(value=0) %}\n'
-    '{%- for message in messages %}\n'
+    "    {%- endif %}\n"
+    "{%- endif %}\n"
+    "{%- set image_count = namespace(value=0) %}\n"
+    "{%- set video_count = namespace(value=0) %}\n"
+    "{%- for message in messages %}\n"
     '    {%- if message.role == "user" %}\n'
     "        {{- '<|im_start|>' + message.role + '\\n' }}\n"
-    '        {%- if message.content is string %}\n'
-    '            {{- message.content }}\n'
-    '        {%- else %}\n'
-    '            {%- for content in message.content %}\n'
+    "        {%- if message.content is string %}\n"
+    "            {{- message.content }}\n"
+    "        {%- else %}\n"
+    "            {%- for content in message.content %}\n"
     "                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}\n"
-    '                    {%- set image_count.value = image_count.value + 1 %}\n'
-    '                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}\n'
-    '                    <|vision_start|><|image_pad|><|vision_end|>\n'
+    "                    {%- set image_count.value = image_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|image_pad|><|vision_end|>\n"
     "                {%- elif content.type == 'video' or 'video' in content %}\n"
-    '                    {%- set video_count.value = video_count.value + 1 %}\n'
-    '                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}\n'
-    '                    <|vision_start|><|video_pad|><|vision_end|>\n'
+    "                    {%- set video_count.value = video_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|video_pad|><|vision_end|>\n"
     "                {%- elif 'text' in content %}\n"
-    '                    {{- content.text }}\n'
-    '                {%- endif %}\n'
-    '            {%- endfor %}\n'
-    '        {%- endif %}\n'
+    "                    {{- content.text }}\n"
+    "                {%- endif %}\n"
+    "            {%- endfor %}\n"
+    "        {%- endif %}\n"
     "        {{- '<|im_end|>\\n' }}\n"
     '    {%- elif message.role == "assistant" %}\n'
     "        {{- '<|im_start|>' + message.role + '\\n' }}\n"
-    '        {%- if message.content is string %}\n'
-    '            {{- message.content }}\n'
-    '        {%- else %}\n'
-    '            {%- for content_item in message.content %}\n'
+    "        {%- if message.content is string %}\n"
+    "            {{- message.content }}\n"
+    "        {%- else %}\n"
+    "            {%- for content_item in message.content %}\n"
     "                {%- if 'text' in content_item %}\n"
-    '                    {{- content_item.text }}\n'
-    '                {%- endif %}\n'
-    '            {%- endfor %}\n'
-    '        {%- endif %}\n'
-    '        {%- if message.tool_calls %}\n'
-    '            {%- for tool_call in message.tool_calls %}\n'
-    '                {%- if (loop.first and message.content) or (not loop.first) %}\n'
+    "                    {{- content_item.text }}\n"
+    "                {%- endif %}\n"
+    "            {%- endfor %}\n"
+    "        {%- endif %}\n"
+    "        {%- if message.tool_calls %}\n"
+    "            {%- for tool_call in message.tool_calls %}\n"
+    "                {%- if (loop.first and message.content) or (not loop.first) %}\n"
     "                    {{- '\\n' }}\n"
-    '                {%- endif %}\n'
-    '                {%- if tool_call.function %}\n'
-    '                    {%- set tool_call = tool_call.function %}\n'
-    '                {%- endif %}\n'
+    "                {%- endif %}\n"
+    "                {%- if tool_call.function %}\n"
+    "                    {%- set tool_call = tool_call.function %}\n"
+    "                {%- endif %}\n"
     '                {{- \'<tool_call>\\n{"name": "\' }}\n'
-    '                {{- tool_call.name }}\n'
+    "                {{- tool_call.name }}\n"
     '                {{- \'", "arguments": \' }}\n'
-    '                {%- if tool_call.arguments is string %}\n'
-    '                    {{- tool_call.arguments }}\n'
-    '                {%- else %}\n'
-    '                    {{- tool_call.arguments | tojson }}\n'
-    '                {%- endif %}\n'
+    "                {%- if tool_call.arguments is string %}\n"
+    "                    {{- tool_call.arguments }}\n"
+    "                {%- else %}\n"
+    "                    {{- tool_call.arguments | tojson }}\n"
+    "                {%- endif %}\n"
     "                {{- '}\\n</tool_call>' }}\n"
-    '            {%- endfor %}\n'
-    '        {%- endif %}\n'
+    "            {%- endfor %}\n"
+    "        {%- endif %}\n"
     "        {{- '<|im_end|>\\n' }}\n"
     '    {%- elif message.role == "tool" %}\n'
     '        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}\n'
     "            {{- '<|im_start|>user' }}\n"
-    '        {%- endif %}\n'
+    "        {%- endif %}\n"
     "        {{- '\\n<tool_response>\\n' }}\n"
-    '        {%- if message.content is string %}\n'
-    '            {{- message.content }}\n'
-    '        {%- else %}\n'
-    '            {%- for content in message.content %}\n'
+    "        {%- if message.content is string %}\n"
+    "            {{- message.content }}\n"
+    "        {%- else %}\n"
+    "            {%- for content in message.content %}\n"
     "                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}\n"
-    '                    {%- set image_count.value = image_count.value + 1 %}\n'
-    '                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}\n'
-    '                    <|vision_start|><|image_pad|><|vision_end|>\n'
+    "                    {%- set image_count.value = image_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|image_pad|><|vision_end|>\n"
     "                {%- elif content.type == 'video' or 'video' in content %}\n"
-    '                    {%- set video_count.value = video_count.value + 1 %}\n'
-    '                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}\n'
-    '                    <|vision_start|><|video_pad|><|vision_end|>\n'
+    "                    {%- set video_count.value = video_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|video_pad|><|vision_end|>\n"
     "                {%- elif 'text' in content %}\n"
-    '                    {{- content.text }}\n'
-    '                {%- endif %}\n'
-    '            {%- endfor %}\n'
-    '        {%- endif %}\n'
+    "                    {{- content.text }}\n"
+    "                {%- endif %}\n"
+    "            {%- endfor %}\n"
+    "        {%- endif %}\n"
     "        {{- '\\n</tool_response>' }}\n"
     '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
     "            {{- '<|im_end|>\\n' }}\n"
-    '        {%- endif %}\n'
-    '    {%- endif %}\n'
-    '{%- endfor %}\n'
-    '{%- if add_generation_prompt %}\n'
+    "        {%- endif %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
     "    {{- '<|im_start|>assistant\\n' }}\n"
-    '{%- endif %}\n'
+    "{%- endif %}\n"
 )
 
 
@@ -161,10 +161,20 @@ def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
     rope = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": list(MROPE_SECTION), "mrope_interleaved": True}
     return Qwen3VLConfig(
         text_config={**text, "head_dim": HEAD_DIM, "rope_parameters": rope},
-        vision_config=dict(depth=VISION_DEPTH, hidden_size=VISION_DIM, intermediate_size=2 * VISION_DIM,
-                           num_heads=VISION_HEADS, in_channels=3, patch_size=PATCH, spatial_merge_size=2,
-                           temporal_patch_size=2, out_hidden_size=HIDDEN, num_position_embeddings=64,
-                           deepstack_visual_indexes=list(DEEPSTACK), initializer_range=INIT_RANGE),
+        vision_config=dict(
+            depth=VISION_DEPTH,
+            hidden_size=VISION_DIM,
+            intermediate_size=2 * VISION_DIM,
+            num_heads=VISION_HEADS,
+            in_channels=3,
+            patch_size=PATCH,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=HIDDEN,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=list(DEEPSTACK),
+            initializer_range=INIT_RANGE,
+        ),
         **_vision_token_ids(tok),
         tie_word_embeddings=False,
     )
@@ -182,5 +192,9 @@ def make_processor(tok: PreTrainedTokenizerBase) -> ProcessorMixin:
 
     bounds = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
     common = dict(patch_size=PATCH, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    return Qwen3VLProcessor(image_processor=Qwen2VLImageProcessor(size=bounds, **common), tokenizer=tok,
-                            video_processor=Qwen3VLVideoProcessor(size=bounds, **common), chat_template=CHAT_TEMPLATE)
+    return Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=bounds, **common),
+        tokenizer=tok,
+        video_processor=Qwen3VLVideoProcessor(size=bounds, **common),
+        chat_template=CHAT_TEMPLATE,
+    )

@@ -17,7 +17,16 @@ import pkgutil
 from types import ModuleType
 
 
-_MACHINERY = {"build", "common", "registry", "tokenizer", "shapes", "train_shapes", "train_copy", "training"}  # the package's own modules, not families
+_MACHINERY = {
+    "build",
+    "common",
+    "registry",
+    "tokenizer",
+    "shapes",
+    "train_shapes",
+    "train_copy",
+    "training",
+}  # the package's own modules, not families
 
 
 def _discover() -> dict[str, ModuleType]:

@@ -60,8 +60,7 @@ EXAMPLE_SEED = 7  # examples/shapes.png and the image `python -m pipeline` asks 
 # reads unambiguously as the task's image: the colours stay far from one another and from the
 # background, and a triangle stays a triangle.
 TRAIN_SUPERSAMPLE = (1, 2, 4)  # 1: hard edges as ``render`` draws them; k: drawn k times larger, then downscaled
-TRAIN_RESAMPLE = (Image.Resampling.BOX, Image.Resampling.BILINEAR, Image.Resampling.BICUBIC,
-                  Image.Resampling.LANCZOS)
+TRAIN_RESAMPLE = (Image.Resampling.BOX, Image.Resampling.BILINEAR, Image.Resampling.BICUBIC, Image.Resampling.LANCZOS)
 TRAIN_JPEG_QUALITIES = (30, 40, 50, 70, 90, 95)
 TRAIN_JPEG_SUBSAMPLING = (0, 2)  # 4:4:4 and 4:2:0 chroma
 JPEG_SHARE = 2 / 3  # share of varied images that go through a JPEG round trip
@@ -95,7 +94,9 @@ class Shape:
 
 def _overlap(a: Shape, b: Shape) -> bool:
     """Bounding boxes touch or overlap (a one-pixel gap is required, so shapes never merge)."""
-    return not (a.left + a.size < b.left or b.left + b.size < a.left or a.top + a.size < b.top or b.top + b.size < a.top)
+    return not (
+        a.left + a.size < b.left or b.left + b.size < a.left or a.top + a.size < b.top or b.top + b.size < a.top
+    )
 
 
 def _place(rng: np.random.Generator, width: int, height: int, n: int) -> list[Shape] | None:
@@ -110,8 +111,9 @@ def _place(rng: np.random.Generator, width: int, height: int, n: int) -> list[Sh
             left = int(rng.integers(0, width - size + 1))
             top = int(rng.integers(0, height - size + 1))
             shape = Shape(kind, colour, left, top, size)
-            if all(abs(shape.centre_x - s.centre_x) >= MIN_CENTRE_GAP * width and not _overlap(shape, s)
-                   for s in shapes):
+            if all(
+                abs(shape.centre_x - s.centre_x) >= MIN_CENTRE_GAP * width and not _overlap(shape, s) for s in shapes
+            ):
                 shapes.append(shape)
                 break
         else:
@@ -130,8 +132,13 @@ def sample_scene(rng: np.random.Generator) -> tuple[int, int, list[Shape]]:
             return width, height, sorted(shapes, key=lambda s: s.centre_x)
 
 
-def fill_shape(d: ImageDraw.ImageDraw, kind: str, box: tuple[int, int, int, int], fill: tuple[int, int, int],
-               triangle_height: float = 1.0) -> None:
+def fill_shape(
+    d: ImageDraw.ImageDraw,
+    kind: str,
+    box: tuple[int, int, int, int],
+    fill: tuple[int, int, int],
+    triangle_height: float = 1.0,
+) -> None:
     """Paint one shape into the inclusive pixel ``box`` (squares axis-aligned; triangles upright,
     base on the box's bottom edge, apex ``triangle_height`` of the base width above it)."""
     x0, y0, x1, y1 = box
@@ -255,6 +262,10 @@ def example() -> tuple[Image.Image, list[Shape]]:
     rng = np.random.default_rng(EXAMPLE_SEED)
     while True:
         image, shapes = draw(rng)
-        if (len(shapes) == 2 and shapes[0].kind != shapes[1].kind and shapes[0].colour != shapes[1].colour
-                and min(s.size for s in shapes) >= 0.3 * min(image.size)):
+        if (
+            len(shapes) == 2
+            and shapes[0].kind != shapes[1].kind
+            and shapes[0].colour != shapes[1].colour
+            and min(s.size for s in shapes) >= 0.3 * min(image.size)
+        ):
             return image, shapes

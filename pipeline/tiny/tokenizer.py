@@ -164,8 +164,9 @@ def make_tokenizer(family: str) -> PreTrainedTokenizerBase:
     # order the tokenizer class registers them in.
     for t, _ in specials:
         vocab[t] = len(vocab)
-    added = [AddedToken(t, special=s, normalized=False, lstrip=False, rstrip=False, single_word=False)
-             for t, s in specials]
+    added = [
+        AddedToken(t, special=s, normalized=False, lstrip=False, rstrip=False, single_word=False) for t, s in specials
+    ]
 
     if family in ("llama", "gemma3"):
         normalizer, pre, decoder = _backend_pipeline(family)

@@ -117,12 +117,30 @@ class Recipe:
 
 # Many small heads (16 dims each): the copy formed far sooner than with fewer, wider heads. 1024
 # wide (see above) with a lower peak rate than the 2e-3 that trained a 512-wide target.
-TARGET = Recipe(TARGET_NAME, hidden=1024, intermediate=2048, heads=64, kv_heads=64, steps=650, lr=1.2e-3,
-                short_steps=350, ramp_steps=150)
+TARGET = Recipe(
+    TARGET_NAME,
+    hidden=1024,
+    intermediate=2048,
+    heads=64,
+    kv_heads=64,
+    steps=650,
+    lr=1.2e-3,
+    short_steps=350,
+    ramp_steps=150,
+)
 # The draft's copy collapsed when long passages came before it had settled (0.89 -> 0.56 of
 # tokens, 0.73 at the end): it gets more short steps and a gentler ramp.
-DRAFT = Recipe(DRAFT_NAME, hidden=256, intermediate=768, heads=16, kv_heads=16, steps=1000, lr=3e-3,
-               short_steps=600, ramp_steps=250)
+DRAFT = Recipe(
+    DRAFT_NAME,
+    hidden=256,
+    intermediate=768,
+    heads=16,
+    kv_heads=16,
+    steps=1000,
+    lr=3e-3,
+    short_steps=600,
+    ramp_steps=250,
+)
 
 
 # --------------------------------------------------------------------------------------
@@ -167,8 +185,9 @@ class Task:
         answer = words if task == "repeat" else [CIPHER[w] for w in words]
         return Example(task, " ".join(words) + ".", " ".join(answer) + ".")
 
-    def examples(self, rng: np.random.Generator, n: int, longest: int = LONGEST,
-                 task: str | None = None) -> list[Example]:
+    def examples(
+        self, rng: np.random.Generator, n: int, longest: int = LONGEST, task: str | None = None
+    ) -> list[Example]:
         """A training batch of passages of similar length (within 16 tokens, so little of it is
         padding), from ``SHORTEST`` up to about ``longest`` tokens."""
         low = int(rng.integers(SHORTEST, max(SHORTEST + 1, longest - 15)))
@@ -212,11 +231,23 @@ def heldout(tok: PreTrainedTokenizerBase, n: int, task: str, seed: int = EVAL_SE
 def make_config(tok: PreTrainedTokenizerBase, recipe: Recipe) -> Any:
     """The tiny Qwen3's config (token ids, vocabulary) at the recipe's sizes."""
     text = _text_kwargs(tok, FAMILY, qwen3.ROLES)
-    text.update(hidden_size=recipe.hidden, intermediate_size=recipe.intermediate, num_hidden_layers=recipe.layers,
-                max_window_layers=recipe.layers, num_attention_heads=recipe.heads, num_key_value_heads=recipe.kv_heads,
-                initializer_range=recipe.init_range, max_position_embeddings=2048)
-    return Qwen3Config(**text, head_dim=recipe.hidden // recipe.heads, use_sliding_window=False, attention_bias=False,
-                       rope_parameters={"rope_type": "default", "rope_theta": recipe.rope_theta})
+    text.update(
+        hidden_size=recipe.hidden,
+        intermediate_size=recipe.intermediate,
+        num_hidden_layers=recipe.layers,
+        max_window_layers=recipe.layers,
+        num_attention_heads=recipe.heads,
+        num_key_value_heads=recipe.kv_heads,
+        initializer_range=recipe.init_range,
+        max_position_embeddings=2048,
+    )
+    return Qwen3Config(
+        **text,
+        head_dim=recipe.hidden // recipe.heads,
+        use_sliding_window=False,
+        attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": recipe.rope_theta},
+    )
 
 
 def curriculum(step: int, recipe: Recipe) -> tuple[int, str | None]:
@@ -258,12 +289,16 @@ def evaluate(model: PreTrainedModel, tok: PreTrainedTokenizerBase, n: int = 16) 
             prompt, answer = maker.prompt_ids(example), maker.answer_ids(example)
             ids = torch.tensor([prompt])
             with torch.no_grad():
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(answer),
-                                     do_sample=False)[0, len(prompt):].tolist()
+                out = model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(answer), do_sample=False
+                )[0, len(prompt) :].tolist()
             right += sum(a == b for a, b in zip(out, answer))
             exact += out[: len(answer)] == answer
-        scores[task] = {"teacher_forced": round(forced / total, 4), "greedy": round(right / total, 4),
-                        "exact": round(exact / n, 4)}
+        scores[task] = {
+            "teacher_forced": round(forced / total, 4),
+            "greedy": round(right / total, 4),
+            "exact": round(exact / n, 4),
+        }
     return scores
 
 
@@ -282,19 +317,31 @@ def train(recipe: Recipe, out: Path, progress: bool = True, threads: int = THREA
             loss, right, total = answer_loss(model, batch)
             return loss, right / total
 
-        fitted = fit(model, recipe, lambda step: task.batch(task.examples(rng, recipe.batch, *curriculum(step, recipe))),
-                     loss_of, f"train {recipe.name}", metric="tok_acc", progress=progress)
+        fitted = fit(
+            model,
+            recipe,
+            lambda step: task.batch(task.examples(rng, recipe.batch, *curriculum(step, recipe))),
+            loss_of,
+            f"train {recipe.name}",
+            metric="tok_acc",
+            progress=progress,
+        )
         summary = {**fitted, "threads": threads, "heldout": evaluate(model, tok), "recipe": asdict(recipe)}
-        save_model(model, work, {
-            "family": FAMILY,
-            "recipe_version": RECIPE_VERSION,
-            "copy_version": COPY_VERSION,
-            "trained": "copy",
-            "note": "a toy model trained by mm-pipeline (python -m pipeline.tiny.train_copy) to copy its prompt: "
-                    "'Repeat:' or 'Translate:' (a fixed word cipher) followed by a passage of ordinary words; "
-                    "other prompts get meaningless text",
-            **summary,
-        }, tok)
+        save_model(
+            model,
+            work,
+            {
+                "family": FAMILY,
+                "recipe_version": RECIPE_VERSION,
+                "copy_version": COPY_VERSION,
+                "trained": "copy",
+                "note": "a toy model trained by mm-pipeline (python -m pipeline.tiny.train_copy) to copy its prompt: "
+                "'Repeat:' or 'Translate:' (a fixed word cipher) followed by a passage of ordinary words; "
+                "other prompts get meaningless text",
+                **summary,
+            },
+            tok,
+        )
     return summary
 
 
@@ -303,8 +350,12 @@ def _is_finished(d: Path) -> bool:
         marker = json.loads((d / MARKER_FILE).read_text())
     except (OSError, ValueError):
         return False
-    return (marker.get("trained") == "copy" and marker.get("copy_version") == COPY_VERSION
-            and marker.get("recipe_version") == RECIPE_VERSION and (d / "model.safetensors").is_file())
+    return (
+        marker.get("trained") == "copy"
+        and marker.get("copy_version") == COPY_VERSION
+        and marker.get("recipe_version") == RECIPE_VERSION
+        and (d / "model.safetensors").is_file()
+    )
 
 
 def default_dir() -> Path:
@@ -335,10 +386,14 @@ def main(argv: list[str] | None = None) -> None:
     recipes = {"target": [TARGET], "draft": [DRAFT], None: [TARGET, DRAFT]}[args.only]
     for recipe in recipes:  # the command always retrains; copy_models() reuses finished ones
         summary = train(recipe, root / recipe.name, threads=args.threads)
-        scores = "; ".join(f"{t}: {s['teacher_forced']:.1%} of tokens teacher-forced, {s['greedy']:.1%} greedy, "
-                           f"{s['exact']:.0%} exact" for t, s in summary["heldout"].items())
-        print(f"{root / recipe.name}: {recipe.steps} steps in {summary['train_seconds'] / 60:.1f} min, "
-              f"loss {summary['final_loss']:.4f}; held-out {scores}")
+        scores = "; ".join(
+            f"{t}: {s['teacher_forced']:.1%} of tokens teacher-forced, {s['greedy']:.1%} greedy, {s['exact']:.0%} exact"
+            for t, s in summary["heldout"].items()
+        )
+        print(
+            f"{root / recipe.name}: {recipe.steps} steps in {summary['train_seconds'] / 60:.1f} min, "
+            f"loss {summary['final_loss']:.4f}; held-out {scores}"
+        )
 
 
 if __name__ == "__main__":

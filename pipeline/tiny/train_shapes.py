@@ -37,7 +37,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import (
-    AutoProcessor, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor,
+    AutoProcessor,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessor,
+    Qwen2VLProcessor,
     Qwen2VLVideoProcessor,
 )
 
@@ -123,14 +127,26 @@ def make_config(tok: Any, recipe: Recipe) -> Any:
         num_attention_heads=recipe.heads,
         num_key_value_heads=recipe.kv_heads,
         initializer_range=recipe.init_range,
-        rope_parameters={**text["rope_parameters"], "rope_theta": recipe.rope_theta,
-                         "mrope_section": mrope_section(head_dim)},
+        rope_parameters={
+            **text["rope_parameters"],
+            "rope_theta": recipe.rope_theta,
+            "mrope_section": mrope_section(head_dim),
+        },
     )
     return Qwen2VLConfig(
         text_config=text,
-        vision_config=dict(depth=recipe.vision_depth, embed_dim=recipe.vision_dim, hidden_size=recipe.hidden,
-                           mlp_ratio=2, num_heads=recipe.vision_heads, in_channels=3, patch_size=recipe.patch_size,
-                           spatial_merge_size=2, temporal_patch_size=2, initializer_range=recipe.init_range),
+        vision_config=dict(
+            depth=recipe.vision_depth,
+            embed_dim=recipe.vision_dim,
+            hidden_size=recipe.hidden,
+            mlp_ratio=2,
+            num_heads=recipe.vision_heads,
+            in_channels=3,
+            patch_size=recipe.patch_size,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            initializer_range=recipe.init_range,
+        ),
         **qwen2_vl._vision_token_ids(tok),
         tie_word_embeddings=False,
     )
@@ -138,9 +154,19 @@ def make_config(tok: Any, recipe: Recipe) -> Any:
 
 def make_processor(tok: Any, recipe: Recipe) -> ProcessorMixin:
     """The real ``Qwen2VLProcessor`` of the tiny builder, with the recipe's pixel budget."""
-    kw = dict(min_pixels=recipe.pixels, max_pixels=recipe.pixels, patch_size=recipe.patch_size, temporal_patch_size=2, merge_size=2)
-    return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**kw), tokenizer=tok,
-                            video_processor=Qwen2VLVideoProcessor(**kw), chat_template=qwen2_vl.CHAT_TEMPLATE)
+    kw = dict(
+        min_pixels=recipe.pixels,
+        max_pixels=recipe.pixels,
+        patch_size=recipe.patch_size,
+        temporal_patch_size=2,
+        merge_size=2,
+    )
+    return Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**kw),
+        tokenizer=tok,
+        video_processor=Qwen2VLVideoProcessor(**kw),
+        chat_template=qwen2_vl.CHAT_TEMPLATE,
+    )
 
 
 def build(recipe: Recipe, workdir: Path) -> tuple[PreTrainedModel, ProcessorMixin]:
@@ -196,7 +222,7 @@ class Encoder:
         for question in shapes.QUESTIONS:
             ids = tok(prompt_text(processor, question), add_special_tokens=False)["input_ids"]
             cut = ids.index(self.image_token)  # the template holds one placeholder; the processor expands it
-            self.around[question] = (ids[:cut], ids[cut + 1:])
+            self.around[question] = (ids[:cut], ids[cut + 1 :])
         self.answers: dict[str, list[int]] = {}
 
     def _answer_ids(self, answer: str) -> list[int]:
@@ -225,11 +251,17 @@ class Encoder:
         for i, (prompt, answer, first, n_image) in enumerate(rows):
             k = len(prompt) + len(answer)
             ids[i, :k] = torch.tensor(prompt + answer)
-            labels[i, len(prompt):k] = torch.tensor(answer)
+            labels[i, len(prompt) : k] = torch.tensor(answer)
             mask[i, :k] = 1
-            types[i, first:first + n_image] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels, "mm_token_type_ids": types,
-                "pixel_values": pixels["pixel_values"], "image_grid_thw": grids}
+            types[i, first : first + n_image] = 1
+        return {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": labels,
+            "mm_token_type_ids": types,
+            "pixel_values": pixels["pixel_values"],
+            "image_grid_thw": grids,
+        }
 
 
 def sample_batch(rng: np.random.Generator, encoder: Encoder, recipe: Recipe, size: int) -> dict[str, Any]:
@@ -262,17 +294,21 @@ def answer_loss(model: PreTrainedModel, batch: dict[str, Any]) -> tuple[torch.Te
     return loss, hit.all(dim=1)
 
 
-def evaluate(model: PreTrainedModel, encoder: Encoder, data: list[tuple[Image.Image, list[shapes.Shape]]],
-             batch: int = 50) -> dict[str, float]:
+def evaluate(
+    model: PreTrainedModel, encoder: Encoder, data: list[tuple[Image.Image, list[shapes.Shape]]], batch: int = 50
+) -> dict[str, float]:
     """Greedy exact-match rate per question on ``data`` (teacher-forced argmax)."""
     scores: dict[str, float] = {}
     model.eval()
     for name, question in (("shapes", shapes.SHAPES_QUESTION), ("count", shapes.COUNT_QUESTION)):
         right = 0
         for start in range(0, len(data), batch):
-            part = data[start:start + batch]
-            inputs = encoder([image for image, _ in part], [question] * len(part),
-                             [shapes.answer(question, drawn) for _, drawn in part])
+            part = data[start : start + batch]
+            inputs = encoder(
+                [image for image, _ in part],
+                [question] * len(part),
+                [shapes.answer(question, drawn) for _, drawn in part],
+            )
             with torch.no_grad():
                 _, hit = answer_loss(model, inputs)
             right += int(hit.sum())
@@ -285,8 +321,10 @@ def heldout_sets(n: int = 200) -> dict[str, list[tuple[Image.Image, list[shapes.
     from it): drawn as ``shapes.draw`` draws (what tests/test_shapes.py checks too), and in the
     varied training styles (robustness the plain set cannot show)."""
     rng = np.random.default_rng(shapes.EVAL_SEED + 1)
-    return {"heldout_exact": shapes.dataset(shapes.EVAL_SEED, n),
-            "heldout_varied_exact": [shapes.draw_varied(rng, plain_fraction=0.0) for _ in range(n)]}
+    return {
+        "heldout_exact": shapes.dataset(shapes.EVAL_SEED, n),
+        "heldout_varied_exact": [shapes.draw_varied(rng, plain_fraction=0.0) for _ in range(n)],
+    }
 
 
 def train(recipe: Recipe, out: Path, progress: bool = True) -> dict[str, Any]:
@@ -301,8 +339,15 @@ def train(recipe: Recipe, out: Path, progress: bool = True) -> dict[str, Any]:
             loss, hit = answer_loss(model, batch)
             return loss, hit.float().mean().item()
 
-        fitted = fit(model, recipe, lambda step: sample_batch(rng, encoder, recipe, recipe.batch), loss_of,
-                     "train shapes", metric="exact", progress=progress)
+        fitted = fit(
+            model,
+            recipe,
+            lambda step: sample_batch(rng, encoder, recipe, recipe.batch),
+            loss_of,
+            "train shapes",
+            metric="exact",
+            progress=progress,
+        )
         scores = {name: evaluate(model, encoder, data) for name, data in heldout_sets().items()}
         summary = {"steps": recipe.steps, **fitted, **scores, "recipe": asdict(recipe)}
         save(model, processor, work, summary)
@@ -313,16 +358,21 @@ def save(model: PreTrainedModel, processor: ProcessorMixin, dest: Path, summary:
     """Weights, processor (tokenizer and chat template inside), the example image and the marker."""
     image, _ = shapes.example()
     image.save(dest / EXAMPLE_IMAGE, optimize=True)
-    save_model(model, dest, {
-        "family": BASE_FAMILY,
-        "recipe_version": RECIPE_VERSION,
-        "trained": "shapes",
-        "note": "a toy model trained by mm-pipeline (python -m pipeline.tiny.train_shapes) to name the "
-                "shapes in images; other prompts get meaningless text",
-        "default_prompts": {"image": shapes.SHAPES_QUESTION},
-        "example_image": EXAMPLE_IMAGE,
-        **summary,
-    }, processor)
+    save_model(
+        model,
+        dest,
+        {
+            "family": BASE_FAMILY,
+            "recipe_version": RECIPE_VERSION,
+            "trained": "shapes",
+            "note": "a toy model trained by mm-pipeline (python -m pipeline.tiny.train_shapes) to name the "
+            "shapes in images; other prompts get meaningless text",
+            "default_prompts": {"image": shapes.SHAPES_QUESTION},
+            "example_image": EXAMPLE_IMAGE,
+            **summary,
+        },
+        processor,
+    )
     for path in dest.iterdir():
         os.chmod(path, 0o644)
 
@@ -333,9 +383,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     summary = train(Recipe(), args.out)
     plain, varied = summary["heldout_exact"], summary["heldout_varied_exact"]
-    print(f"{args.out}: {summary['steps']} steps in {summary['train_seconds']:.0f} s, loss {summary['final_loss']:.4f}, "
-          f"held-out greedy exact match: shapes {plain['shapes']:.1%}, count {plain['count']:.1%} "
-          f"(varied styles: shapes {varied['shapes']:.1%}, count {varied['count']:.1%})")
+    print(
+        f"{args.out}: {summary['steps']} steps in {summary['train_seconds']:.0f} s, loss {summary['final_loss']:.4f}, "
+        f"held-out greedy exact match: shapes {plain['shapes']:.1%}, count {plain['count']:.1%} "
+        f"(varied styles: shapes {varied['shapes']:.1%}, count {varied['count']:.1%})"
+    )
 
 
 if __name__ == "__main__":

@@ -62,8 +62,11 @@ def fit(
     ``metric`` on the progress bar. Returns the training seconds and the smoothed final loss."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.98))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=recipe.lr,
+        betas=(0.9, 0.98),
+    )
     start = time.monotonic()
     smooth = acc = None
     model.train()
@@ -91,8 +94,11 @@ def reproducible(threads: int) -> Iterator[None]:
     """Deterministic kernels on ``threads`` threads inside the block; the caller's settings are
     restored after. Why restore: deterministic mode also fills every new tensor, so a process
     that trains and then serves would touch all of a lazily used KV pool at once."""
-    before = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
+    before = (
+        torch.get_num_threads(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
     try:
