@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                 speeds[key].append(nbytes[key[0]] / (time.perf_counter() - t0) / 1e9)
     matvec.isa(default)
     print(
-        f"{torch.get_num_threads()} threads, {args.reps} reps, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"{torch.get_num_threads()} threads, {args.reps} reps, "
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}, "
         f"kernel default {default}; GB/s of weights, the 187M Llama's 57 matrices"
     )
     print("| weights | path | median GB/s | max GB/s | vs F.linear |")

@@ -513,7 +513,8 @@ def table(result: dict) -> str:
     base = result["baseline_concurrency"]
     lines = [
         f"| clients | wall s | tok/s | vs {base} client{'s' if base != 1 else ''} | TTFT p50 ms | TTFT p99 ms "
-        f"| TPOT p50 ms | TPOT p99 ms | errors | text = {base} client{'s' if base != 1 else ''} | CPU s client / server |",
+        f"| TPOT p50 ms | TPOT p99 ms | errors | text = {base} client{'s' if base != 1 else ''} "
+        "| CPU s client / server |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in result["phases"]:

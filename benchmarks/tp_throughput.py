@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [json.loads(args.against.read_text())] if args.against else []
     print(f"{args.arch} {args.dtype}, {args.requests} requests x {args.new_tokens} tokens, best of {args.reps}")
     print(
-        "| model.tp | threads a rank | tok/s | vs tp=1 | KV tokens a rank holds | KV bytes/token a rank | weights a rank | collectives |"
+        "| model.tp | threads a rank | tok/s | vs tp=1 | KV tokens a rank holds | KV bytes/token a rank "
+        "| weights a rank | collectives |"
     )
     print("|---|---|---|---|---|---|---|---|")
     base = rows[0]["tok_s"] if rows else figures["tok_s"]

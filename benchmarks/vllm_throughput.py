@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     print("| path | tokens/s | engine vs it | sequences identical to the engine's |")
     print("|---|---|---|---|")
     print(
-        f"| vLLM (CPU build) | {vllm_tok_s:.1f} | {engine['throughput_tok_s'] / vllm_tok_s:.2f}x | {same}/{len(prompts)} |"
+        f"| vLLM (CPU build) | {vllm_tok_s:.1f} | {engine['throughput_tok_s'] / vllm_tok_s:.2f}x "
+        f"| {same}/{len(prompts)} |"
     )
     print(f"| {engine['path']} (from {args.figures}) | {engine['throughput_tok_s']:.1f} | 1.00x | - |")
     return 0

@@ -13,7 +13,8 @@ class AudioEncoder:
     """Encodes the prompt's audio clips and writes their embeddings into ``ctx.inputs_embeds``.
 
     The model knowledge (feature masks, the tower and projector, the placeholder id) lives in
-    the family (``audio_spans``, ``encode_audio``); this stage decides what to encode and counts. A clip whose audio positions the KV cache already holds (a
+    the family (``audio_spans``, ``encode_audio``); this stage decides what to encode and counts.
+    A clip whose audio positions the KV cache already holds (a
     follow-up turn in a conversation) is not encoded again: Prefill never reads those positions.
     ``batch_size`` bounds how many 30 s windows go through the tower at once (None = all).
 

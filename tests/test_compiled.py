@@ -141,7 +141,8 @@ lm = load_model(sys.argv[1], dtype=torch.float32)
 ids = lm.tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"][:8]
 pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=True)}, kv_memory=1 << 20)
 pipe.warmup()
-handles = [pipe.submit(Request(max_new_tokens=n, ignore_eos=True), ids=ids[:k], result=False) for n, k in ((4, 8), (6, 5))]
+asks = ((4, 8), (6, 5))
+handles = [pipe.submit(Request(max_new_tokens=n, ignore_eos=True), ids=ids[:k], result=False) for n, k in asks]
 got = [pipe.wait(h) for h in handles]
 assert all(c.metrics.info["decode_compiled"] for c in got)
 for c, k in zip(got, (8, 5)):

@@ -50,7 +50,8 @@ def write_image_task(folder) -> list:
     data = datasets.Dataset.from_dict({"image": images, "question": IMAGE_QUESTIONS, "answer": ["red", "green"]})
     data.cast_column("image", datasets.Image()).to_parquet(str(folder / "images.parquet"))
     (folder / "mm_image.yaml").write_text(
-        f"task: mm_image\ndataset_path: parquet\ndataset_kwargs:\n  data_files:\n    test: {folder / 'images.parquet'}\n"
+        "task: mm_image\ndataset_path: parquet\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {folder / 'images.parquet'}\n"
         "test_split: test\noutput_type: generate_until\ndoc_to_image: [image]\n"
         "doc_to_text: '<image>{{question}}'\ndoc_to_target: '{{answer}}'\n"
         "generation_kwargs:\n  until: ['\\n\\n']\n  max_gen_toks: 6\nmetric_list:\n  - metric: exact_match\n"

@@ -125,7 +125,8 @@ def test_flex_with_images_windows_and_mrope(load_tiny, unfused, family):
     assert answers("flex") == answers("sdpa")
 
 
-@pytest.mark.slow  # suite time (25 s of Inductor's C++ template); the masks' exactness runs unfused above; gpu_check runs it
+# suite time (25 s of Inductor's C++ template); the masks' exactness runs unfused above; gpu_check runs it
+@pytest.mark.slow
 def test_compiled_cpu_kernel_reads_the_pool_in_place(load_tiny, kernel):
     """The real kernel (inductor's C++ FlexAttention template) for a batch of decode rows: the
     same tokens, and it did not fall back."""

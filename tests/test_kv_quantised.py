@@ -87,12 +87,15 @@ def test_a_batch_with_images_and_preemption_equals_each_request_alone(load_tiny,
     lm = load_tiny("qwen2-vl", dtype="float64")
     requests = mixed_requests(18, images=True)
     bytes_per_block = kv_bytes(lm.config, 16, lm.model.dtype, kv_dtype=kind)
-    stages = lambda: {
-        "tokenize": Tokenize(),
-        "vision_encoder": VisionEncoder(),
-        "prefill": Prefill(chunk_size=24),  # noqa: E731
-        "decode": DecodeLoop(),
-    }
+
+    def stages() -> dict:
+        return {
+            "tokenize": Tokenize(),
+            "vision_encoder": VisionEncoder(),
+            "prefill": Prefill(chunk_size=24),
+            "decode": DecodeLoop(),
+        }
+
     pipe = Pipeline(lm, stages(), kv_memory=14 * bytes_per_block, kv_dtype=kind, max_seqs=18, max_batch_tokens=128)
     before = pipe.engine.counters["preemptions"]
     batched = submit_staggered(pipe, requests)

@@ -125,7 +125,8 @@ def test_examples_load():
         assert raw.size == (240, 320)  # really stored sideways
     wave, dur = load_audio(EXAMPLES / "tone.wav", 16_000)
     assert dur == 2.0 and wave.shape == (32_000,)
-    prompts = [l for l in (EXAMPLES / "prompts.txt").read_text().splitlines() if l.strip() and not l.startswith("#")]
+    lines = (EXAMPLES / "prompts.txt").read_text().splitlines()
+    prompts = [line for line in lines if line.strip() and not line.startswith("#")]
     assert len(prompts) == 5
     assert sum(p.stat().st_size for p in EXAMPLES.iterdir()) < 200_000
 

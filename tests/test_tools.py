@@ -33,7 +33,8 @@ ANSWERS = {
         "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
         "<parameter=zone>\n-5\n</parameter>\n</function>\n</tool_call>"
     ),
-    LLAMA: '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; {"name": "get_time", "parameters": {"zone": -5}}',
+    LLAMA: '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+    '{"name": "get_time", "parameters": {"zone": -5}}',
 }
 EXPECTED = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"zone": -5})]
 

@@ -396,7 +396,8 @@ INTERNVL_TEMPLATE = (
 
 
 def internvl(dest: Path) -> None:
-    """InternVL: tiles plus a thumbnail, pixel-shuffled, their ``<IMG_CONTEXT>`` slots between ``<img>`` and ``</img>``."""
+    """InternVL: tiles plus a thumbnail, pixel-shuffled, their ``<IMG_CONTEXT>`` slots between ``<img>``
+    and ``</img>``."""
     from transformers import (
         GotOcr2ImageProcessor,
         InternVLConfig,
@@ -633,8 +634,8 @@ def paligemma(dest: Path) -> None:
     save(model, processor, dest)
 
 
-# swiss-ai/Apertus (v1)'s chat format (v1.5's was not at hand), reduced to what one user turn renders (no system / developer
-# blocks): <|user_start|>...<|user_end|><|assistant_start|>; media items become the processor's
+# swiss-ai/Apertus (v1)'s chat format (v1.5's was not at hand), reduced to what one user turn renders
+# (no system / developer blocks): <|user_start|>...<|user_end|><|assistant_start|>; media items become the processor's
 # placeholders, in the order given
 APERTUS1P5_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '<|user_start|>' }}"

@@ -480,7 +480,8 @@ class Engine:
 
         A burst needs a decode-only step of argmax-only sequences (no logits processors, no
         drafts, no log-probabilities asked) and nobody waiting to be admitted; it is as long as
-        the sequence with the fewest tokens left allows. (Recurrent states are read and written per step, not inside a burst.)
+        the sequence with the fewest tokens left allows. (Recurrent states are read and written per
+        step, not inside a burst.)
         """
         if self.burst < 2 or self.scheduler.waiting or self._inbox or self.pool.states is not None:
             return 1

@@ -20,7 +20,8 @@ from pipeline.errors import UserError
 
 
 def takes_token_types(cls: type) -> bool:
-    """Whether ``cls`` builds its prefill mask from ``token_type_ids`` (its ``create_masks_for_generate`` takes them)."""
+    """Whether ``cls`` builds its prefill mask from ``token_type_ids`` (its ``create_masks_for_generate``
+    takes them)."""
     method = getattr(cls, "create_masks_for_generate", None)
     return method is not None and "token_type_ids" in inspect.signature(method).parameters
 

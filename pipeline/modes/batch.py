@@ -4,7 +4,8 @@ Input (kind decided by the file name):
 - ``*.jsonl`` / ``*.ndjson``: one JSON object per line: ``id`` (string or integer; the line
   number when left out), ``prompt``, optional ``images`` / ``videos`` / ``audios`` (paths
   relative to the file's folder, or absolute; the message shows the images, then the videos,
-  then the audio; videos are sampled by ``media.video_fps`` / ``media.video_max_frames``) and per-item settings (``max_new_tokens``, ``system_prompt``,
+  then the audio; videos are sampled by ``media.video_fps`` / ``media.video_max_frames``) and
+  per-item settings (``max_new_tokens``, ``system_prompt``,
   ``ignore_eos``, ``stop``, ``thinking``, ``logprobs``, ``prompt_logprobs``, ``logprobs_mode``). Blank lines
   are skipped.
 - anything else: one prompt per line; blank lines and lines starting with ``#`` are skipped;

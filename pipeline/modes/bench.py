@@ -122,7 +122,8 @@ def check_fits(pipe: Pipeline, settings: BenchSettings) -> None:
         raise UserError(f"bench: {longest} tokens (prompt + generated) exceed the model's {limit} positions")
     if longest > pipe.pool.capacity_tokens:
         raise UserError(
-            f"bench: {longest} tokens (prompt + generated) exceed the KV pool's {pipe.pool.capacity_tokens}: raise kv.memory"
+            f"bench: {longest} tokens (prompt + generated) exceed the KV pool's {pipe.pool.capacity_tokens}: "
+            "raise kv.memory"
         )
 
 

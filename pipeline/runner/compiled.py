@@ -10,7 +10,8 @@ back; any other decode-only step (sampled rows, requests waiting) takes its logi
 Fixed shapes: the batch and the block-table width are rounded up to buckets
 (``forward.batch_bucket``, ``width_bucket``) and, on CPU, marked dynamic, so one graph serves every
 bucket from 2 up (dynamo specialises size 1: batch 1 has its own); on CUDA each bucket is a
-static graph (see ``_compile``). Masks and write slots are built inside the graph from tensors. ``Pipeline.warmup`` builds both graphs before the first request;
+static graph (see ``_compile``). Masks and write slots are built inside the graph from tensors.
+``Pipeline.warmup`` builds both graphs before the first request;
 after it no batch size or context length recompiles (tests/test_compiled.py counts).
 
 On CUDA the default mode is ``reduce-overhead``: every bucket is captured as a CUDA graph, the

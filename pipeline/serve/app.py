@@ -5,7 +5,8 @@ thread drives the engine (``Engine.drive``; ``mode=serve`` drives it on the main
 uvicorn serves on its own), and media decoding and submission (which may upload ids to the
 device) run on worker threads, so the loop never waits on the model. A streamed response is
 committed (status 200) only once its first piece of text or its end is known, so a request that
-fails before generating anything (bad media, a prompt too long) still gets its 4xx JSON error. A client that goes away cancels its sequences:
+fails before generating anything (bad media, a prompt too long) still gets its 4xx JSON error. A
+client that goes away cancels its sequences:
 their blocks go back to the pool at the next engine step.
 """
 

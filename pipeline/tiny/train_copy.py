@@ -21,7 +21,8 @@ Each answer ends with ``<|im_end|>``; the loss is on the answer only. Both model
 fewest that can copy: an induction head reads what a previous-token head of the layer below
 wrote). The target is 1024 wide and the draft 256: at batch 1 on CPU an eager forward is mostly
 fixed per-call cost (256 wide: 2.4 ms, 512: 2.8 ms, 1024: 5-6 ms), so a 512-wide target cost
-barely more than its draft and no draft could pay; at 768 a compiled draft reached 1.45x. A curriculum (``curriculum``) makes the copy
+barely more than its draft and no draft could pay; at 768 a compiled draft reached 1.45x. A
+curriculum (``curriculum``) makes the copy
 form in minutes. Data, initialisation and batch order are seeded and torch runs in
 deterministic mode.
 
