@@ -32,6 +32,17 @@ def test_every_docs_page_is_in_the_nav_and_every_relative_link_resolves():
                 assert (page.parent / target).exists(), f"{page.name} links to {target}, which is not there"
 
 
+def test_the_settings_reference_is_what_the_schema_and_conf_say():
+    """docs/settings.md is ``scripts/settings_reference.py``'s output: regenerate it when a setting changes."""
+    script = ROOT / "scripts" / "settings_reference.py"
+    run = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (ROOT / "docs" / "settings.md").read_text() == run.stdout, (
+        "run: python scripts/settings_reference.py > docs/settings.md"
+    )
+    assert "| `serve.port` | int | `8000` |" in run.stdout and "`decode.cuda_graphs` | bool | `true`" in run.stdout
+
+
 @pytest.mark.skipif(shutil.which("mkdocs") is None, reason="mkdocs is installed with the test extra")
 def test_the_site_builds_strict(tmp_path):
     run = subprocess.run(
