@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pipeline import Pipeline, Request, load_model  # noqa: E402
-from pipeline.loading import LoadedModel  # noqa: E402
+from pipeline.model.loading import LoadedModel  # noqa: E402
 from pipeline.memory import kv_bytes  # noqa: E402
 from pipeline.runner import detach  # noqa: E402
 

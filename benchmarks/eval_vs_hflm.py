@@ -1,4 +1,4 @@
-"""``mode=eval``'s model (``pipeline.evaluation.EngineLM``) against lm-eval's own ``hf`` model
+"""``mode=eval``'s model (``pipeline.frontends.evaluation.EngineLM``) against lm-eval's own ``hf`` model
 (``HFLM``) on one multiple-choice task, in one process: the same weights, documents and lm-eval.
 
 The task (generated, local): Q questions (default 200) of 4 choices each; every question is a
@@ -97,7 +97,7 @@ def main() -> None:
     from lm_eval.tasks import TaskManager
 
     from pipeline import Pipeline, load_model
-    from pipeline.evaluation import EngineLM
+    from pipeline.frontends.evaluation import EngineLM
     from stages import DecodeLoop, Prefill
 
     work = Path(tempfile.mkdtemp(prefix="eval-bench-"))

@@ -54,7 +54,7 @@ from decode_vs_generate import Prompt, copy_gb_s, make_pipe, measure, print_rows
 from engine_throughput import run_engine  # noqa: E402
 
 from pipeline import Pipeline, load_model  # noqa: E402
-from pipeline.loading import LoadedModel  # noqa: E402
+from pipeline.model.loading import LoadedModel  # noqa: E402
 from pipeline.metrics import decode_weight_bytes  # noqa: E402
 from stages import DecodeLoop, Prefill  # noqa: E402
 

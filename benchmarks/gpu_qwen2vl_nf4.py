@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from pipeline import Pipeline, Request, load_model
-    from pipeline.loading import format_placement
+    from pipeline.model.loading import format_placement
     from stages import DecodeLoop, Prefill, Sampler, Tokenize
     from stages.vision import VisionEncoder
 

@@ -62,7 +62,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pipeline import KVCache, Pipeline, Request, load_model  # noqa: E402
-from pipeline.loading import LoadedModel  # noqa: E402
+from pipeline.model.loading import LoadedModel  # noqa: E402
 from stages import DecodeLoop, Prefill  # noqa: E402
 
 from engine_throughput import run_engine  # noqa: E402  (this folder: benchmarks/)

@@ -50,7 +50,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pipeline import Pipeline, Request, load_model  # noqa: E402
-from pipeline.loading import LoadedModel  # noqa: E402
+from pipeline.model.loading import LoadedModel  # noqa: E402
 from pipeline.tiny.train_copy import Example, Task, copy_models, heldout  # noqa: E402
 from stages import DecodeLoop, Prefill, Sampler, Speculative, Tokenize  # noqa: E402
 

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from archs import build_arch  # noqa: E402
 from engine_throughput import run_engine, workload, workload_args  # noqa: E402
 
-from pipeline import Pipeline, follow, load_model, tensor_parallel  # noqa: E402
+from pipeline import Pipeline, follow, load_model  # noqa: E402
+from pipeline.model import tensor_parallel
 from stages import DecodeLoop, Prefill  # noqa: E402
 
 COLLECTIVES = ("allreduce", "all_reduce", "allgather", "all_gather", "wait_tensor", "broadcast")

@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 
 from pipeline import Metrics, Pipeline, Request, load_model
-from pipeline.assemble import embedded_example
+from pipeline.cli.assemble import embedded_example
 from pipeline.tiny import default_model_dir
 from stages import DecodeLoop, Prefill, Sampler, Tokenize, VisionEncoder
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from pipeline.settings import register as _register_settings
+from pipeline.cli.settings import register as _register_settings
 
 _register_settings()  # conf/config.yaml composes over the settings schema (Hydra's ConfigStore)
 
@@ -19,8 +19,8 @@ _HOMES = {
     "UserError": "pipeline.errors",
     "KVCache": "pipeline.kv",
     "Snapshot": "pipeline.kv",
-    "LoadedModel": "pipeline.loading",
-    "load_model": "pipeline.loading",
+    "LoadedModel": "pipeline.model.loading",
+    "load_model": "pipeline.model.loading",
     "Metrics": "pipeline.metrics",
     "Pipeline": "pipeline.pipeline",
     "follow": "pipeline.pipeline",
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from pipeline.context import Context, Request, Result
     from pipeline.errors import UserError
     from pipeline.kv import KVCache, Snapshot
-    from pipeline.loading import LoadedModel, load_model
+    from pipeline.model.loading import LoadedModel, load_model
     from pipeline.metrics import Metrics
     from pipeline.pipeline import Pipeline, follow
 

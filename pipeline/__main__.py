@@ -18,10 +18,10 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.errors import UserError
-from pipeline.lifetime import end_with_launcher
+from pipeline.model.lifetime import end_with_launcher
 from pipeline.modes import get_mode
-from pipeline.outputs import remove_failed_run_dir, stderr_to_log
-from pipeline.settings import check, register
+from pipeline.cli.outputs import remove_failed_run_dir, stderr_to_log
+from pipeline.cli.settings import check, register
 
 register()  # the schema config.yaml composes over
 
@@ -99,7 +99,7 @@ def _schema_view(node: object) -> object:
 
 
 def _is_schema(node: object) -> bool:
-    """A section whose keys the schema fixes (pipeline/settings.py), not one the user fills freely
+    """A section whose keys the schema fixes (pipeline/cli/settings.py), not one the user fills freely
     (``stages``, ``sampler``, ``model.processor``: their keys are the user's classes' arguments)."""
     return isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node))
 
@@ -217,8 +217,8 @@ def run_job(cfg: DictConfig) -> None:
     """The checked job: rank 0 (or the only process) runs its mode; ranks 1..N-1 follow rank 0's
     steps on their shard. Imports torch and the library, which --help, --cfg and a bad setting
     never need (they answer in a second instead of ten)."""
-    from pipeline import tensor_parallel
-    from pipeline.assemble import follow_from_cfg
+    from pipeline.model import tensor_parallel
+    from pipeline.cli.assemble import follow_from_cfg
 
     tensor_parallel.request(int(cfg.model.tp), str(cfg.mode.name))
     if tensor_parallel.follower():
@@ -230,7 +230,7 @@ def run_job(cfg: DictConfig) -> None:
 def leave_group() -> None:
     """The end of a job: rank 0 tells the other ranks to stop; every rank leaves the group (none
     was joined where the library was never imported)."""
-    tensor_parallel = sys.modules.get("pipeline.tensor_parallel")
+    tensor_parallel = sys.modules.get("pipeline.model.tensor_parallel")
     if tensor_parallel is not None:
         tensor_parallel.finish()
 

@@ -49,7 +49,7 @@ class Request:
     choice: list[str] | None = None
     grammar: str | None = None
     structural_tag: dict | str | None = None
-    # OpenAI-shaped function tools the chat template renders (pipeline.tools), and extra keyword
+    # OpenAI-shaped function tools the chat template renders (pipeline.structured.tools), and extra keyword
     # arguments for the template (enable_thinking comes from ``thinking``).
     tools: list[dict] | None = None
     chat_template_kwargs: dict | None = None
@@ -85,7 +85,7 @@ class Context:
     """Shared state of one inference; each stage reads what it needs and adds what it produces."""
 
     request: Request
-    lm: Any  # pipeline.loading.LoadedModel
+    lm: Any  # pipeline.model.loading.LoadedModel
     cache: KVCache
     metrics: Metrics
     on_text: Callable[[str], None] | None = None  # streaming callback for decoded text

@@ -9,16 +9,16 @@ from typing import Any, Callable, Hashable, Iterable, Iterator, Mapping, Sequenc
 
 import torch
 
-from pipeline import tensor_parallel
+from pipeline.model import tensor_parallel
 from pipeline.context import Context, Request, Result
 from pipeline.engine import Engine, Handle, Phases, Sequence as EngineSequence
 from pipeline.errors import UserError
-from pipeline.headroom import measured_headroom
+from pipeline.engine.headroom import measured_headroom
 from pipeline.kv import ATTENTION, BlockPool, KVCache
 from pipeline.kv.offload import Offload, attach_tier
 from pipeline.kv.quantised import kv_format
 from pipeline.kv.sizing import Pools, pools_for
-from pipeline.loading import LoadedModel
+from pipeline.model.loading import LoadedModel
 from pipeline.metrics import Metrics, decode_weight_bytes, reset_window, synchronize
 from pipeline.runner import CompiledStep, GraphedStep, ModelRunner, fork_sampler, mirror
 
@@ -26,7 +26,7 @@ Stage = Callable[[Context], Any]
 ENGINE_STAGES = {"prefill": "stages.Prefill", "decode": "stages.DecodeLoop"}  # run by the engine, through hooks
 
 
-_SHARED_LOCK = threading.RLock()  # re-entered: sizing a pool runs a scratch pipeline (pipeline.headroom)
+_SHARED_LOCK = threading.RLock()  # re-entered: sizing a pool runs a scratch pipeline (pipeline.engine.headroom)
 
 
 def _shared(lm: LoadedModel, key: tuple, make: Callable[[], Any]) -> Any:
@@ -256,7 +256,7 @@ class Pipeline:
 
     def scratch(self, kv_memory: int) -> "Pipeline":
         """A prefill-only copy of this chain on a pool (``kv_memory`` bytes) and engine of its own,
-        shared with nothing: dropped, it frees them (``pipeline.headroom`` measures with it)."""
+        shared with nothing: dropped, it frees them (``pipeline.engine.headroom`` measures with it)."""
         stages = {name: stage for name, stage in self.stages.items() if name != "decode"}
         other = Pipeline(self.lm, stages, **{**self.settings(), "kv_memory": kv_memory, "kv_offload": "none"})
         other._pools = pools_for(

@@ -9,7 +9,7 @@ import jinja2
 from pipeline.context import Context, Request
 from pipeline.errors import UserError
 from pipeline.families.base import media_name
-from pipeline.tools import fallback_messages, renders_tools, template_messages, tool_format
+from pipeline.structured.tools import fallback_messages, renders_tools, template_messages, tool_format
 
 
 def media_order(request: Request) -> list[str]:
@@ -153,7 +153,7 @@ def with_tools(
     messages: list[dict], extra: dict, tools: list[dict] | None, owner: Any, tokenizer: Any
 ) -> tuple[list[dict], dict]:
     """The conversation and template arguments with the request's tools: given to a template that
-    renders them, else written into the messages (``pipeline.tools.fallback_messages``)."""
+    renders them, else written into the messages (``pipeline.structured.tools.fallback_messages``)."""
     has_calls = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
     if not tools and not has_calls:
         return messages, extra

@@ -324,8 +324,8 @@ def test_cli_bad_audio_is_one_line_exit_2(tiny_dir, bad_files, tmp_path):
 def test_long_audio_option_flows_from_the_config(lm):
     from hydra import compose, initialize_config_dir
 
-    from pipeline.assemble import stages_from_cfg
-    from pipeline.settings import check
+    from pipeline.cli.assemble import stages_from_cfg
+    from pipeline.cli.settings import check
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         default = compose("config")

@@ -418,9 +418,9 @@ def test_report_over_a_two_job_multirun(tmp_path, tiny_dir, monkeypatch):
     for job, n in (("0", 2), ("1", 3)):  # every job wrote its own result in its own folder
         assert len(json.loads((sweep / job / "result.json").read_text())["token_ids"]) == n
 
-    import pipeline.assemble
+    import pipeline.cli.assemble
 
-    monkeypatch.setattr(pipeline.assemble, "load_from_cfg", lambda cfg: pytest.fail("report loaded a model"))
+    monkeypatch.setattr(pipeline.cli.assemble, "load_from_cfg", lambda cfg: pytest.fail("report loaded a model"))
     run_report(f"dir={sweep}")
     rows = read_csv(sweep / "report.csv")
     assert [(r["job"], r["max_new_tokens"], r["status"]) for r in rows] == [("0", "2", "ok"), ("1", "3", "ok")]

@@ -26,12 +26,13 @@ from huggingface_hub import constants as hub_constants
 from hydra import compose, initialize_config_dir
 
 from conftest import run_cli
-from pipeline import assemble, loading
-from pipeline.assemble import check_kv_bytes_hold_a_block, check_settings_for_model, check_state_checkpoint_setting
+from pipeline.cli import assemble
+from pipeline.model import loading
+from pipeline.cli.assemble import check_kv_bytes_hold_a_block, check_settings_for_model, check_state_checkpoint_setting
 from pipeline.errors import UserError
-from pipeline.loading import check_hub_reachable, load_model, local_files_only, parse_max_memory, read_config
+from pipeline.model.loading import check_hub_reachable, load_model, local_files_only, parse_max_memory, read_config
 from pipeline.memory import kv_bytes
-from pipeline.settings import KVSettings, check
+from pipeline.cli.settings import KVSettings, check
 from pipeline.tiny import default_model_dir
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -232,7 +233,7 @@ def test_kv_memory_below_one_block_is_refused(default_config, recurrent_config):
 
 
 def test_offload_that_the_pool_cannot_serve_is_refused_before_loading(default_config, recurrent_config):
-    from pipeline.assemble import check_offload_setting
+    from pipeline.cli.assemble import check_offload_setting
 
     check_offload_setting("disk", default_config, 1, "shapes")
     check_offload_setting("none", recurrent_config, 2, "qwen3.5")

@@ -12,8 +12,8 @@ from hydra import compose, initialize_config_dir
 
 from conftest import run_cli
 from pipeline import Pipeline, UserError
-from pipeline import ceval
-from pipeline.ceval import LETTERS, Question
+from pipeline.frontends import ceval_scoring as ceval
+from pipeline.frontends.ceval_scoring import LETTERS, Question
 from pipeline.modes.ceval import main as ceval_main
 from stages import DecodeLoop, Prefill, Tokenize
 

@@ -14,9 +14,9 @@ from PIL import Image
 
 from conftest import generate_oracle, run_cli
 from pipeline import Pipeline, Request, UserError
-from pipeline.chat import ChatSession
+from pipeline.frontends.chat_session import ChatSession
 from pipeline.modes.chat import COMMANDS, Repl
-from pipeline.prefix import common_prefix_length, run_shared_prefix
+from pipeline.frontends.prefix import common_prefix_length, run_shared_prefix
 from stages import DecodeLoop, Prefill, Sampler, Tokenize
 
 N = 10

@@ -15,10 +15,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 from conftest import ROOT, run_cli
-from pipeline import outputs
+from pipeline.cli import outputs
 from pipeline.__main__ import CONF_DIR, check_overrides
 from pipeline.metrics import Metrics
-from pipeline.outputs import RunFolders, remove_failed_run_dir
+from pipeline.cli.outputs import RunFolders, remove_failed_run_dir
 
 
 def refusal(capsys, *argv: str) -> str:

@@ -21,7 +21,7 @@ from PIL import Image
 
 from conftest import ROOT, generate_oracle
 from pipeline import Pipeline, Request, UserError
-from pipeline.assemble import engine_settings, kv_memory, max_seqs, stages_from_cfg
+from pipeline.cli.assemble import engine_settings, kv_memory, max_seqs, stages_from_cfg
 from stages import DecodeLoop, Prefill, Tokenize
 from stages.decode import FastPathFallback
 
@@ -306,7 +306,7 @@ def test_config_keys_reach_the_stages_and_the_engine():
     ],
 )
 def test_bad_engine_settings_are_refused_where_the_config_enters(override, message):
-    from pipeline.settings import check
+    from pipeline.cli.settings import check
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(config_name="config", overrides=[override])
@@ -319,7 +319,7 @@ def test_bad_engine_settings_are_refused_where_the_config_enters(override, messa
 def test_stage_level_compile_is_warmed_up_like_decode_compile(lm):
     """``stages.decode.compile=true`` set directly compiles and warms up exactly as
     ``decode.compile=true`` does: the stage decides, so the two settings cannot disagree."""
-    from pipeline.assemble import pipeline_from_cfg
+    from pipeline.cli.assemble import pipeline_from_cfg
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose(

@@ -29,14 +29,14 @@ from serving import serving
 from test_batch import prompt_ids, run_batch
 from test_speculative import REPEATING, Knowing, noisy_copy
 from pipeline import KVCache, Pipeline, Request, load_model
-from pipeline.loading import LoadedModel
+from pipeline.model.loading import LoadedModel
 from pipeline.memory import kv_bytes
-from pipeline.chat import ChatSession
+from pipeline.frontends.chat_session import ChatSession
 from pipeline.modes import batch
 from pipeline.modes.chat import Repl
 from pipeline.runner import matvec
 from pipeline.spec import Speculative
-from pipeline.tools import call_grammar, parse, tool_format
+from pipeline.structured.tools import call_grammar, parse, tool_format
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 
 N = 12

@@ -1,4 +1,4 @@
-"""lm-eval in-process (``pipeline.evaluation.EngineLM`` and ``mode=eval``): the same log-likelihoods,
+"""lm-eval in-process (``pipeline.frontends.evaluation.EngineLM`` and ``mode=eval``): the same log-likelihoods,
 perplexities and generations as lm-eval's own ``hf`` model on the same weights, a question's
 choices sharing its context through the prefix cache, image tasks on a vision family, and the
 CLI's results files and one-line errors."""
@@ -85,7 +85,7 @@ def test_engine_lm_equals_lm_evals_hf_model(load_tiny, tasks):
     """Multiple choice, rolling perplexity and generation: every figure lm-eval's HFLM reports."""
     from lm_eval.models.huggingface import HFLM
 
-    from pipeline.evaluation import EngineLM
+    from pipeline.frontends.evaluation import EngineLM
 
     lm = load_tiny("qwen3")
     pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=32 << 20)
@@ -104,7 +104,7 @@ def test_engine_lm_equals_lm_evals_hf_model(load_tiny, tasks):
 def test_a_questions_choices_share_its_context(load_tiny, tasks):
     """Each question's first choice computes the context; the other three find it in the prefix
     cache, so the engine computes far fewer tokens than the requests hold."""
-    from pipeline.evaluation import EngineLM
+    from pipeline.frontends.evaluation import EngineLM
 
     lm = load_tiny("qwen3")
     pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=32 << 20)
@@ -120,7 +120,7 @@ def test_a_questions_choices_share_its_context(load_tiny, tasks):
 def test_image_tasks_generate_as_the_chain_does(load_tiny, tasks):
     """lm-eval's multimodal generate_until requests (an ``<image>`` placeholder and a PIL image)
     on a vision family: the same answer as the chain run directly on that image and question."""
-    from pipeline.evaluation import EngineLM
+    from pipeline.frontends.evaluation import EngineLM
 
     lm = load_tiny("qwen2-vl")
     pipe = Pipeline(
@@ -141,7 +141,7 @@ def test_image_tasks_generate_as_the_chain_does(load_tiny, tasks):
 def test_chat_template_generation_runs_the_same_messages_through_the_chain(load_tiny, tasks):
     """lm-eval's apply_chat_template=True: the prompt it renders is the model's own template over
     its messages, and the answer is the chain's for those messages."""
-    from pipeline.evaluation import EngineLM
+    from pipeline.frontends.evaluation import EngineLM
 
     lm = load_tiny("qwen3")
     pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=32 << 20)
@@ -157,7 +157,7 @@ def test_chat_template_generation_runs_the_same_messages_through_the_chain(load_
 
 
 def test_unsupported_generation_settings_are_named(load_tiny):
-    from pipeline.evaluation import EngineLM
+    from pipeline.frontends.evaluation import EngineLM
 
     model = EngineLM(Pipeline(load_tiny("qwen3"), {"prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=8 << 20))
     with pytest.raises(UserError, match="num_beams are not supported"):

@@ -172,7 +172,7 @@ def test_attention_setting_is_checked(load_tiny):
     from hydra import compose, initialize_config_dir
 
     from conftest import ROOT
-    from pipeline.settings import check
+    from pipeline.cli.settings import check
 
     with pytest.raises(UserError, match="kv_attention must be one of auto, flex, sdpa"):
         Pipeline(load_tiny("qwen3"), {"prefill": Prefill(), "decode": DecodeLoop()}, kv_attention="paged")

@@ -19,7 +19,7 @@ from PIL import Image
 import pipeline.runner.model_runner as engine_module
 from conftest import ROOT, generate_oracle
 from pipeline import Pipeline, Request, load_model
-from pipeline.chat import ChatSession
+from pipeline.frontends.chat_session import ChatSession
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 
 N = 10

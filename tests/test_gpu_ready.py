@@ -16,7 +16,8 @@ from hydra.core.global_hydra import GlobalHydra
 import pipeline.__main__ as entry
 import pipeline.modes.bench as bench
 from pipeline import Pipeline, Request, UserError, load_model
-from pipeline import headroom, loading
+from pipeline.engine import headroom
+from pipeline.model import loading
 from pipeline.kv import sizing
 from pipeline.spec import Speculative
 from pipeline.runner import ModelRunner, matvec

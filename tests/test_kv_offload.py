@@ -153,7 +153,7 @@ def test_another_setting_never_reads_the_files(model_dir, tmp_path):
 
 
 def test_tier_figures_reach_the_metrics_endpoint(model_dir):
-    from pipeline.serve.metrics import ServerMetrics
+    from pipeline.serve.prometheus import ServerMetrics
 
     pipe = pipe_for(fresh_lm(model_dir), kv_offload="host")
     ask(pipe)
@@ -180,7 +180,7 @@ def test_tier_figures_reach_the_metrics_endpoint(model_dir):
     ],
 )
 def test_bad_offload_settings_are_refused_before_the_model_loads(override, message):
-    from pipeline.settings import check
+    from pipeline.cli.settings import check
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose("config", overrides=[override])

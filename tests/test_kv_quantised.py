@@ -225,7 +225,7 @@ def test_every_family_batches_on_a_quantised_pool(load_tiny, family):
 
 
 def test_kv_dtype_is_checked(load_tiny):
-    from pipeline.settings import check
+    from pipeline.cli.settings import check
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         bad = compose("config", overrides=["kv.dtype=int4"])

@@ -1,7 +1,7 @@
 """No orphans (issue 46): a process a launcher started ends within 10 s of the launcher's death,
 whatever killed it (SIGKILL included, as the out-of-memory killer sends), and gives its port back.
 
-The unit cases start a small parent that starts a child calling ``pipeline.lifetime``, SIGKILL
+The unit cases start a small parent that starts a child calling ``pipeline.model.lifetime``, SIGKILL
 the parent and watch the child; the end-to-end case SIGKILLs a real ``torchrun`` serving on two
 tensor-parallel ranks. Every case kills what it started in ``finally``, even when it fails."""
 
@@ -35,7 +35,7 @@ child.wait()
 
 CHILD = """
 import time
-import pipeline.lifetime as lifetime
+import pipeline.model.lifetime as lifetime
 {patch}
 lifetime.end_with_launcher()
 print("bound", flush=True)
@@ -106,14 +106,14 @@ def orphaned_child(env: dict[str, str], patch: str = "") -> Iterator[int]:
 
 
 def without_launcher() -> dict[str, str]:
-    from pipeline.lifetime import LAUNCHER_VARIABLES
+    from pipeline.model.lifetime import LAUNCHER_VARIABLES
 
     return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
 
 
 def test_launched_processes_are_told_by_their_environment():
     """torchrun's agent sets all three in its workers (accelerate's multi-process launches run it)."""
-    from pipeline.lifetime import launched
+    from pipeline.model.lifetime import launched
 
     assert all(launched({name: "0"}) for name in ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK"))
     assert not launched({}) and not launched({"RANK": ""})
@@ -140,7 +140,7 @@ def test_a_parent_that_died_while_binding_ends_the_process():
     """The race: the parent dies between reading its pid and prctl (the death signal then went to
     nobody); the second reading ends the process at once."""
     script = (
-        "import os, itertools\nimport pipeline.lifetime as lifetime\n"
+        "import os, itertools\nimport pipeline.model.lifetime as lifetime\n"
         "pids = itertools.chain([os.getppid()], itertools.repeat(1))\n"
         "os.getppid = lambda: next(pids)\n"
         "lifetime.end_with_parent()\nprint('survived')"
@@ -157,14 +157,14 @@ def test_a_parent_that_died_while_binding_ends_the_process():
 
 
 def lifetime_signal() -> int:
-    from pipeline.lifetime import DEATH_SIGNAL
+    from pipeline.model.lifetime import DEATH_SIGNAL
 
     return int(DEATH_SIGNAL)
 
 
 def test_lifetime_imports_only_the_standard_library():
     """It runs first in every process the CLI starts, before Hydra and torch: nothing of the project."""
-    tree = ast.parse((ROOT / "pipeline" / "lifetime.py").read_text())
+    tree = ast.parse((ROOT / "pipeline" / "model" / "lifetime.py").read_text())
     names = {
         alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
     }

@@ -24,8 +24,8 @@ from PIL import Image
 
 from conftest import ROOT, generate_oracle, run_cli
 from pipeline import Pipeline, Request, UserError
-from pipeline.assemble import stages_from_cfg
-from pipeline.chat import ChatSession
+from pipeline.cli.assemble import stages_from_cfg
+from pipeline.frontends.chat_session import ChatSession
 from pipeline.context import Context
 from pipeline.families.qwen2_vl import Qwen2VLFamily
 from pipeline.media import load_audio, load_image, load_video, split_audio

@@ -18,7 +18,7 @@ from conftest import generate_oracle, run_cli
 from pipeline import Pipeline, Request, UserError, load_model
 from pipeline.memory import kv_bytes
 from pipeline.metrics import decode_weight_bytes
-from pipeline.quant import quantization_config, scheme_name
+from pipeline.model.quant import quantization_config, scheme_name
 from stages import DecodeLoop, Prefill, Sampler, Tokenize
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"

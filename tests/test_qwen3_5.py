@@ -20,9 +20,9 @@ from PIL import Image
 
 from conftest import ROOT, generate_oracle, run_cli
 from pipeline import Pipeline, Request
-from pipeline.chat import ChatSession
+from pipeline.frontends.chat_session import ChatSession
 from pipeline.media import load_image
-from pipeline.quant import quantization_config
+from pipeline.model.quant import quantization_config
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 from test_chat import common
 from test_engine import submit_staggered

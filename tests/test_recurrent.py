@@ -167,7 +167,7 @@ def test_snapshot_branches_equal_fresh_runs(lm):
 
 
 def test_run_shared_prefix_computes_the_prefix_once(lm):
-    from pipeline.prefix import run_shared_prefix
+    from pipeline.frontends.prefix import run_shared_prefix
 
     pipe = Pipeline(
         lm,
@@ -329,7 +329,7 @@ def test_a_chat_turn_reuses_the_previous_prompt_up_to_its_reply_header(lm):
     generated after, so a new turn shares the last prompt only up to its reply header
     (``<|im_start|>assistant``): the state there is kept and reused (blocks of 32 here, so no
     block boundary would serve), and the turn equals ``generate()``."""
-    from pipeline.chat import ChatSession
+    from pipeline.frontends.chat_session import ChatSession
 
     pipe = Pipeline(
         lm,

@@ -20,7 +20,7 @@ from PIL import Image
 
 from conftest import generate_oracle, run_cli
 from pipeline import Pipeline, Request, UserError, load_model
-from pipeline.chat import ChatSession
+from pipeline.frontends.chat_session import ChatSession
 from pipeline.spec import NgramDrafter, Speculative, check_same_tokenizer, check_settings, verify
 from stages import AudioEncoder, DecodeLoop, Prefill, Sampler, Tokenize, VisionEncoder
 
@@ -229,7 +229,7 @@ def test_draft_compile_follows_decode_compile_unless_set(tiny_dir, load_tiny):
     from hydra import compose, initialize_config_dir
 
     from conftest import ROOT
-    from pipeline.assemble import speculative_from_cfg
+    from pipeline.cli.assemble import speculative_from_cfg
 
     draft = [f"decode.draft_model={tiny_dir('qwen3')}", "decode.speculative=draft"]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):

@@ -14,7 +14,7 @@ from conftest import run_cli
 from helpers import CallPrefill, EvenTokenSampler, StopAfterTwo, ThreeTokenChunks
 from pipeline import Pipeline, Request, UserError
 from pipeline.__main__ import CONF_DIR
-from pipeline.assemble import stages_from_cfg
+from pipeline.cli.assemble import stages_from_cfg
 from stages import DecodeLoop, Prefill, Sampler, Tokenize, VisionEncoder
 
 N = 8

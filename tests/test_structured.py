@@ -210,7 +210,7 @@ def test_batch_lines_and_cli_settings_become_constraints(tmp_path):
     """A JSONL line's response_format replaces the run's decode.json_schema; bad ones name the line."""
     from test_batch import compose_cfg
 
-    from pipeline.assemble import request_from_cfg
+    from pipeline.cli.assemble import request_from_cfg
     from pipeline.modes import batch
 
     (tmp_path / "s.json").write_text('{"type": "object", "properties": {"n": {"type": "integer"}}}')
@@ -245,7 +245,7 @@ def test_every_chat_turn_is_held_to_the_schema_and_undo_composes(load_tiny, tiny
     after /undo (the cache rolled back) the next turn equals a fresh session's."""
     from conftest import run_cli
 
-    from pipeline.chat import ChatSession
+    from pipeline.frontends.chat_session import ChatSession
 
     schema = {
         "type": "object",

@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 
 from conftest import generate_oracle
 from serving import free_port
-from pipeline import Pipeline, Request, UserError, follow, load_model, tensor_parallel
+from pipeline import Pipeline, Request, UserError, follow, load_model
+from pipeline.model import tensor_parallel
 from pipeline.kv.sizing import pool_bytes_for
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 

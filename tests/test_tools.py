@@ -12,7 +12,7 @@ import pytest
 from pipeline import UserError
 from pipeline.serve.answer import Deltas, Reading, message
 from pipeline.tiny import make_tokenizer
-from pipeline.tools import HERMES, LLAMA, XML, fallback_messages, parse, tool_format
+from pipeline.structured.tools import HERMES, LLAMA, XML, fallback_messages, parse, tool_format
 from stages.tokenize import render
 
 PARAMS = {

@@ -155,7 +155,8 @@ def test_a_step_that_fails_on_rank_0_stops_every_rank_in_one_line(tiny_dir, tmp_
 
 FAILING_STEP = """
 import sys, torch
-from pipeline import Pipeline, Request, follow, load_model, tensor_parallel
+from pipeline import Pipeline, Request, follow, load_model
+from pipeline.model import tensor_parallel
 from stages import DecodeLoop, Prefill, Tokenize
 
 lm = load_model(sys.argv[1], dtype="float32", tp=2)

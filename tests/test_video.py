@@ -22,9 +22,9 @@ from PIL import Image, ImageDraw
 
 from conftest import ROOT, generate_oracle, run_cli
 from pipeline import Pipeline, Request, UserError
-from pipeline.assemble import request_from_cfg
-from pipeline.settings import check
-from pipeline.chat import ChatSession
+from pipeline.cli.assemble import request_from_cfg
+from pipeline.cli.settings import check
+from pipeline.frontends.chat_session import ChatSession
 from pipeline.media import Video, content_hash, load_image, load_video, media_kind
 from pipeline.modes import batch, processes, run
 from pipeline.modes.chat import Repl

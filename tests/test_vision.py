@@ -17,8 +17,8 @@ from PIL import Image
 
 from conftest import ROOT, generate_oracle, run_cli
 from pipeline import KVCache, Pipeline, Request, UserError, load_model
-from pipeline.assemble import processor_kwargs, request_from_cfg
-from pipeline.settings import check
+from pipeline.cli.assemble import processor_kwargs, request_from_cfg
+from pipeline.cli.settings import check
 from pipeline.media import content_hash, load_image
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 

@@ -52,7 +52,7 @@ class Family:
     # never mistaken for the decoder layers. The one place this list is written.
     encoder_modules: tuple[str, ...] = ()
     # Module names (matched as encoder_modules are) that quantisation never touches, whatever
-    # quant.skip_modules says: layers bitsandbytes cannot pack (``pipeline.quant``).
+    # quant.skip_modules says: layers bitsandbytes cannot pack (``pipeline.model.quant``).
     unquantised_modules: tuple[str, ...] = ()
     uses_processor = False  # load AutoProcessor (media) rather than AutoTokenizer
     # Rows of position_ids for text tokens (each row the plain position): what a draft model

@@ -2,7 +2,7 @@
 
 On a GPU the pools share the device with everything else a step needs, so ``auto`` first keeps
 room for the activations of the largest step (measured by a pipeline's warm-up,
-``pipeline.headroom``; estimated from the configs otherwise, ``activation_headroom``), a draft model's pool is
+``pipeline.engine.headroom``; estimated from the configs otherwise, ``activation_headroom``), a draft model's pool is
 sized with its target's from one budget (``pools_for``), and each CUDA pool is allocated as soon
 as it is sized, so that free memory read afterwards sees it gone.
 """
@@ -128,7 +128,7 @@ def pools_for(
     the same free memory, and the first draft forward would run out of it.
 
     ``headroom``: (bytes, what for) kept free under ``auto`` on CUDA, as measured by a warm-up
-    run (``pipeline.headroom``); without it, ``activation_headroom`` estimates it from the configs.
+    run (``pipeline.engine.headroom``); without it, ``activation_headroom`` estimates it from the configs.
     """
     memory = kv_memory_setting(memory)
     block_size = whole_number("kv.block_size", block_size)

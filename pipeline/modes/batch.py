@@ -49,16 +49,16 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 
-from pipeline.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg
+from pipeline.cli.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg
 from pipeline.context import Request, Result, TokenLogprob
 from pipeline.engine.output import TokenTexts
 from pipeline.errors import UserError, whole_number
-from pipeline.loading import weights_line
+from pipeline.model.loading import weights_line
 from pipeline.media import media_kind
 from pipeline.modes.processes import place_on_rank, process_state, shared_run_dir
-from pipeline.outputs import append_jsonl, write_json, write_jsonl
-from pipeline.prefix import run_shared_prefix
-from pipeline.response_format import from_response_format
+from pipeline.cli.outputs import append_jsonl, write_json, write_jsonl
+from pipeline.frontends.prefix import run_shared_prefix
+from pipeline.structured.response_format import from_response_format
 from pipeline.runner.grammar import FIELDS
 from pipeline.runner.logprobs import check_setting
 

@@ -32,12 +32,12 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from tqdm import tqdm
 
-from pipeline.assemble import load_from_cfg, pipeline_from_cfg, speculative_from_cfg
+from pipeline.cli.assemble import load_from_cfg, pipeline_from_cfg, speculative_from_cfg
 from pipeline.context import Request
 from pipeline.errors import UserError, whole_number
-from pipeline.loading import LoadedModel
+from pipeline.model.loading import LoadedModel
 from pipeline.metrics import synchronize
-from pipeline.outputs import run_dir, save_figure, write_csv, write_json, write_text
+from pipeline.cli.outputs import run_dir, save_figure, write_csv, write_json, write_text
 from pipeline.pipeline import Pipeline
 from pipeline.spec import METHODS, Speculative
 from stages import DecodeLoop, Prefill, Sampler

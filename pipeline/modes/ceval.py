@@ -1,6 +1,6 @@
 """mode=ceval: answer a C-Eval CSV (or a folder of subject CSVs); answers.csv + ceval.json.
 
-A thin recipe over ``pipeline.ceval``: validate the files before loading the model, answer
+A thin recipe over ``pipeline.frontends.ceval_scoring``: validate the files before loading the model, answer
 every question on one KV cache (the instruction and few-shot prefix are computed once per
 subject), then write the files and print the accuracy.
 """
@@ -13,11 +13,11 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from pipeline import ceval
-from pipeline.assemble import engine_settings, load_from_cfg, stages_from_cfg
+from pipeline.frontends import ceval_scoring as ceval
+from pipeline.cli.assemble import engine_settings, load_from_cfg, stages_from_cfg
 from pipeline.errors import UserError, whole_number
-from pipeline.loading import weights_line
-from pipeline.outputs import run_dir, write_csv, write_json
+from pipeline.model.loading import weights_line
+from pipeline.cli.outputs import run_dir, write_csv, write_json
 from pipeline.pipeline import Pipeline
 
 

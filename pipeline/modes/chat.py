@@ -12,7 +12,7 @@ from typing import Callable, TextIO
 
 from omegaconf import DictConfig, OmegaConf
 
-from pipeline.assemble import (
+from pipeline.cli.assemble import (
     input_paths,
     load_from_cfg,
     max_image_pixels,
@@ -20,12 +20,12 @@ from pipeline.assemble import (
     request_from_cfg,
     video_sampling,
 )
-from pipeline.chat import ChatSession
+from pipeline.frontends.chat_session import ChatSession
 from pipeline.errors import UserError
-from pipeline.loading import weights_line
+from pipeline.model.loading import weights_line
 from pipeline.metrics import format_table
-from pipeline.outputs import run_dir
-from pipeline.response_format import CLI_FIELDS
+from pipeline.cli.outputs import run_dir
+from pipeline.structured.response_format import CLI_FIELDS
 
 COMMANDS = "/help /reset /undo /image PATH /video PATH /audio PATH /stats /exit"
 HELP = """\

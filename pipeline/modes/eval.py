@@ -1,6 +1,6 @@
 """mode=eval: lm-evaluation-harness tasks in-process on the engine; results.json + results.md.
 
-A thin recipe over ``pipeline.evaluation``: the settings and task names are checked before the
+A thin recipe over ``pipeline.frontends.evaluation``: the settings and task names are checked before the
 model loads, lm-eval runs its tasks on an ``EngineLM``, and its results land in the run folder.
 Under ``accelerate launch`` each process loads its own copy and lm-eval splits the documents.
 """
@@ -15,12 +15,12 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.assemble import load_from_cfg, pipeline_from_cfg, stages_from_cfg
+from pipeline.cli.assemble import load_from_cfg, pipeline_from_cfg, stages_from_cfg
 from pipeline.errors import UserError, whole_number
-from pipeline.loading import weights_line
+from pipeline.model.loading import weights_line
 from pipeline.modes.processes import place_on_rank, process_state, shared_run_dir
-from pipeline.outputs import write_jsonl, write_text
-from pipeline.settings import plain
+from pipeline.cli.outputs import write_jsonl, write_text
+from pipeline.cli.settings import plain
 
 INSTALL = "mode=eval needs lm-eval: pip install 'mm-pipeline[eval]' (or pip install 'lm_eval[api]>=0.4.13')"
 
@@ -70,7 +70,7 @@ def main(cfg: DictConfig) -> None:
         from lm_eval.utils import handle_non_serializable, make_table
     except ModuleNotFoundError:
         raise UserError(INSTALL) from None
-    from pipeline.evaluation import EngineLM
+    from pipeline.frontends.evaluation import EngineLM
 
     settings = cfg.eval
     names, limit = task_names(settings.tasks), limit_of(settings.limit)

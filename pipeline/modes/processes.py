@@ -15,8 +15,8 @@ from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, parse_flag_from_env
 from omegaconf import DictConfig, open_dict
 
-from pipeline import tensor_parallel
-from pipeline.outputs import run_dir
+from pipeline.model import tensor_parallel
+from pipeline.cli.outputs import run_dir
 
 
 def process_state(sync_timeout_s: float = 86400) -> Any:

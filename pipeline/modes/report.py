@@ -22,7 +22,7 @@ import yaml
 from omegaconf import DictConfig
 
 from pipeline.errors import UserError
-from pipeline.outputs import save_figure, write_csv, write_text
+from pipeline.cli.outputs import save_figure, write_csv, write_text
 
 MEASURED: tuple[str, ...] = ("ttft_s", "tpot_s", "prefill_tok_s", "decode_tok_s", "peak_memory_bytes", "weights_bytes")
 INFO: tuple[str, ...] = ("quant",)  # what the job ran with, as its result reports it (a setting, not a measure)

@@ -6,11 +6,11 @@ import sys
 
 from omegaconf import DictConfig
 
-from pipeline.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg, stages_from_cfg
+from pipeline.cli.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg, stages_from_cfg
 from pipeline.engine.intake import check_media
-from pipeline.loading import weights_line
+from pipeline.model.loading import weights_line
 from pipeline.metrics import format_table
-from pipeline.outputs import run_dir, write_json
+from pipeline.cli.outputs import run_dir, write_json
 
 
 def stdout_writer(text: str) -> None:

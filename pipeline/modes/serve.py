@@ -16,7 +16,7 @@ from pathlib import Path
 import uvicorn
 from omegaconf import DictConfig
 
-from pipeline.assemble import (
+from pipeline.cli.assemble import (
     load_from_cfg,
     max_image_pixels,
     pipeline_from_cfg,
@@ -25,7 +25,7 @@ from pipeline.assemble import (
     video_sampling,
 )
 from pipeline.errors import UserError, whole_number
-from pipeline.loading import weights_line
+from pipeline.model.loading import weights_line
 from pipeline.serve.app import ServeSettings, create_app, log
 from pipeline.serve.media import MediaPolicy
 

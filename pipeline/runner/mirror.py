@@ -31,7 +31,7 @@ import torch
 from pipeline.kv import BlockPool
 from pipeline.kv.sizing import cache_devices
 from pipeline.runner.compiled import CompiledStep
-from pipeline.tensor_parallel import Group
+from pipeline.model.tensor_parallel import Group
 
 _RUNNERS = itertools.count()
 SAMPLE_EVERY = 64  # steps between two profiled ones (the collective share's samples)

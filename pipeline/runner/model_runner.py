@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from pipeline import tensor_parallel
+from pipeline.model import tensor_parallel
 from pipeline.kv import BlockPool
 from pipeline.runner import matvec
 from pipeline.runner.batch import Chunk

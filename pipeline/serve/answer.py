@@ -1,5 +1,5 @@
 """A chat answer in OpenAI's shape: content, a thinking model's ``reasoning_content`` (vLLM's
-field) and ``tool_calls`` read from the text (``pipeline.tools.parse``), whole or as stream deltas
+field) and ``tool_calls`` read from the text (``pipeline.structured.tools.parse``), whole or as stream deltas
 (a call's id and name first, then its argument fragments), so the deltas of a stream assemble to
 the whole answer."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.tools import Call, parse
+from pipeline.structured.tools import Call, parse
 
 
 @dataclass

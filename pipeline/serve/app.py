@@ -35,12 +35,12 @@ from pipeline.engine import Cancelled, Handle
 from pipeline.errors import UserError
 from pipeline.memory import text_config
 from pipeline.pipeline import Pipeline
-from pipeline.response_format import from_response_format, from_structured_outputs
+from pipeline.structured.response_format import from_response_format, from_structured_outputs
 from pipeline.runner.grammar import inside_think, think_ids
 from pipeline.serve.answer import Deltas, Reading, message
 from pipeline.serve.bridge import Submission
 from pipeline.serve.media import MediaPolicy, audio_from_base64, image_from_url, video_from_url
-from pipeline.serve.metrics import ServerMetrics
+from pipeline.serve.prometheus import ServerMetrics
 from pipeline.serve import logprobs as lp
 from pipeline.serve.protocol import (
     FINISH,
@@ -55,7 +55,7 @@ from pipeline.serve.protocol import (
     TokenizeRequest,
     VideoPart,
 )
-from pipeline.tools import call_grammar, check_tools, tool_format
+from pipeline.structured.tools import call_grammar, check_tools, tool_format
 from stages.sampler import Sampler
 
 PAGE = Path(__file__).parent / "static" / "chat.html"

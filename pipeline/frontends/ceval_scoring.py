@@ -9,7 +9,7 @@ shared ``KVCache`` keeps from one question to the next (``Prefill`` reuses it).
 Python use::
 
     from pipeline import Pipeline, load_model
-    from pipeline.ceval import Question, choose
+    from pipeline.frontends.ceval_scoring import Question, choose
     from stages import Prefill, Tokenize
 
     lm = load_model("Qwen/Qwen3-0.6B")

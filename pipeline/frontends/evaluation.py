@@ -8,7 +8,7 @@ The figures are the same as ``HFLM``'s: texts are encoded as it encodes them, an
 the sum of ``log_softmax`` of the model's logits at the continuation's positions.
 
     from lm_eval import simple_evaluate
-    from pipeline.evaluation import EngineLM
+    from pipeline.frontends.evaluation import EngineLM
 
     results = simple_evaluate(model=EngineLM(pipe), tasks=["arc_easy"], limit=100)
 

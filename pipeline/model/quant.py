@@ -5,7 +5,7 @@ Schemes: ``none``, ``nf4`` and ``fp4`` (4-bit weights, ``bnb.nn.Linear4bit``), `
 int4 tensors, through transformers' ``TorchAoConfig``: plain ``nn.Linear`` modules whose weight
 dequantises inside the matmul, which ``torch.compile`` fuses; one-row steps on CPU read the int8
 data directly: ``pipeline.runner.matvec``) and ``auto`` (resolved per run by the model and
-device: ``pipeline.loading.auto_scheme``).
+device: ``pipeline.model.loading.auto_scheme``).
 The scheme a run reports (``result.json`` ``metrics.quant``) is read back from the loaded
 modules (``scheme_in_force``), never copied from the request, so a sweep compares what
 really ran.

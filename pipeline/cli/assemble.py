@@ -1,6 +1,6 @@
 """From a Hydra config to the objects: the loaded model, the stage chain, the request.
 
-The settings were checked once where the config entered (``pipeline.settings``: types while
+The settings were checked once where the config entered (``pipeline.cli.settings``: types while
 Hydra composed, rules in ``check`` before the mode started), so this module only reads them.
 """
 
@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 from pipeline.context import Request
 from pipeline.errors import UserError
-from pipeline.loading import (
+from pipeline.model.loading import (
     LoadedModel,
     _check_path,
     _load_error,
@@ -33,10 +33,10 @@ from pipeline.kv.offload import check_offload
 from pipeline.memory import fmt_bytes, kv_bytes
 from pipeline.media import Inputs, load_inputs
 from pipeline.pipeline import Pipeline, check_stages, follow
-from pipeline.response_format import cli_constraint
+from pipeline.structured.response_format import cli_constraint
 from pipeline.runner.grammar import constraint_of
 from pipeline.spec import Speculative, check_same_tokenizer
-from pipeline.settings import KVSettings, plain as _plain
+from pipeline.cli.settings import KVSettings, plain as _plain
 from pipeline.tiny import default_model_dir, model_card
 from pipeline.tiny.shapes import COUNT_QUESTION, SHAPES_QUESTION
 

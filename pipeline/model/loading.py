@@ -17,7 +17,7 @@ from huggingface_hub import HfApi, constants as hub_constants, try_to_load_from_
 from huggingface_hub.errors import HfHubHTTPError
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
-from pipeline import quant as q, tensor_parallel
+from pipeline.model import quant as q, tensor_parallel
 from pipeline.errors import UserError
 from pipeline.families import Family, family_for_config
 from pipeline.kv import state_shape
@@ -41,7 +41,7 @@ class LoadedModel:
     # media kind -> the question a model built by the project asks when media come without a
     # prompt (the trained embedded default's "What shapes are in the image?"); empty otherwise
     default_prompts: dict = field(default_factory=dict)
-    tp: int = 1  # tensor-parallel ranks its weights are sharded over (``pipeline.tensor_parallel``)
+    tp: int = 1  # tensor-parallel ranks its weights are sharded over (``pipeline.model.tensor_parallel``)
 
     @property
     def config(self) -> Any:
@@ -169,7 +169,7 @@ def _no_answer(err: BaseException) -> bool:
 
 def read_config(path: str, trust_remote_code: bool = False) -> Any:
     """The model's config.json alone (``AutoConfig``): milliseconds, so what depends on the model
-    (``pipeline.assemble.check_settings_for_model``) is refused before minutes of loading weights."""
+    (``pipeline.cli.assemble.check_settings_for_model``) is refused before minutes of loading weights."""
     _check_path(path)
     try:
         return AutoConfig.from_pretrained(
@@ -581,7 +581,7 @@ def load_model(
     accelerate's placement can honour). The KV guard before prefill also reads it. ``config``:
     the model's config when the caller read it already (``read_config``), not read again.
     ``tp``: shard the weights over this many ranks of a ``torchrun`` launch (transformers'
-    tensor-parallel plan; ``pipeline.tensor_parallel``), refused in one line where it cannot work;
+    tensor-parallel plan; ``pipeline.model.tensor_parallel``), refused in one line where it cannot work;
     int8wo is quantised per shard with the rows' scales of the whole weight, so the ranks hold what
     one process would (``tensor_parallel.quantize_shards``).
     ``auto_keeps``: why this run keeps the checkpoint's weights under ``quant=auto`` (the weights

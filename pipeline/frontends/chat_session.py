@@ -6,7 +6,7 @@ holds, so a turn computes only its new tokens. Rendering the full history (inste
 ids) keeps every answer identical to a fresh greedy run of the same conversation, even where the
 template rewrites history (e.g. Qwen3 drops old thinking blocks): reuse simply stops earlier.
 
-    from pipeline.chat import ChatSession
+    from pipeline.frontends.chat_session import ChatSession
     chat = ChatSession(pipe, max_new_tokens=128)
     chat.attach("photo.jpg")          # media for the next message (multimodal models): images, clips, audio
     print(chat.send("What is in the picture?").text)
@@ -34,7 +34,7 @@ from pipeline.media import (
     load_video,
     media_kind,
 )
-from pipeline.outputs import append_jsonl
+from pipeline.cli.outputs import append_jsonl
 from pipeline.pipeline import Pipeline
 
 MediaKind = Literal["image", "audio", "video"]

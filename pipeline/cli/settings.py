@@ -219,9 +219,9 @@ def check(cfg: DictConfig) -> None:
     from pipeline.kv import ATTENTION, kv_memory_setting
     from pipeline.kv.offload import Offload
     from pipeline.kv.quantised import kv_format
-    from pipeline.loading import check_device_map, parse_max_memory
+    from pipeline.model.loading import check_device_map, parse_max_memory
     from pipeline.media.video import check_sampling
-    from pipeline.quant import SCHEMES, scheme_name
+    from pipeline.model.quant import SCHEMES, scheme_name
     from pipeline.spec import check_settings
 
     check_device_map(plain(cfg.model.device_map))  # devices that exist here, before any file is read

@@ -1,0 +1,1 @@
+"""Loading a model: weights, quantisation, placement, the tensor-parallel launch."""

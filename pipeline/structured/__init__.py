@@ -1,0 +1,1 @@
+"""Structured output and tools: response formats and tool-call rendering and parsing."""
