@@ -6,7 +6,7 @@ engine the reference tokens one step at a time and keeps the distribution the st
 every distribution comes from attention over the stored (quantised) keys, as real decoding reads
 them. Two models, float32 weights (only the KV storage differs between runs):
 
-- the copy-trained tiny Qwen3 (``pipeline.tiny.train_copy``) on its held-out passages, forced over
+- the copy-trained tiny Qwen3 (``scripts.train.train_copy``) on its held-out passages, forced over
   the answers; and, free-running greedy, the share of answers it gets exactly right and of
   answers whose tokens equal the full-precision run's;
 - the 187M-parameter Llama shape (random weights, ``archs``) on random ordinary-vocabulary
@@ -118,7 +118,7 @@ def greedy(lm: object, kinds: list[str], seqs: list[tuple[list[int], list[int]]]
 
 
 def copy_sequences(lm: object, n: int) -> list[tuple[list[int], list[int]]]:
-    from pipeline.tiny.train_copy import TASKS, Task, heldout
+    from scripts.train.train_copy import TASKS, Task, heldout
 
     maker = Task(lm.tokenizer)
     return [(maker.prompt_ids(e), maker.answer_ids(e)) for task in TASKS for e in heldout(lm.tokenizer, n, task)]
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
 
-    from pipeline.tiny.train_copy import copy_models
+    from scripts.train.train_copy import copy_models
 
     target = copy_models(progress=True)[0]
     lm = load_model(str(target), dtype=dtype)

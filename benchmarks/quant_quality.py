@@ -2,7 +2,7 @@
 
 Two models, each loaded once per scheme (float32 activations, so only the weights differ):
 
-- the copy-trained tiny Qwen3 (``pipeline.tiny.train_copy``, 1024 wide: its matrices are the
+- the copy-trained tiny Qwen3 (``scripts.train.train_copy``, 1024 wide: its matrices are the
   size the native kernel reads), on its held-out passages: teacher-forced over the answers, and
   the share of answers greedy decoding gets exactly right (``train_copy.evaluate``);
 - the 187M-parameter Llama shape (random weights, ``archs``), on random ordinary-vocabulary
@@ -70,7 +70,7 @@ def compare(models: dict[str, object], batches: list[tuple[torch.Tensor, torch.T
 
 def copy_batches(lm: object, n: int) -> tuple[list, object]:
     """The copy model's held-out passages: (prompt + answer ids, mask over the answer's positions)."""
-    from pipeline.tiny.train_copy import TASKS, Task, heldout
+    from scripts.train.train_copy import TASKS, Task, heldout
 
     maker = Task(lm.tokenizer)
     batches = []
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     schemes = [s for s in args.schemes.split(",") if s]
     torch.manual_seed(0)
 
-    from pipeline.tiny.train_copy import copy_models, evaluate
+    from scripts.train.train_copy import copy_models, evaluate
 
     target = Path(args.copy_model) if args.copy_model else copy_models(progress=True)[0]
     models = {s: load(target, s, "float32") for s in schemes}

@@ -1,7 +1,7 @@
 """Speculative decoding (prompt lookup, a draft model) against plain greedy decoding, in one run.
 
 Why these models: speculation pays only where drafts are right, and random-weight tiny models
-never repeat their prompt. ``pipeline.tiny.train_copy`` trains (once, then cached) a pair of
+never repeat their prompt. ``scripts.train.train_copy`` trains (once, then cached) a pair of
 Qwen3 models that copy: a 1024-wide target and a 256-wide draft, same tokenizer.
 
 Workloads (held-out passages of 40-80 tokens the training never saw, rendered by Tokenize):
@@ -51,7 +51,7 @@ if str(ROOT) not in sys.path:
 
 from pipeline import Pipeline, Request, load_model  # noqa: E402
 from pipeline.model.loading import LoadedModel  # noqa: E402
-from pipeline.tiny.train_copy import Example, Task, copy_models, heldout  # noqa: E402
+from scripts.train.train_copy import Example, Task, copy_models, heldout  # noqa: E402
 from stages import DecodeLoop, Prefill, Sampler, Speculative, Tokenize  # noqa: E402
 
 WORKLOADS = {"copy": "repeat", "no lookup": "translate"}

@@ -1,4 +1,4 @@
-"""The copy-trained pair behind the speculative-decoding benchmark (``pipeline.tiny.train_copy``)
+"""The copy-trained pair behind the speculative-decoding benchmark (``scripts.train.train_copy``)
 and the benchmark script itself.
 
 The real pair trains for about a quarter of an hour, so it is never trained here: these tests
@@ -20,7 +20,7 @@ import pytest
 
 from conftest import ROOT
 from pipeline import Pipeline, Request, load_model
-from pipeline.tiny import train_copy
+from scripts.train import train_copy
 from pipeline.tiny.common import MARKER_FILE
 from pipeline.tiny.tokenizer import make_tokenizer
 from stages import DecodeLoop, Prefill, Tokenize

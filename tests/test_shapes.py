@@ -1,7 +1,7 @@
 """The embedded default answers by meaning: the toy shapes model, checked on fresh images.
 
 The model shipped in ``pipeline/tiny/shapes_model`` was trained by
-``python -m pipeline.tiny.train_shapes`` on images from ``pipeline.tiny.shapes`` (seed
+``python -m scripts.train.train_shapes`` on images from ``pipeline.tiny.shapes`` (seed
 ``TRAIN_SEED``, drawn in varied styles); here 200 images from a seed training never used are
 asked both questions, greedy, through the stage API (all requests in flight together on one
 engine), through ``python -m pipeline mode=batch`` and with nf4 weights. So are 200 images
@@ -332,7 +332,7 @@ def test_cli_batch_answers_fresh_and_unseen_style_images(heldout, unseen, tmp_pa
 
 
 def test_greedy_equals_generate_and_training_saw_the_same_prompts(shapes_lm, heldout):
-    from pipeline.tiny.train_shapes import Encoder
+    from scripts.train.train_shapes import Encoder
 
     pipe = make_pipe(shapes_lm)
     encoder = Encoder(shapes_lm.processor)  # how the training script tokenized its examples

@@ -3,8 +3,8 @@
 Why: the embedded default model and every test need a model that loads through the real
 ``from_pretrained(dir)`` path (config, safetensors, tokenizer, processor, chat template)
 without downloading anything.  The embedded default is a tiny Qwen2-VL *trained* by the project
-to name the shapes in images (``shapes``: the task; ``train_shapes``: the training script;
-``shapes_model/``: the shipped weights).  For tests, each family here gets random weights
+to name the shapes in images (``shapes``: the task; ``shapes_model/``: the shipped weights; the
+training script is ``scripts/train/train_shapes.py`` in a checkout).  For tests, each family here gets random weights
 (seeded, so two builds are byte-identical), a byte-level BPE tokenizer trained on a small
 embedded corpus, the family's special tokens and published chat template, and - for the
 multimodal families - the real processor classes (Qwen2-VL image/video processors, Whisper

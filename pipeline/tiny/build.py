@@ -172,7 +172,7 @@ def tiny_model_dir(family: str) -> Path:
     return d
 
 
-# The embedded default: a tiny Qwen2-VL trained by ``python -m pipeline.tiny.train_shapes`` to name
+# The embedded default: a tiny Qwen2-VL trained by ``python -m scripts.train.train_shapes`` to name
 # the shapes in images (``pipeline.tiny.shapes``); its files ship in the package.
 SHAPES_MODEL_DIR = Path(__file__).resolve().parent / "shapes_model"
 
@@ -186,7 +186,7 @@ def default_model_dir() -> Path:
     if not (SHAPES_MODEL_DIR / "model.safetensors").is_file() or model_card(SHAPES_MODEL_DIR) is None:
         raise FileNotFoundError(
             f"the embedded default model is missing from {SHAPES_MODEL_DIR}: re-create it with "
-            "`python -m pipeline.tiny.train_shapes` (or reinstall the package)"
+            "`python -m scripts.train.train_shapes` (or reinstall the package)"
         )
     return SHAPES_MODEL_DIR
 

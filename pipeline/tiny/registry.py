@@ -23,9 +23,6 @@ _MACHINERY = {
     "registry",
     "tokenizer",
     "shapes",
-    "train_shapes",
-    "train_copy",
-    "training",
 }  # the package's own modules, not families
 
 

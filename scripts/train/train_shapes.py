@@ -1,6 +1,6 @@
 """Train the embedded default: a tiny Qwen2-VL that names the shapes in an image (CPU, minutes).
 
-    python -m pipeline.tiny.train_shapes [--out DIR]
+    python -m scripts.train.train_shapes [--out DIR]
 
 Why: a model with random weights proves the plumbing but not the product. This one is the real
 ``Qwen2VLForConditionalGeneration`` with the project's tokenizer and the real
@@ -50,7 +50,7 @@ from pipeline.families.qwen2_vl import Qwen2VLFamily
 from pipeline.tiny import qwen2_vl, shapes
 from pipeline.tiny.common import RECIPE_VERSION, _generation_config
 from pipeline.tiny.tokenizer import make_tokenizer
-from pipeline.tiny.training import fit, reproducible, save_model, written_whole
+from scripts.train.training import fit, reproducible, save_model, written_whole
 from stages.tokenize import build_messages
 
 if TYPE_CHECKING:
@@ -365,7 +365,7 @@ def save(model: PreTrainedModel, processor: ProcessorMixin, dest: Path, summary:
             "family": BASE_FAMILY,
             "recipe_version": RECIPE_VERSION,
             "trained": "shapes",
-            "note": "a toy model trained by mm-pipeline (python -m pipeline.tiny.train_shapes) to name the "
+            "note": "a toy model trained by mm-pipeline (python -m scripts.train.train_shapes) to name the "
             "shapes in images; other prompts get meaningless text",
             "default_prompts": {"image": shapes.SHAPES_QUESTION},
             "example_image": EXAMPLE_IMAGE,

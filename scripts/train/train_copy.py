@@ -1,6 +1,6 @@
 """Train a pair of tiny Qwen3 text models that copy their prompt: a target and its draft (CPU, minutes).
 
-    python -m pipeline.tiny.train_copy [--out DIR] [--only target|draft] [--threads N]
+    python -m scripts.train.train_copy [--out DIR] [--only target|draft] [--threads N]
 
 Why: speculative decoding (``pipeline.spec``) only pays where drafts are right. Random-weight
 tiny models never repeat their prompt, so there prompt lookup only loses; these two models
@@ -50,7 +50,7 @@ from pipeline.tiny import qwen3
 from pipeline.tiny.build import _cache_root
 from pipeline.tiny.common import MARKER_FILE, RECIPE_VERSION, _generation_config, _text_kwargs
 from pipeline.tiny.tokenizer import make_tokenizer
-from pipeline.tiny.training import fit, reproducible, save_model, written_whole
+from scripts.train.training import fit, reproducible, save_model, written_whole
 from stages.tokenize import build_messages
 
 if TYPE_CHECKING:
@@ -336,7 +336,7 @@ def train(recipe: Recipe, out: Path, progress: bool = True, threads: int = THREA
                 "recipe_version": RECIPE_VERSION,
                 "copy_version": COPY_VERSION,
                 "trained": "copy",
-                "note": "a toy model trained by mm-pipeline (python -m pipeline.tiny.train_copy) to copy its prompt: "
+                "note": "a toy model trained by mm-pipeline (python -m scripts.train.train_copy) to copy its prompt: "
                 "'Repeat:' or 'Translate:' (a fixed word cipher) followed by a passage of ordinary words; "
                 "other prompts get meaningless text",
                 **summary,
