@@ -454,7 +454,8 @@ def test_the_event_loop_never_touches_the_device(load_tiny, monkeypatch):
     import torch
 
     from pipeline import Pipeline, metrics
-    from pipeline.serve.app import ServeSettings, create_app
+    from pipeline.serve.app import create_app
+    from pipeline.serve.protocol import ServeSettings
     from stages import DecodeLoop, Prefill, Tokenize
 
     calls: list[tuple[str, int]] = []

@@ -26,7 +26,9 @@ from pipeline.cli.assemble import (
 )
 from pipeline.errors import UserError, whole_number
 from pipeline.model.loading import weights_line
-from pipeline.serve.app import ServeSettings, create_app, log
+from pipeline.serve.app import create_app
+from pipeline.serve.protocol import ServeSettings
+from pipeline.serve.respond import log
 from pipeline.serve.media import MediaPolicy
 
 

@@ -1,5 +1,7 @@
 """The OpenAI request shapes this server accepts, checked by pydantic, and what they become:
-our ``Request`` (messages with media placeholders, images, videos and audio in prompt order, sampler).
+our ``Request`` (messages with media placeholders, images, videos and audio in prompt order, sampler);
+the server's settings (``ServeSettings``), one HTTP request's sequences (``Call``) and its errors
+(``APIError``, answered as OpenAI does).
 
 A top-level field the server does not implement is refused with a 400 that names it
 (``unsupported``), except a few that change nothing about the answer (``HARMLESS``); inside
@@ -8,9 +10,15 @@ messages and parts, unknown fields are ignored. Known fields of the wrong type a
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.context import Request
+from pipeline.serve.answer import Reading
+from pipeline.serve.media import MediaPolicy
 
 
 class _Open(BaseModel):
@@ -166,3 +174,45 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "messages",
     }
 )
+
+
+@dataclass
+class ServeSettings:
+    """What ``serve.*`` configures (checked in ``pipeline.modes.serve``)."""
+
+    model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 32 << 20
+    max_tokens: int = 8192  # cap on a request's max_tokens
+    default_max_tokens: int = 1024  # when a request gives none
+    max_n: int = 8
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+
+
+@dataclass
+class Call:
+    """One HTTP request's sequences, in response order: ``n`` choices for each prompt. ``ids``:
+    each one's raw prompt ids (completions; None for chat), ``prompts``: the text ``echo`` returns,
+    ``top``: alternatives per token when log-probabilities are asked (None: not asked)."""
+
+    requests: list[Request]
+    ids: list[list[int] | None]
+    prompts: list[str]
+    n: int = 1
+    echo: bool = False
+    top: int | None = None
+    reading: Reading = field(default_factory=Reading)  # how to read the answers (tools, reasoning)
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: ``{"error": {"message", "type", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code = status, message, type_, code
+
+
+def error_response(
+    status: int, message: str, type_: str = "invalid_request_error", code: str | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "code": code}}, status_code=status)
