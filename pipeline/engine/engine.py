@@ -32,16 +32,17 @@ from typing import Any, Callable, Sequence as Seq
 import torch
 
 from pipeline.context import TokenLogprob
+from pipeline.engine import token_choice
 from pipeline.engine.handle import Cancelled, Handle
-from pipeline.engine.intake import chosen_rows, kept_rows, make_chunk, prepare, prompt_rows, scoring_positions
+from pipeline.engine.intake import chosen_rows, kept_rows, make_chunk, prepare, prompt_rows
 from pipeline.engine.scheduler import Scheduled, Scheduler
 from pipeline.engine.sequence import Sequence, Status
 from pipeline.errors import OutOfBlocks, UserError, whole_number
 from pipeline.memory import release_cached_memory, text_config
 from pipeline.metrics import note_step
-from pipeline.runner import ModelRunner, StepOutput, apply_processors, argmax_only, choose, grammar, logprobs
+from pipeline.runner import ModelRunner, StepOutput, argmax_only, grammar
 from pipeline.spec import draft_budget, verify
-from pipeline.transfer import blocking_count, read, upload, wait
+from pipeline.transfer import blocking_count, read, wait
 
 
 class Engine:
@@ -191,30 +192,34 @@ class Engine:
         try:
             self._intake()
             plan = self.scheduler.schedule(self._draft)
-            if not plan:
-                self._await_grammars()
             if plan:
-                out = self._run_or_shrink(plan)
-                if out is None:
-                    plan = []  # out of device memory: its sequences wait for a smaller step
-                else:
-                    note_step(
-                        [i.seq.ctx.metrics for i in plan],
-                        [i.end for i in plan],
-                        self.pool,
-                        len(out.tokens) if out.tokens else 1,
-                    )  # memory and KV reads, per request
-                    self._postprocess(plan, out)
+                plan = self._run_plan(plan)
+            else:
+                self._await_grammars()
         except BaseException as err:  # a failed step (Ctrl-C in a hook too): fail its sequences, serve the rest
             for seq in [item.seq for item in plan] or list(self.scheduler.running):
                 self._fail(seq, err)
-        self._end_failed()
+        self._fail_refused()
+        self._count_busy(plan, blocking_count() - waits, time.perf_counter() - t0)
+
+    def _run_plan(self, plan: list[Scheduled]) -> list[Scheduled]:
+        """Run the step and take what it produced into each sequence; [] when the device ran out of
+        memory (its sequences wait for a smaller step)."""
+        out = self._run_or_shrink(plan)
+        if out is None:
+            return []
+        metrics = [item.seq.ctx.metrics for item in plan]
+        note_step(metrics, [item.end for item in plan], self.pool, len(out.tokens) if out.tokens else 1)
+        self._postprocess(plan, out)
+        return plan
+
+    def _count_busy(self, plan: list[Scheduled], waits: int, seconds: float) -> None:
+        """The step's counters: preemptions so far, the host's waits for the device, busy time."""
         self.counters["preemptions"] = self.scheduler.preemptions
         if plan:
-            waits = blocking_count() - waits
             self.counters["blocking_transfers"] += waits
             self.counters["blocking_transfers_step_max"] = max(self.counters["blocking_transfers_step_max"], waits)
-        self.busy_s += time.perf_counter() - t0
+        self.busy_s += seconds
 
     def _intake(self) -> None:
         """New requests join the queue, cancelled ones end, waiting ones are admitted, and
@@ -227,10 +232,10 @@ class Engine:
         for seq in [s for s in (*sched.waiting, *sched.running) if s.cancelled]:
             self._fail(seq, Cancelled("cancelled"))
         sched.admit(prepare, self._started)
-        self._end_failed()
+        self._fail_refused()
         for seq in [s for s in sched.running if s.pending is not None]:
             logits, seq.pending = seq.pending, None
-            self._choose([seq], logits.reshape(1, -1))
+            self._choose_and_take([seq], logits.reshape(1, -1))
 
     @staticmethod
     def _started(seq: Sequence) -> None:
@@ -247,7 +252,7 @@ class Engine:
         if compiling and not self.scheduler.running:
             wait_any(compiling, timeout=0.05, return_when=FIRST_COMPLETED)
 
-    def _end_failed(self) -> None:
+    def _fail_refused(self) -> None:
         while self.scheduler.failed:
             self._fail(*self.scheduler.failed.pop(0))
 
@@ -294,7 +299,7 @@ class Engine:
         The chosen tokens are read back first: that read is the step's one wait for the device
         (a step that chooses none waits once instead), and it ends the step's timing."""
         if out.tokens is not None:
-            self._accept_burst(plan, out)
+            self._take_burst(plan, out)
             return
         logits, row = out.logits, 0
         choosing, rows, verifying, recorded, ending, scoring = [], [], [], [], [], []
@@ -315,10 +320,10 @@ class Engine:
                     choosing.append(seq)
                     rows.append(first)
             row += kept_rows(item)
-        scores = self._prompt_scores(scoring, logits)
+        scores = token_choice.prompt_scores(scoring, logits)
         picked = None
         if choosing:
-            picked = self._pick(choosing, logits if len(rows) == logits.shape[0] else logits[rows], scores)
+            picked = token_choice.pick(choosing, logits if len(rows) == logits.shape[0] else logits[rows], scores)
             scores = picked[3]
         elif scores is not None:
             scores = read(scores)
@@ -326,45 +331,17 @@ class Engine:
             wait(self.runner.device)
         out.finish_timing()
         if scoring:
-            self._take_prompt_scores(scoring, scores)
+            token_choice.take_prompt_scores(scoring, scores)
         for item in recorded:
-            self._record(item, out)
+            self._record_fed(item, out)
         for seq in ending:
             self._finish(seq)
         if picked is not None:
-            self._accept(choosing, *picked[:3])
+            self._take_chosen(choosing, *picked[:3])
         for seq, seq_logits in verifying:
             self._verify(seq, seq_logits, out.seconds)
 
-    @staticmethod
-    def _prompt_scores(scoring: list[tuple[Scheduled, int]], logits: torch.Tensor) -> torch.Tensor | None:
-        """The prompt rows of the parts that score their prompt (``Request.prompt_logprobs``), as
-        one flat ``logprobs.table`` of every such row (each part's first rows, from ``row``)."""
-        if not scoring:
-            return None
-        index, targets = [], []
-        for item, row in scoring:
-            positions = scoring_positions(item)
-            index += range(row, row + len(positions))
-            targets += item.seq.ids[positions.start + 1 : positions.stop + 1]
-        k = max(item.seq.ctx.request.prompt_logprobs for item, _ in scoring)
-        device = logits.device
-        return logprobs.table(logits.index_select(0, upload(index, device)), upload(targets, device), k).flatten()
-
-    @staticmethod
-    def _take_prompt_scores(scoring: list[tuple[Scheduled, int]], values: list[float]) -> None:
-        """``_prompt_scores`` read back, into each sequence's ``ctx.prompt_logprobs`` by position
-        (a part recomputed after a preemption writes the same values again)."""
-        k = max(item.seq.ctx.request.prompt_logprobs for item, _ in scoring)
-        width, at = 1 + 2 * k, 0
-        for item, _ in scoring:
-            seq = item.seq
-            for position in (p + 1 for p in scoring_positions(item)):
-                lp, top = logprobs.unpack(values[at : at + width], k, seq.ctx.request.prompt_logprobs)
-                seq.ctx.prompt_logprobs[position] = TokenLogprob(seq.ids[position], lp, top)
-                at += width
-
-    def _record(self, item: Scheduled, out: StepOutput) -> None:
+    def _record_fed(self, item: Scheduled, out: StepOutput) -> None:
         """The fed tokens' keys into the cache, and the step's time as prefill or decode."""
         seq = item.seq
         seq.cache.append(seq.keys[item.begin : item.end])
@@ -378,64 +355,11 @@ class Engine:
             m.info["decode_cuda_graphs"] = out.graphed or bool(m.info.get("decode_cuda_graphs"))
 
     # --- choosing tokens ----------------------------------------------------------------------
-    def _choose(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def _choose_and_take(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Choose and take one token per sequence."""
-        self._accept(seqs, *self._pick(seqs, logits)[:3])
+        self._take_chosen(seqs, *token_choice.pick(seqs, logits)[:3])
 
-    @staticmethod
-    def _pick(
-        seqs: list[Sequence], logits: torch.Tensor, also: torch.Tensor | None = None
-    ) -> tuple[list[int], float, list[TokenLogprob | None], list[float]]:
-        """Each sequence's logits processors (one call per processor for all its rows), then one
-        token per sequence (argmax rows together, other samplers on their own rows), the seconds
-        that took, and the log-probabilities the sequences asked for (``Request.logprobs``), read
-        back with the tokens in one transfer, and with ``also`` (a flat float tensor, read too:
-        its values come last)."""
-        t0 = time.perf_counter()
-        raw = logits
-        logits = apply_processors(logits, [s.ctx for s in seqs], [s.phases.processors for s in seqs])
-        logits = grammar.mask(logits, [s.grammar for s in seqs])
-        samplers = [s.sampler for s in seqs]
-        chosen = choose(logits, samplers, lambda i: seqs[i].ids, lambda i: seqs[i].ctx.generated)
-        asked = [i for i, s in enumerate(seqs) if s.ctx.request.logprobs is not None]
-        extra = [] if also is None else [also.double()]
-        if not asked:
-            values = read(torch.cat([chosen.double(), *extra]) if extra else chosen)
-            n = len(seqs)
-            return [int(t) for t in values[:n]], time.perf_counter() - t0, [None] * n, values[n:]
-        k = max(seqs[i].ctx.request.logprobs for i in asked)
-        table = Engine._logprob_table(seqs, asked, raw, logits, chosen, k)
-        values = read(torch.cat([chosen.double(), table.flatten(), *extra]))
-        tokens, width = [int(t) for t in values[: len(seqs)]], 1 + 2 * k
-        entries: list[TokenLogprob | None] = [None] * len(seqs)
-        for j, i in enumerate(asked):
-            row = values[len(seqs) + j * width : len(seqs) + (j + 1) * width]
-            lp, top = logprobs.unpack(row, k, seqs[i].ctx.request.logprobs)
-            entries[i] = TokenLogprob(tokens[i], lp, top)
-        return tokens, time.perf_counter() - t0, entries, values[len(seqs) + len(asked) * width :]
-
-    @staticmethod
-    def _logprob_table(
-        seqs: list[Sequence], asked: list[int], raw: torch.Tensor, logits: torch.Tensor, chosen: torch.Tensor, k: int
-    ) -> torch.Tensor:
-        """``logprobs.table`` of the ``asked`` rows: from the model's ``raw`` logits, or for
-        ``logprobs_mode="processed"`` rows from ``logits`` after processors and the sampler's filters."""
-        index = upload(asked, logits.device)
-        scores = raw.index_select(0, index)
-        if any(seqs[i].ctx.request.logprobs_mode == "processed" for i in asked):
-            processed = logprobs.processed_scores(
-                logits.index_select(0, index),
-                [seqs[i].sampler for i in asked],
-                lambda j: seqs[asked[j]].ids,
-                lambda j: seqs[asked[j]].ctx.generated,
-            )
-            modes = upload(
-                [seqs[i].ctx.request.logprobs_mode == "processed" for i in asked], logits.device, dtype=torch.bool
-            )
-            scores = torch.where(modes[:, None], processed, scores.float())
-        return logprobs.table(scores, chosen.index_select(0, index), k)
-
-    def _accept(
+    def _take_chosen(
         self, seqs: list[Sequence], tokens: list[int], sample_s: float, scored: Seq[TokenLogprob | None] = ()
     ) -> None:
         """The host side of one chosen token per sequence: record, stream, hooks, finish."""
@@ -445,34 +369,13 @@ class Engine:
             if i < len(scored) and scored[i] is not None:
                 seq.ctx.logprobs.append(scored[i])
             try:
-                reason = self._take(seq, int(token_id))
+                reason = token_choice.take(seq, int(token_id))
             except BaseException as err:  # its streaming callback or hook raised (Ctrl-C in a chat): it ends
                 self._fail(seq, err)
                 continue
             if reason is not None:
                 seq.ctx.finish_reason = reason
                 self._finish(seq)
-
-    @staticmethod
-    def _take(seq: Sequence, token_id: int) -> str | None:
-        """Record one new token; the finish reason if the sequence ends with it."""
-        ctx = seq.ctx
-        if not ctx.generated:
-            ctx.metrics.first_token()
-        if seq.grammar is not None:
-            seq.grammar.accept(token_id)
-        ctx.generated.append(token_id)
-        seq.ids.append(token_id)
-        seq.keys.append(token_id)
-        if seq.handle is not None:
-            seq.handle.push(token_id)
-        reason = seq.output.accept(ctx.generated)
-        if reason is None and seq.grammar is not None and seq.grammar.terminated:
-            reason = "stop"  # the grammar is complete (its stop token taken, or EOS ignored)
-        decode = seq.phases.decode
-        if reason is None and decode is not None and decode.on_token(ctx, token_id):
-            reason = "stop"
-        return reason
 
     # --- decode bursts ------------------------------------------------------------------------
     def _burst_length(self, plan: list[Scheduled]) -> int:
@@ -521,7 +424,7 @@ class Engine:
             steps,
         )
 
-    def _accept_burst(self, plan: list[Scheduled], out: StepOutput) -> None:
+    def _take_burst(self, plan: list[Scheduled], out: StepOutput) -> None:
         """A burst's tokens, step by step. A row that ends inside the burst (EOS, a stop string)
         had its later tokens computed for nothing; they are dropped, and so are their slots
         (``_finish`` trims)."""
@@ -529,8 +432,8 @@ class Engine:
         for row_tokens in out.tokens:
             self._count_step(len(alive))
             for _, item in alive:
-                self._record(Scheduled(item.seq, item.seq.cache.length, item.seq.cache.length + 1, []), out)
-            self._accept([item.seq for _, item in alive], [row_tokens[row] for row, _ in alive], 0.0)
+                self._record_fed(Scheduled(item.seq, item.seq.cache.length, item.seq.cache.length + 1, []), out)
+            self._take_chosen([item.seq for _, item in alive], [row_tokens[row] for row, _ in alive], 0.0)
             alive = [(row, item) for row, item in alive if not item.seq.done]
             if not alive:
                 break
@@ -566,14 +469,14 @@ class Engine:
         m.count("spec_drafted", len(drafts))
         m.count("spec_accepted", accepted)
         for token in tokens:
-            self._accept([seq], [token], sample_s)
+            self._take_chosen([seq], [token], sample_s)
             sample_s = 0.0
             if seq.done:
                 break
 
     # --- ends ---------------------------------------------------------------------------------
     def _finish(self, seq: Sequence) -> None:
-        self._end(seq)
+        self._retire(seq)
         ctx = seq.ctx
         if seq.spec is not None and not seq.prefill_only and ctx.cache.length > seq.known - 1:
             ctx.cache.rollback(seq.known - 1)  # accepted drafts past an EOS or a stop string
@@ -600,7 +503,7 @@ class Engine:
         handle.finish(value)
 
     def _fail(self, seq: Sequence, err: BaseException) -> None:
-        self._end(seq)
+        self._retire(seq)
         try:
             if seq.release:
                 seq.ctx.cache.clear()
@@ -612,7 +515,7 @@ class Engine:
         if handle is not None:
             handle.finish(error=err)
 
-    def _end(self, seq: Sequence) -> None:
+    def _retire(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED
         if seq.spec is not None:
