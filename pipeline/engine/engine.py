@@ -32,15 +32,15 @@ from typing import Any, Callable, Sequence as Seq
 import torch
 
 from pipeline.context import TokenLogprob
-from pipeline.engine import token_choice
+from pipeline.engine import bursts, ends, token_choice
 from pipeline.engine.handle import Cancelled, Handle
 from pipeline.engine.intake import chosen_rows, kept_rows, make_chunk, prepare, prompt_rows
 from pipeline.engine.scheduler import Scheduled, Scheduler
 from pipeline.engine.sequence import Sequence, Status
-from pipeline.errors import OutOfBlocks, UserError, whole_number
+from pipeline.errors import UserError, whole_number
 from pipeline.memory import release_cached_memory, text_config
 from pipeline.metrics import note_step
-from pipeline.runner import ModelRunner, StepOutput, argmax_only, grammar
+from pipeline.runner import ModelRunner, StepOutput, grammar
 from pipeline.spec import draft_budget, verify
 from pipeline.transfer import blocking_count, read, wait
 
@@ -258,9 +258,10 @@ class Engine:
 
     def _run(self, plan: list[Scheduled]) -> StepOutput:
         """The model step: one packed forward, or a greedy decode burst."""
-        steps = self._burst_length(plan)
+        quiet = not (self.scheduler.waiting or self._inbox) and self.pool.states is None
+        steps = bursts.length(plan, self.burst, quiet)
         if steps > 1:
-            return self._burst(plan, steps)
+            return bursts.run(self.runner, plan, steps)
         out = self.runner.forward([make_chunk(item) for item in plan])
         self._count_step(sum(item.count for item in plan))
         return out
@@ -335,7 +336,7 @@ class Engine:
         for item in recorded:
             self._record_fed(item, out)
         for seq in ending:
-            self._finish(seq)
+            ends.finish(self.scheduler, seq)
         if picked is not None:
             self._take_chosen(choosing, *picked[:3])
         for seq, seq_logits in verifying:
@@ -375,59 +376,13 @@ class Engine:
                 continue
             if reason is not None:
                 seq.ctx.finish_reason = reason
-                self._finish(seq)
+                ends.finish(self.scheduler, seq)
 
     # --- decode bursts ------------------------------------------------------------------------
-    def _burst_length(self, plan: list[Scheduled]) -> int:
-        """How many decode steps this step may run back to back (1: an ordinary step).
-
-        A burst needs a decode-only step of argmax-only sequences (no logits processors, no
-        drafts, no log-probabilities asked) and nobody waiting to be admitted; it is as long as
-        the sequence with the fewest tokens left allows. (Recurrent states are read and written per
-        step, not inside a burst.)
-        """
-        if self.burst < 2 or self.scheduler.waiting or self._inbox or self.pool.states is not None:
-            return 1
-        steps = self.burst
-        for item in plan:
-            seq = item.seq
-            decoding = item.end - item.begin == 1 and item.begin >= seq.prompt_len and seq.known - item.begin == 1
-            if (
-                not decoding
-                or seq.prefill_only
-                or seq.spec is not None
-                or seq.phases.processors
-                or seq.grammar
-                or not argmax_only(seq.sampler)
-                or seq.ctx.request.logprobs is not None
-            ):
-                return 1
-            steps = min(steps, seq.ctx.request.max_new_tokens - len(seq.ctx.generated))
-        return steps
-
-    def _burst(self, plan: list[Scheduled], steps: int) -> StepOutput:
-        """Several greedy decode steps with no host work between them (the host side of every
-        token follows in ``_accept_burst``). gpt-fast's lesson: at small batch a step's Python
-        costs as much as its arithmetic."""
-        try:
-            for item in plan:
-                item.seq.cache.reserve(steps)  # the step's one slot already reserved, the rest now
-        except OutOfBlocks:
-            steps = 1  # no room to run ahead: one step, the slots reserved so far used as they come
-        chunks = [make_chunk(item) for item in plan]
-        positions = [[c.positions[r][0] for c in chunks] for r in range(len(chunks[0].positions))]
-        return self.runner.burst(
-            [c.ids[0] for c in chunks],
-            positions,
-            [c.start for c in chunks],
-            [item.seq.cache.blocks for item in plan],
-            steps,
-        )
-
     def _take_burst(self, plan: list[Scheduled], out: StepOutput) -> None:
         """A burst's tokens, step by step. A row that ends inside the burst (EOS, a stop string)
         had its later tokens computed for nothing; they are dropped, and so are their slots
-        (``_finish`` trims)."""
+        (``ends.finish`` trims)."""
         alive = list(enumerate(plan))
         for row_tokens in out.tokens:
             self._count_step(len(alive))
@@ -474,49 +429,5 @@ class Engine:
             if seq.done:
                 break
 
-    # --- ends ---------------------------------------------------------------------------------
-    def _finish(self, seq: Sequence) -> None:
-        self._retire(seq)
-        ctx = seq.ctx
-        if seq.spec is not None and not seq.prefill_only and ctx.cache.length > seq.known - 1:
-            ctx.cache.rollback(seq.known - 1)  # accepted drafts past an EOS or a stop string
-        try:
-            if seq.output is not None:
-                ctx.text = seq.output.final_text(ctx.generated, ctx.finish_reason)
-                ctx.metrics.set("decode_tokens", max(0, len(ctx.generated) - 1))
-                ctx.metrics.set("generated_tokens", len(ctx.generated))
-            ctx.cache.trim()
-            ctx.metrics.set("kv_cache_bytes", ctx.cache.nbytes)
-            if seq.grammar is not None:
-                ctx.metrics.set("grammar_s", seq.grammar.seconds)
-            for name, stage in seq.phases.after.items():
-                with ctx.metrics.span(name):
-                    stage(ctx)
-            ctx.metrics.end()
-            value = seq.phases.finalize(ctx) if seq.phases.finalize is not None else ctx
-        except BaseException as err:
-            self._fail(seq, err)
-            return
-        if seq.release:
-            ctx.cache.clear()
-        handle, seq.handle = seq.handle, None  # no cycle once done: dropping the handle frees the cache
-        handle.finish(value)
-
     def _fail(self, seq: Sequence, err: BaseException) -> None:
-        self._retire(seq)
-        try:
-            if seq.release:
-                seq.ctx.cache.clear()
-            else:
-                seq.ctx.cache.trim()
-        except Exception:
-            seq.ctx.cache.clear()
-        handle, seq.handle = seq.handle, None
-        if handle is not None:
-            handle.finish(error=err)
-
-    def _retire(self, seq: Sequence) -> None:
-        self.scheduler.remove(seq)
-        seq.status = Status.FINISHED
-        if seq.spec is not None:
-            seq.spec.drafter.close()
+        ends.fail(self.scheduler, seq, err)
