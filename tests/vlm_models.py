@@ -152,6 +152,14 @@ IDEFICS3_TEMPLATE = (
 )
 
 
+# What Idefics3 and SmolVLM share: the tile framing tokens (a 2x2 grid of row/column tags at most) and
+# image sizes (112-pixel images cut into 56-pixel tiles plus a global view)
+TILE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"] + [
+    f"<row_{r}_col_{c}>" for r in range(1, 3) for c in range(1, 3)
+]
+TILE_SIZES = dict(size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
+
+
 def idefics3(dest: Path) -> None:
     """Idefics3 / SmolVLM: an image split into tiles plus a global view, each tile's slots framed by
     ``<fake_token_around_image>`` and a ``<row_r_col_c>`` tag."""
@@ -164,10 +172,7 @@ def idefics3(dest: Path) -> None:
         LlamaConfig,
     )
 
-    tok = tokenizer(
-        ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
-        + [f"<row_{r}_col_{c}>" for r in range(1, 3) for c in range(1, 3)]
-    )
+    tok = tokenizer(TILE_TOKENS)
     vision = Idefics3VisionConfig(**VISION, image_size=56, patch_size=14)
     config = Idefics3Config(
         vision_config=vision,
@@ -175,7 +180,7 @@ def idefics3(dest: Path) -> None:
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         scale_factor=2,
     )
-    images = Idefics3ImageProcessor(size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
+    images = Idefics3ImageProcessor(**TILE_SIZES)
     processor = Idefics3Processor(images, tok, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE)
     save(Idefics3ForConditionalGeneration(config), processor, dest)
 
@@ -193,10 +198,7 @@ def smolvlm(dest: Path) -> None:
         SmolVLMVisionConfig,
     )
 
-    tok = tokenizer(
-        ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", "<video>"]
-        + [f"<row_{r}_col_{c}>" for r in range(1, 3) for c in range(1, 3)]
-    )
+    tok = tokenizer([*TILE_TOKENS, "<video>"])
     vision = SmolVLMVisionConfig(**VISION, image_size=56, patch_size=14)
     config = SmolVLMConfig(
         vision_config=vision,
@@ -204,7 +206,7 @@ def smolvlm(dest: Path) -> None:
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         scale_factor=2,
     )
-    images = SmolVLMImageProcessor(size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
+    images = SmolVLMImageProcessor(**TILE_SIZES)
     videos = SmolVLMVideoProcessor(size={"longest_edge": 56}, max_image_size={"longest_edge": 56})
     processor = SmolVLMProcessor(images, tok, videos, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE)
     save(SmolVLMForConditionalGeneration(config), processor, dest)

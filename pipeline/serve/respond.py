@@ -44,8 +44,8 @@ class Completions:
     OpenAI responses out."""
 
     def __init__(self, pipe: Pipeline, settings: ServeSettings, draining: Callable[[], bool]) -> None:
-        self.pipe, self.settings, self.draining = pipe, settings, draining
-        self.requests = Renderer(pipe, settings, draining)
+        self.pipe, self.settings = pipe, settings
+        self.requests = Renderer(pipe, settings, draining)  # it refuses new requests while draining
         self.metrics = ServerMetrics(pipe.engine)
         self.started = int(time.time())
         self.texts = lp.TokenTexts(pipe.lm.tokenizer)
