@@ -32,7 +32,7 @@ class Request:
     sampler: Any = None  # this request's sampler (e.g. its own temperature and seed); None: the pipeline's
     # Per generated token, its log-probability and this many most likely alternatives (0-20;
     # None: none). "raw": the model's own distribution; "processed": after logits processors,
-    # penalties, temperature and filters (pipeline.runner.logprobs).
+    # penalties, temperature and filters (pipeline.sampling.logprobs).
     logprobs: int | None = None
     logprobs_mode: str = "raw"
     # Per prompt token from position ``prompt_logprobs_from`` on (default: all but the first),

@@ -20,7 +20,8 @@ from pipeline.kv.quantised import kv_format
 from pipeline.kv.sizing import Pools, pools_for
 from pipeline.model.loading import LoadedModel
 from pipeline.metrics import Metrics, decode_weight_bytes, reset_window, synchronize
-from pipeline.runner import CompiledStep, GraphedStep, ModelRunner, fork_sampler, mirror
+from pipeline.runner import CompiledStep, GraphedStep, ModelRunner, mirror
+from pipeline.sampling import fork_sampler
 
 Stage = Callable[[Context], Any]
 ENGINE_STAGES = {"prefill": "stages.Prefill", "decode": "stages.DecodeLoop"}  # run by the engine, through hooks

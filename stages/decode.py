@@ -27,7 +27,8 @@ from pipeline.context import Context
 from pipeline.engine import Drafting, Phases, Sequence, TextStream
 from pipeline.errors import UserError
 from pipeline.pipeline import shared_engine
-from pipeline.runner import CompiledStep, FastPathFallback, GraphedStep, fork_sampler
+from pipeline.runner import CompiledStep, FastPathFallback, GraphedStep
+from pipeline.sampling import fork_sampler
 from pipeline.spec import Speculative
 from stages.sampler import Sampler
 

@@ -5,9 +5,13 @@
 - ``intake``: a request's front stages at admission, and the chunk each step feeds;
 - ``output``: detokenisation, streaming, stop checks;
 - ``handle``: the caller's side (tokens, result, cancel);
-- ``engine``: the loop (``Engine.step``: intake, schedule, run, post-process, finish) and who drives it.
+- ``engine``: the loop (``Engine.step``: intake, schedule, run, post-process, finish) and who drives it;
+- ``bursts``: greedy decode steps run back to back;
+- ``token_choice``: the sample phase (processors, grammar mask, sampler, log-probabilities, one read);
+- ``postprocess``: a step's output into each sequence (tokens taken, drafts verified, cache keys);
+- ``ends``: how a sequence leaves (finished, failed).
 
-Imports ``pipeline.kv``, ``pipeline.runner`` and ``pipeline.spec`` (see ``[tool.importlinter]``).
+Imports ``pipeline.kv``, ``pipeline.sampling``, ``pipeline.runner`` and ``pipeline.spec`` (see ``[tool.importlinter]``).
 """
 
 from pipeline.engine.engine import Engine

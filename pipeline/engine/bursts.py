@@ -7,7 +7,8 @@ from __future__ import annotations
 from pipeline.engine.intake import make_chunk
 from pipeline.engine.scheduler import Scheduled
 from pipeline.errors import OutOfBlocks
-from pipeline.runner import ModelRunner, StepOutput, argmax_only
+from pipeline.runner import ModelRunner, StepOutput
+from pipeline.sampling import argmax_only
 
 
 def length(plan: list[Scheduled], limit: int, quiet: bool) -> int:

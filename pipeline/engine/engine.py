@@ -31,18 +31,18 @@ from typing import Any, Callable, Sequence as Seq
 
 import torch
 
-from pipeline.context import TokenLogprob
-from pipeline.engine import bursts, ends, token_choice
+from pipeline.engine import bursts, ends
 from pipeline.engine.handle import Cancelled, Handle
-from pipeline.engine.intake import chosen_rows, kept_rows, make_chunk, prepare, prompt_rows
+from pipeline.engine.intake import make_chunk, prepare
+from pipeline.engine.postprocess import PostProcess, count_step
 from pipeline.engine.scheduler import Scheduled, Scheduler
 from pipeline.engine.sequence import Sequence, Status
 from pipeline.errors import UserError, whole_number
 from pipeline.memory import release_cached_memory, text_config
 from pipeline.metrics import note_step
 from pipeline.runner import ModelRunner, StepOutput, grammar
-from pipeline.spec import draft_budget, verify
-from pipeline.transfer import blocking_count, read, wait
+from pipeline.spec import propose
+from pipeline.transfer import blocking_count
 
 
 class Engine:
@@ -70,6 +70,7 @@ class Engine:
             "oom_retries": 0,
         }
         self.busy_s = 0.0
+        self.postprocess = PostProcess(self.scheduler, self.counters, runner)
         self._grammars: grammar.Grammars | None = None  # made on the first constrained request
 
     @property
@@ -191,7 +192,7 @@ class Engine:
         plan: list[Scheduled] = []
         try:
             self._intake()
-            plan = self.scheduler.schedule(self._draft)
+            plan = self.scheduler.schedule(propose)
             if plan:
                 plan = self._run_plan(plan)
             else:
@@ -210,7 +211,7 @@ class Engine:
             return []
         metrics = [item.seq.ctx.metrics for item in plan]
         note_step(metrics, [item.end for item in plan], self.pool, len(out.tokens) if out.tokens else 1)
-        self._postprocess(plan, out)
+        self.postprocess(plan, out)
         return plan
 
     def _count_busy(self, plan: list[Scheduled], waits: int, seconds: float) -> None:
@@ -235,7 +236,7 @@ class Engine:
         self._fail_refused()
         for seq in [s for s in sched.running if s.pending is not None]:
             logits, seq.pending = seq.pending, None
-            self._choose_and_take([seq], logits.reshape(1, -1))
+            self.postprocess.choose_and_take([seq], logits.reshape(1, -1))
 
     @staticmethod
     def _started(seq: Sequence) -> None:
@@ -263,7 +264,7 @@ class Engine:
         if steps > 1:
             return bursts.run(self.runner, plan, steps)
         out = self.runner.forward([make_chunk(item) for item in plan])
-        self._count_step(sum(item.count for item in plan))
+        count_step(self.counters, sum(item.count for item in plan), self.pool.used_blocks)
         return out
 
     def _run_or_shrink(self, plan: list[Scheduled]) -> StepOutput | None:
@@ -286,148 +287,6 @@ class Engine:
             self.scheduler.max_batch_tokens = max(smallest, budget // 2)
             self.counters["oom_retries"] += 1
             return None
-
-    def _count_step(self, tokens_in: int) -> None:
-        self.counters["steps"] += 1
-        self.counters["tokens_in"] += tokens_in
-        self.counters["kv_blocks_peak"] = max(self.counters["kv_blocks_peak"], self.pool.used_blocks)
-
-    def _postprocess(self, plan: list[Scheduled], out: StepOutput) -> None:
-        """What the step produced, into each sequence: a burst's tokens in order, or the
-        forward's logits rows, which come in plan order, each part's ``1 + drafts`` when it ends
-        at the known tokens (none for a prefill chunk before the prompt's end).
-
-        The chosen tokens are read back first: that read is the step's one wait for the device
-        (a step that chooses none waits once instead), and it ends the step's timing."""
-        if out.tokens is not None:
-            self._take_burst(plan, out)
-            return
-        logits, row = out.logits, 0
-        choosing, rows, verifying, recorded, ending, scoring = [], [], [], [], [], []
-        for item in plan:
-            seq, n = item.seq, chosen_rows(item)
-            if prompt_rows(item):
-                scoring.append((item, row))
-            first = row + kept_rows(item) - n  # the choosing rows are the part's last
-            if seq.drafts:
-                verifying.append((seq, logits[first : first + n]))
-            else:
-                recorded.append(item)
-            if n and not seq.drafts:
-                if seq.prefill_only:
-                    seq.ctx.logits = logits[first : first + 1]
-                    ending.append(seq)
-                else:
-                    choosing.append(seq)
-                    rows.append(first)
-            row += kept_rows(item)
-        scores = token_choice.prompt_scores(scoring, logits)
-        picked = None
-        if choosing:
-            picked = token_choice.pick(choosing, logits if len(rows) == logits.shape[0] else logits[rows], scores)
-            scores = picked[3]
-        elif scores is not None:
-            scores = read(scores)
-        else:
-            wait(self.runner.device)
-        out.finish_timing()
-        if scoring:
-            token_choice.take_prompt_scores(scoring, scores)
-        for item in recorded:
-            self._record_fed(item, out)
-        for seq in ending:
-            ends.finish(self.scheduler, seq)
-        if picked is not None:
-            self._take_chosen(choosing, *picked[:3])
-        for seq, seq_logits in verifying:
-            self._verify(seq, seq_logits, out.seconds)
-
-    def _record_fed(self, item: Scheduled, out: StepOutput) -> None:
-        """The fed tokens' keys into the cache, and the step's time as prefill or decode."""
-        seq = item.seq
-        seq.cache.append(seq.keys[item.begin : item.end])
-        m = seq.ctx.metrics
-        if item.begin < seq.prompt_len or item.end - item.begin > 1:
-            m.add_span("prefill", out.seconds, 1)
-            m.count("prefill_tokens", item.end - item.begin)
-        else:
-            m.add_span("decode", out.seconds, 1)
-            m.info["decode_compiled"] = out.compiled or bool(m.info.get("decode_compiled"))
-            m.info["decode_cuda_graphs"] = out.graphed or bool(m.info.get("decode_cuda_graphs"))
-
-    # --- choosing tokens ----------------------------------------------------------------------
-    def _choose_and_take(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Choose and take one token per sequence."""
-        self._take_chosen(seqs, *token_choice.pick(seqs, logits)[:3])
-
-    def _take_chosen(
-        self, seqs: list[Sequence], tokens: list[int], sample_s: float, scored: Seq[TokenLogprob | None] = ()
-    ) -> None:
-        """The host side of one chosen token per sequence: record, stream, hooks, finish."""
-        self.counters["tokens_out"] += len(tokens)
-        for i, (seq, token_id) in enumerate(zip(seqs, tokens)):
-            seq.ctx.metrics.add_span("sample", sample_s, 1)
-            if i < len(scored) and scored[i] is not None:
-                seq.ctx.logprobs.append(scored[i])
-            try:
-                reason = token_choice.take(seq, int(token_id))
-            except BaseException as err:  # its streaming callback or hook raised (Ctrl-C in a chat): it ends
-                self._fail(seq, err)
-                continue
-            if reason is not None:
-                seq.ctx.finish_reason = reason
-                ends.finish(self.scheduler, seq)
-
-    # --- decode bursts ------------------------------------------------------------------------
-    def _take_burst(self, plan: list[Scheduled], out: StepOutput) -> None:
-        """A burst's tokens, step by step. A row that ends inside the burst (EOS, a stop string)
-        had its later tokens computed for nothing; they are dropped, and so are their slots
-        (``ends.finish`` trims)."""
-        alive = list(enumerate(plan))
-        for row_tokens in out.tokens:
-            self._count_step(len(alive))
-            for _, item in alive:
-                self._record_fed(Scheduled(item.seq, item.seq.cache.length, item.seq.cache.length + 1, []), out)
-            self._take_chosen([item.seq for _, item in alive], [row_tokens[row] for row, _ in alive], 0.0)
-            alive = [(row, item) for row, item in alive if not item.seq.done]
-            if not alive:
-                break
-
-    # --- speculative decoding -----------------------------------------------------------------
-    @staticmethod
-    def _draft(seq: Sequence, budget: int) -> None:
-        """Ask the sequence's drafter for this decode step's drafts."""
-        spec, ctx = seq.spec, seq.ctx
-        k = draft_budget(spec.per_round, len(ctx.generated), ctx.request.max_new_tokens, budget)
-        t0 = time.perf_counter()
-        if k >= 1:
-            spec.drafts, spec.q = spec.drafter.propose(seq.ids, k, seq.sampler)
-        ctx.metrics.add_span("draft", time.perf_counter() - t0 if k >= 1 else 0.0, 1)
-        ctx.metrics.count("spec_drafted", 0)  # counted when verified (a preempted step's drafts are not)
-
-    def _verify(self, seq: Sequence, logits: torch.Tensor, seconds: float) -> None:
-        """Keep the accepted drafts and one token of the target's own; roll the cache back past
-        the rejected drafts (the forward wrote all of them)."""
-        spec, m = seq.spec, seq.ctx.metrics
-        drafts, checked, q = spec.drafts, spec.drafts, spec.q
-        t0 = time.perf_counter()
-        if seq.grammar is not None:  # drafts the grammar refuses are never kept: check only the rest
-            n = seq.grammar.allowed_drafts(drafts)
-            checked, q = drafts[:n], None if q is None else q[:n]
-            logits = grammar.mask_rows(logits[: n + 1], [(i, seq.grammar, drafts[:i]) for i in range(n + 1)])
-        tokens, accepted = verify(seq.sampler, logits, checked, q, seq.ids, seq.ctx.generated)
-        sample_s = time.perf_counter() - t0
-        seq.cache.append([seq.keys[seq.cache.length]] + drafts)
-        seq.cache.rollback(seq.cache.length - (len(drafts) - accepted))
-        spec.drafts, spec.q = [], None
-        m.add_span("decode", seconds, 1)
-        m.count("spec_drafted", len(drafts))
-        m.count("spec_accepted", accepted)
-        for token in tokens:
-            self._take_chosen([seq], [token], sample_s)
-            sample_s = 0.0
-            if seq.done:
-                break
 
     def _fail(self, seq: Sequence, err: BaseException) -> None:
         ends.fail(self.scheduler, seq, err)

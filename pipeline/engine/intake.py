@@ -11,7 +11,7 @@ from pipeline.engine.sequence import Layout, Sequence
 from pipeline.errors import UserError
 from pipeline.memory import text_config
 from pipeline.runner import Chunk
-from pipeline.runner.logprobs import check_setting
+from pipeline.sampling.logprobs import check_setting
 
 MEDIA = {"images": "image", "videos": "video", "audios": "audio"}  # Request field -> the kind a stage encodes
 

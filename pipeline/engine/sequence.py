@@ -25,7 +25,7 @@ class Phases:
     prefill: Any = None
     decode: Any = None
     finalize: Callable | None = None
-    processors: list = field(default_factory=list)  # logits processors (pipeline.runner.logits), in order
+    processors: list = field(default_factory=list)  # logits processors (pipeline.sampling.processors), in order
 
 
 @dataclass

@@ -2,7 +2,7 @@
 then its sampler (argmax rows together), the log-probabilities it asked for, all read back in one
 transfer; then the host side of the chosen token (its grammar, stop checks, stream, hooks). The
 prompt's own log-probabilities (``prompt_logprobs``) are read with them. The engine calls these;
-the samplers themselves live in ``pipeline.runner.sampling`` (``stages.Sampler`` configures them).
+the sampling itself (samplers, processors, log-probabilities) lives in ``pipeline.sampling``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from pipeline.context import TokenLogprob
 from pipeline.engine.intake import scoring_positions
 from pipeline.engine.scheduler import Scheduled
 from pipeline.engine.sequence import Sequence
-from pipeline.runner import apply_processors, choose, grammar, logprobs
+from pipeline.runner import grammar
+from pipeline.sampling import apply_processors, choose, logprobs
 from pipeline.transfer import read, upload
 
 

@@ -60,7 +60,7 @@ from pipeline.cli.outputs import append_jsonl, write_json, write_jsonl
 from pipeline.frontends.prefix import run_shared_prefix
 from pipeline.structured.response_format import from_response_format
 from pipeline.runner.grammar import FIELDS
-from pipeline.runner.logprobs import check_setting
+from pipeline.sampling.logprobs import check_setting
 
 # Test hook: hard-exit (os._exit, no cleanup) after this many items were journaled by this
 # process, to prove that an interrupted batch resumes without losing or duplicating a line.

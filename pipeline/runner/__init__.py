@@ -7,10 +7,10 @@
 - ``graphs``: the eager decode step captured and replayed as CUDA graphs (the CUDA default);
 - ``matvec``: one-row linear layers on a native CPU kernel (``matvec.cpp``), built on first use;
 - ``model_runner``: ``ModelRunner``, the one object the engine runs the model through;
-- ``logits`` / ``sampling``: the per-sequence logits hook and choosing tokens;
-- ``grammar`` / ``logprobs``: output constraints (xgrammar's bitmasks) and log-probabilities.
+- ``grammar``: output constraints (xgrammar's bitmasks); choosing tokens is ``pipeline.sampling``.
 
-Imports ``pipeline.kv`` (and the leaf modules ``errors``, ``transfer``) only (see ``[tool.importlinter]``).
+Imports ``pipeline.sampling`` and ``pipeline.kv`` (and the leaf modules ``errors``, ``transfer``) only
+(see ``[tool.importlinter]``).
 """
 
 from pipeline.runner.attention import ATTENTION, attach, detach, paged_attention
@@ -18,9 +18,7 @@ from pipeline.runner.batch import Chunk, PagedBatch, build_batch
 from pipeline.runner.compiled import CompiledStep, FastPathFallback
 from pipeline.runner.graphs import GraphedStep
 from pipeline.runner.forward import burst_state, forward, greedy_steps, run_burst, run_model
-from pipeline.runner.logits import LogitsProcessor, apply_processors
 from pipeline.runner.model_runner import ModelRunner, StepOutput
-from pipeline.runner.sampling import argmax_only, choose, fork_sampler
 
 __all__ = [
     "ATTENTION",
@@ -38,11 +36,6 @@ __all__ = [
     "greedy_steps",
     "run_burst",
     "run_model",
-    "LogitsProcessor",
-    "apply_processors",
     "ModelRunner",
     "StepOutput",
-    "argmax_only",
-    "choose",
-    "fork_sampler",
 ]

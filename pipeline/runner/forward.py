@@ -18,7 +18,7 @@ from pipeline.runner import flex
 from pipeline.runner.attention import attach
 from pipeline.runner.batch import Chunk, Group, PagedBatch, build_batch, in_place_span, key_slots, padded_table
 from pipeline.runner.masks import dense_mask, window_start
-from pipeline.runner.sampling import argmax
+from pipeline.sampling import argmax
 from pipeline.transfer import upload
 
 

@@ -2,7 +2,7 @@
 
 - ``speculative``: the settings (``Speculative``) and their checks;
 - ``drafters``: n-gram prompt lookup and a draft model on its own paged cache;
-- ``verify``: which drafts the target keeps (exact for greedy and for sampling).
+- which drafts the target keeps is sampling's rule: ``pipeline.sampling.verify`` (re-exported here).
 """
 
 from pipeline.spec.drafters import ModelDrafter, NgramDrafter
@@ -11,9 +11,11 @@ from pipeline.spec.speculative import (
     Speculative,
     check_same_tokenizer,
     check_settings,
+    draft_budget,
+    propose,
     refuse_recurrent_draft,
 )
-from pipeline.spec.verify import draft_budget, verify
+from pipeline.sampling import verify
 
 __all__ = [
     "ModelDrafter",
@@ -24,5 +26,6 @@ __all__ = [
     "check_settings",
     "refuse_recurrent_draft",
     "draft_budget",
+    "propose",
     "verify",
 ]

@@ -27,6 +27,7 @@ verifies them in the same packed forward as every other sequence's step, and cal
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from pipeline.errors import UserError, whole_number
@@ -141,3 +142,21 @@ def check_same_tokenizer(target: Any, draft: Any, name: str = "decode.draft_mode
             f"{name} has another tokenizer than the target model ({len(dv)} vs {len(tv)} tokens; "
             f"first differences: {differ}): the draft must share the target's tokenizer"
         )
+
+
+def draft_budget(num_draft: int, generated: int, max_new_tokens: int, budget: int) -> int:
+    """Drafts this round: never past ``max_new_tokens`` (the round also yields one token of the
+    target's own) nor past the step's token budget (the chunk is the drafts plus one)."""
+    return max(0, min(num_draft, max_new_tokens - generated - 1, budget - 1))
+
+
+def propose(seq: Any, budget: int) -> None:
+    """Ask a speculating sequence's drafter for this decode step's drafts (into ``seq.spec``),
+    as many as ``draft_budget`` allows; the time it took is the sequence's ``draft`` span."""
+    spec, ctx = seq.spec, seq.ctx
+    k = draft_budget(spec.per_round, len(ctx.generated), ctx.request.max_new_tokens, budget)
+    t0 = time.perf_counter()
+    if k >= 1:
+        spec.drafts, spec.q = spec.drafter.propose(seq.ids, k, seq.sampler)
+    ctx.metrics.add_span("draft", time.perf_counter() - t0 if k >= 1 else 0.0, 1)
+    ctx.metrics.count("spec_drafted", 0)  # counted when verified (a preempted step's drafts are not)

@@ -1,4 +1,5 @@
-"""Verification: which drafted tokens the target keeps (exact for greedy and for sampling)."""
+"""Speculative verification: which drafted tokens the target keeps (exact for greedy and for
+sampling: the standard rejection rule, with each request's own sampler)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any
 
 import torch
 
-from pipeline.runner.sampling import argmax, argmax_only
+from pipeline.sampling.choose import argmax, argmax_only
 from pipeline.transfer import read
 
 
@@ -63,9 +64,3 @@ def verify(
         out.append(int(sampler.draw(residual / total if total > 0 else p)))
         return out, i
     raise AssertionError("unreachable")
-
-
-def draft_budget(num_draft: int, generated: int, max_new_tokens: int, budget: int) -> int:
-    """Drafts this round: never past ``max_new_tokens`` (the round also yields one token of the
-    target's own) nor past the step's token budget (the chunk is the drafts plus one)."""
-    return max(0, min(num_draft, max_new_tokens - generated - 1, budget - 1))
