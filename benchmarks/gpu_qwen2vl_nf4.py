@@ -68,7 +68,7 @@ def main() -> None:
     from pipeline import Pipeline, Request, load_model
     from pipeline.model.loading import format_placement
     from stages import DecodeLoop, Prefill, Sampler, Tokenize
-    from stages.vision import VisionEncoder
+    from stages.vision_encoder import VisionEncoder
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.runner import flex, matvec  # noqa: E402
 from pipeline.kv.quantised import LayerKV  # noqa: E402
-from pipeline.runner.batch import key_slots  # noqa: E402
+from pipeline.runner.paged_batch import key_slots  # noqa: E402
 
 
 def timed(fn, reps: int, device: torch.device) -> float:

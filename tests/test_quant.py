@@ -96,7 +96,7 @@ def test_default_skips_keep_lm_head_and_quantise_every_decoder_linear(load_tiny)
 def test_nf4_vision_model_keeps_its_tower_unquantised_and_matches_generate(load_tiny):
     from PIL import Image
 
-    from stages.vision import VisionEncoder
+    from stages.vision_encoder import VisionEncoder
 
     lm = load_tiny("qwen2-vl", quant="nf4")
     plain = [n for n, _ in linears(lm.model, torch.nn.Linear)]

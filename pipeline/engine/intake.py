@@ -143,7 +143,7 @@ def make_chunk(item: Scheduled) -> Chunk:
     embeds = ctx.inputs_embeds
     extras = ctx.lm.family.chunk_extras(ctx, begin, mid) if mid > begin else None
     spans = [(a, b) for a, b in layout.spans if a < mid and b > begin]
-    if spans:  # read by the paged attention (runner.batch._query_limits)
+    if spans:  # read by the paged attention (runner.paged_batch._query_limits)
         extras = {**(extras or {}), "blocks": spans}
     return Chunk(
         table=list(seq.cache.blocks),

@@ -11,7 +11,7 @@ Adding a family (what ``qwen2_vl.py`` and ``qwen2_audio.py`` did):
    placeholder positions), ``prompt_positions`` / ``decode_positions`` (e.g. 3-D rope rows),
    and for its encoders ``image_spans`` + ``encode_images``, ``video_spans`` + ``encode_videos`` or
    ``audio_spans`` + ``encode_audio``
-   (the stages in ``stages/vision.py`` and ``stages/audio.py`` only ask these);
+   (the stages in ``stages/vision_encoder.py`` and ``stages/audio_encoder.py`` only ask these);
    ``bidirectional_spans`` where prompt tokens attend both ways (Gemma 3's image blocks).
 2. ``conf/model/<name>.yaml``: ``name`` and the hub ``path`` of its reference checkpoint.
 3. ``pipeline/tiny/<name>.py``: its tiny random-weight builder for the tests, which compare

@@ -1,6 +1,6 @@
 """The runner layer: from scheduled chunks to logits.
 
-- ``batch``: packing chunks into one forward (``Chunk``, ``build_batch``);
+- ``paged_batch``: packing chunks into one forward (``Chunk``, ``build_batch``);
 - ``attention`` / ``linear``: paged attention and linear-attention layers over the pool;
 - ``forward``: the model call and the greedy decode burst;
 - ``compiled``: the ``torch.compile``'d decode step;
@@ -14,7 +14,7 @@ Imports ``pipeline.sampling`` and ``pipeline.kv`` (and the leaf modules ``errors
 """
 
 from pipeline.runner.attention import ATTENTION, attach, detach, paged_attention
-from pipeline.runner.batch import Chunk, PagedBatch, build_batch
+from pipeline.runner.paged_batch import Chunk, PagedBatch, build_batch
 from pipeline.runner.compiled import CompiledStep, FastPathFallback
 from pipeline.runner.graphs import GraphedStep
 from pipeline.runner.forward import burst_state, forward, greedy_steps, run_burst, run_model

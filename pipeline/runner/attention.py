@@ -28,7 +28,7 @@ from pipeline.kv import state_shape
 from pipeline.kv.quantised import LayerKV
 from pipeline.memory import text_config
 from pipeline.runner import flex, matvec
-from pipeline.runner.batch import Group, PagedBatch, key_slots
+from pipeline.runner.paged_batch import Group, PagedBatch, key_slots
 from pipeline.runner.decoder import plain_head
 from pipeline.runner.linear import attach_linear
 from pipeline.runner.masks import dense_mask

@@ -33,7 +33,7 @@ import torch
 
 from pipeline.kv import BlockPool
 from pipeline.runner import flex
-from pipeline.runner.batch import Chunk
+from pipeline.runner.paged_batch import Chunk
 from pipeline.runner.forward import chunks_state, decode_logits, decode_step, greedy_steps
 
 

@@ -16,7 +16,7 @@ import torch
 from pipeline.kv import NULL_BLOCK, BlockPool
 from pipeline.runner import flex
 from pipeline.runner.attention import attach
-from pipeline.runner.batch import Chunk, Group, PagedBatch, build_batch, in_place_span, key_slots, padded_table
+from pipeline.runner.paged_batch import Chunk, Group, PagedBatch, build_batch, in_place_span, key_slots, padded_table
 from pipeline.runner.masks import dense_mask, window_start
 from pipeline.sampling import argmax
 from pipeline.transfer import upload

@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.kv import NULL_BLOCK, BlockPool
-from pipeline.runner.batch import Chunk
+from pipeline.runner.paged_batch import Chunk
 from pipeline.runner.compiled import say_fallback
 from pipeline.runner.forward import chunks_state, decode_logits, decode_step, greedy_steps
 

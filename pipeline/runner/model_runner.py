@@ -22,7 +22,7 @@ import torch
 from pipeline.model import tensor_parallel
 from pipeline.kv import BlockPool
 from pipeline.runner import matvec
-from pipeline.runner.batch import Chunk
+from pipeline.runner.paged_batch import Chunk
 from pipeline.runner.compiled import CompiledStep
 from pipeline.runner.forward import burst_state, forward, run_burst, single_row_step
 from pipeline.runner.graphs import GraphedStep
