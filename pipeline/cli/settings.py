@@ -116,6 +116,7 @@ class ServeSettings:
     api_key: Optional[str] = None
     allowed_media_dir: Optional[str] = None
     allow_remote_media: bool = False
+    allowed_media_domains: List[str] = field(default_factory=list)
     max_body_bytes: int = 32 * 1024 * 1024
     max_images: int = 8
     max_audios: int = 4

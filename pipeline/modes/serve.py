@@ -54,6 +54,7 @@ def settings_from_cfg(cfg: DictConfig) -> ServeSettings:
         media=MediaPolicy(
             allowed_dir=None if media_dir is None else Path(str(media_dir)),
             allow_remote=bool(s.allow_remote_media),
+            allowed_domains=frozenset(str(h).lower() for h in s.allowed_media_domains),
             max_images=whole_number("serve.max_images", s.max_images, minimum=0),
             max_audios=whole_number("serve.max_audios", s.max_audios, minimum=0),
             max_videos=whole_number("serve.max_videos", s.get("max_videos", 2), minimum=0),

@@ -1,6 +1,7 @@
 """Media in requests (images, videos, audio) -> what the pipeline takes: base64 data URIs,
 ``file://`` paths under ``serve.allowed_media_dir``, remote URLs only when
-``serve.allow_remote_media`` is on.
+``serve.allow_remote_media`` is on, and then never from a loopback, private or link-local address
+(``pipeline.serve.fetch``) unless ``serve.allowed_media_domains`` names the host.
 
 Decoding goes through the CLI's own loaders (``pipeline.media``), so every bad file gets the same
 one-line diagnosis, here naming the request part (``messages[1].content[0]``) instead of a path.
@@ -12,13 +13,13 @@ import base64
 import binascii
 import tempfile
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from pipeline.errors import UserError
 from pipeline.media import load_audio, load_image, load_video, media_kind
+from pipeline.serve.fetch import RefusedAddress, fetch
 
 
 @dataclass
@@ -27,6 +28,7 @@ class MediaPolicy:
 
     allowed_dir: Path | None = None
     allow_remote: bool = False
+    allowed_domains: frozenset[str] = frozenset()  # hosts fetched even at a non-public address
     max_images: int = 8
     max_audios: int = 4
     max_videos: int = 2
@@ -72,9 +74,13 @@ def _remote(url: str, where: str, policy: MediaPolicy) -> bytes:
     if not policy.allow_remote:
         raise UserError(f"{where}: remote media URLs are disabled (serve.allow_remote_media=false); send a data: URI")
     try:
-        with urllib.request.urlopen(url, timeout=20) as response:
-            raw = response.read(policy.max_remote_bytes + 1)
+        raw = fetch(url, policy.max_remote_bytes, policy.allowed_domains)
     except Exception as err:  # urllib raises URLError, HTTPError, timeouts, ValueError...
+        refused = getattr(err, "reason", err)
+        if isinstance(refused, RefusedAddress):
+            raise UserError(
+                f"{where}: {url} not fetched: {refused} (serve.allowed_media_domains names hosts to allow)"
+            ) from None
         raise UserError(f"{where}: cannot fetch {url} ({err})") from None
     if len(raw) > policy.max_remote_bytes:
         raise UserError(f"{where}: {url} is over {policy.max_remote_bytes} bytes")
