@@ -77,7 +77,7 @@ def build_qwen2_vl_2b(out_dir: Path, device: str, layers: int | None = None, vis
         return out_dir
     from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    from pipeline.tiny import make_processor, make_tokenizer
+    from pipeline.testing import make_processor, make_tokenizer
 
     tok = make_tokenizer("qwen2-vl")
     ids = tok.convert_tokens_to_ids
@@ -129,7 +129,7 @@ def build_llama_187m(out_dir: Path, dtype: torch.dtype = torch.float32, tokenize
         return out_dir
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from pipeline.tiny import make_tokenizer
+    from pipeline.testing import make_tokenizer
 
     tok = make_tokenizer("qwen3") if tokenizer == "tiny" else bpe_tokenizer(LLAMA_187M["vocab_size"])
     eos = tok.convert_tokens_to_ids("<|im_end|>")
@@ -241,7 +241,7 @@ def bpe_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from pipeline.tiny import make_tokenizer
+    from pipeline.testing import make_tokenizer
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in stdlib.rglob("*.py") if not {"site-packages", "test"} & set(p.parts))

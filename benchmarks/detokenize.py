@@ -85,11 +85,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1000,4000", help="answer lengths, comma-separated (ratio: last/first)")
     ap.add_argument("--reps", type=int, default=3, help="runs per method and length; the best is kept")
-    ap.add_argument("--family", default="qwen3", help="tiny tokenizer family (pipeline.tiny)")
+    ap.add_argument("--family", default="qwen3", help="tiny tokenizer family (pipeline.testing)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.tokens.split(",")]
 
-    from pipeline.tiny.tokenizer import make_tokenizer
+    from pipeline.testing.tokenizer import make_tokenizer
 
     tok = make_tokenizer(args.family)
     methods: dict[str, Callable[[], Any]] = {

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16
         args.model = str(build_arch(args.arch, Path(tempfile.gettempdir()) / "mm-pipeline-bench", device, dtype))
     elif args.model is None:
-        from pipeline.tiny import build_tiny
+        from pipeline.testing import build_tiny
 
         args.model = str(build_tiny("qwen3", Path(tempfile.gettempdir()) / "mm-pipeline-bench" / "tiny-qwen3"))
     lm = load_model(args.model, dtype=args.dtype, quant=args.quant)

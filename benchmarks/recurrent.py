@@ -93,8 +93,8 @@ def build_model(out_dir: Path, hidden: int, layers: int) -> Path:
         return out_dir
     from transformers import GenerationConfig, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from pipeline.tiny import make_tokenizer
-    from pipeline.tiny.qwen3_5 import make_text_config
+    from pipeline.testing import make_tokenizer
+    from pipeline.testing.qwen3_5 import make_text_config
 
     tok = make_tokenizer("qwen3.5")
     # ids, vocabulary, norms and initializer range (0.15) as the tiny Qwen3.5 family's: wide argmax

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def tokenizer(tokens: list[str]) -> Any:
-    from pipeline.tiny.tokenizer import make_tokenizer
+    from pipeline.testing.tokenizer import make_tokenizer
 
     tok = make_tokenizer("llama")
     tok.add_special_tokens({"additional_special_tokens": tokens})

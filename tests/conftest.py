@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """tiny_dir(family) -> a save_pretrained directory with random weights and a made tokenizer."""
-    from pipeline.tiny import build_tiny
+    from pipeline.testing import build_tiny
 
     built: dict[str, Path] = {}
     base = tmp_path_factory.mktemp("tiny")

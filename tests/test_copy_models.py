@@ -21,8 +21,8 @@ import pytest
 from conftest import ROOT
 from pipeline import Pipeline, Request, load_model
 from scripts.train import train_copy
-from pipeline.tiny.common import MARKER_FILE
-from pipeline.tiny.tokenizer import make_tokenizer
+from pipeline.testing.tokenizer import make_tokenizer
+from pipeline.tiny import MARKER_FILE
 from stages import DecodeLoop, Prefill, Tokenize
 
 TINY = {

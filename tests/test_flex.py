@@ -22,7 +22,7 @@ from pipeline import Pipeline, Request
 from pipeline.errors import UserError
 from pipeline.kv import BlockPool
 from pipeline.runner import flex
-from pipeline.tiny.registry import FAMILIES
+from pipeline.testing.registry import FAMILIES
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
 
 

@@ -231,9 +231,9 @@ def test_text_only_gemma3_checkpoint_runs_through_its_family(tmp_path):
     """``gemma3_text`` (Gemma3ForCausalLM, the 1B layout) loads and decodes past its window exactly."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from pipeline.tiny import make_tokenizer
-    from pipeline.tiny.common import _generation_config
-    from pipeline.tiny.gemma3 import ROLES, text_config
+    from pipeline.testing import make_tokenizer
+    from pipeline.testing.common import _generation_config
+    from pipeline.testing.gemma3 import ROLES, text_config
 
     tok = make_tokenizer("gemma3")
     kwargs = {k: v for k, v in text_config(tok).items() if k != "model_type"}

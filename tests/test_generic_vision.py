@@ -270,7 +270,7 @@ def test_blocks_read_off_a_models_own_mask(tmp_path):
     writes by hand), and a mask that is not causal plus square blocks is refused, not approximated."""
     from pipeline.families.gemma3 import runs
     from pipeline.families.model_rules import attention_blocks, blocks_of
-    from pipeline.tiny.build import build_tiny
+    from pipeline.testing import build_tiny
 
     lm = load_model(str(build_tiny("gemma3", tmp_path / "gemma3")), dtype=torch.float32, quant="none")
     content = [{"type": "image"}, {"type": "text", "text": "a"}, {"type": "image"}, {"type": "text", "text": "b"}]

@@ -71,7 +71,7 @@ class DecodeOnly:
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def tiny(request):
     """The project's byte-level BPE tokenizer (Qwen2Tokenizer; llama's fast one, which adds BOS)."""
-    from pipeline.tiny.tokenizer import make_tokenizer
+    from pipeline.testing.tokenizer import make_tokenizer
 
     return make_tokenizer(request.param)
 

@@ -183,7 +183,7 @@ def test_a_thinking_request_reasons_freely_then_answers_in_the_schema(load_tiny)
 def test_length_bounded_strings_hold_only_characters_json_and_utf8_allow():
     """xgrammar's own rule for them admits a raw tab, and its classes the ill-formed 3-byte forms of
     UTF-16 surrogates: neither may follow in a bounded string (a plain one takes what it would)."""
-    from pipeline.tiny import make_tokenizer
+    from pipeline.testing import make_tokenizer
 
     tok = make_tokenizer("qwen3")
     grammars = grammar.Grammars(tok, len(tok), [tok.eos_token_id])
@@ -279,7 +279,7 @@ def test_a_compile_that_is_done_at_once_does_not_deadlock(monkeypatch):
     the suite once). Forced here: the worker pool hands back an already finished future."""
     from concurrent.futures import Future
 
-    from pipeline.tiny import make_tokenizer
+    from pipeline.testing import make_tokenizer
 
     tok = make_tokenizer("qwen3")
     grammars = grammar.Grammars(tok, len(tok), [tok.eos_token_id])

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 import transformers as tf
-from pipeline import tiny
+from pipeline import testing, tiny
 
 MODEL_CLASSES = {
     "qwen3": tf.AutoModelForCausalLM,
@@ -38,7 +38,7 @@ OMNI = ("qwen2.5-omni",)  # asked with audio here (images and video: tests/test_
 @pytest.fixture(scope="session")
 def built(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("tiny-models")
-    return {f: tiny.build_tiny(f, base / f) for f in tiny.FAMILIES}
+    return {f: testing.build_tiny(f, base / f) for f in testing.FAMILIES}
 
 
 @pytest.fixture(scope="session")
@@ -93,7 +93,7 @@ def _inputs(family: str, proc, text: str = "Describe this.", image=None, audio=N
     return prompt, proc(text=[prompt], audio=[audio], sampling_rate=16000, return_tensors="pt")
 
 
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", testing.FAMILIES)
 def test_loads_renders_and_generates(loaded, family):
     proc, model = loaded(family)
     prompt, inputs = _inputs(family, proc)
@@ -138,7 +138,7 @@ def test_loads_renders_and_generates(loaded, family):
     assert all(i < len(tok) for i in new)
 
 
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", testing.FAMILIES)
 def test_config_ids_match_tokenizer(built, family):
     d = built[family]
     tok = tf.AutoTokenizer.from_pretrained(d)
@@ -186,21 +186,21 @@ def test_config_ids_match_tokenizer(built, family):
         assert tok(t, add_special_tokens=False)["input_ids"] == [ids(t)]
 
 
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", testing.FAMILIES)
 def test_every_linear_is_wide_enough_for_4bit(loaded, family):
     _, model = loaded(family)
     narrow = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.in_features < 64]
     assert not narrow
 
 
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", testing.FAMILIES)
 def test_chat_template_round_trips(built, family):
     d = built[family]
     tok = tf.AutoTokenizer.from_pretrained(d)
-    assert tok.chat_template == tiny.CHAT_TEMPLATES[family]
+    assert tok.chat_template == testing.CHAT_TEMPLATES[family]
     if family not in TEXT:
         proc = tf.AutoProcessor.from_pretrained(d)
-        assert proc.chat_template == tiny.CHAT_TEMPLATES[family]
+        assert proc.chat_template == testing.CHAT_TEMPLATES[family]
         assert (
             type(proc).__name__
             == {
@@ -220,15 +220,15 @@ def test_chat_template_round_trips(built, family):
             assert type(proc.image_processor).__name__ == "Qwen2VLImageProcessor"
             video = "Qwen3VLVideoProcessor" if family in ("qwen3-vl", "qwen3.5") else "Qwen2VLVideoProcessor"
             assert type(proc.video_processor).__name__ == video
-            assert proc.image_processor.size["longest_edge"] == tiny.MAX_PIXELS
+            assert proc.image_processor.size["longest_edge"] == testing.MAX_PIXELS
         else:
             assert type(proc.feature_extractor).__name__ == "WhisperFeatureExtractor"
             assert proc.feature_extractor.feature_size == 128
 
 
 def test_tokenizer_is_byte_level_and_compact():
-    for family in tiny.FAMILIES:
-        tok = tiny.make_tokenizer(family)
+    for family in testing.FAMILIES:
+        tok = testing.make_tokenizer(family)
         text = "The quick brown fox describes the picture. Ünïcödé ✓ 123"
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert tok.decode(ids) == text
@@ -249,15 +249,15 @@ def test_thinking_switch_changes_qwen3_rendering(loaded):
 
 
 def test_build_is_deterministic_and_atomic(tmp_path):
-    a = tiny.build_tiny("qwen2-vl", tmp_path / "a", seed=0)
-    b = tiny.build_tiny("qwen2-vl", tmp_path / "b", seed=0)
-    c = tiny.build_tiny("qwen2-vl", tmp_path / "c", seed=1)
+    a = testing.build_tiny("qwen2-vl", tmp_path / "a", seed=0)
+    b = testing.build_tiny("qwen2-vl", tmp_path / "b", seed=0)
+    c = testing.build_tiny("qwen2-vl", tmp_path / "c", seed=1)
     wa, wb, wc = ((p / "model.safetensors").read_bytes() for p in (a, b, c))
     assert wa == wb and wa != wc
     for name in os.listdir(a):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     # rebuilding over an existing directory replaces it whole and leaves no temp dirs behind
-    tiny.build_tiny("qwen2-vl", tmp_path / "a", seed=1)
+    testing.build_tiny("qwen2-vl", tmp_path / "a", seed=1)
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == wc
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
     assert json.loads((a / tiny.MARKER_FILE).read_text())["seed"] == 1
@@ -280,14 +280,14 @@ def test_media_reaches_the_model(loaded):
 
 def test_cached_dir_is_built_once(tmp_path, monkeypatch):
     monkeypatch.setenv("MM_PIPELINE_HOME", str(tmp_path))
-    d = tiny.tiny_model_dir(tiny.DEFAULT_FAMILY)
-    assert d == tmp_path / f"tiny-{tiny.DEFAULT_FAMILY}-v{tiny.RECIPE_VERSION}"
+    d = testing.tiny_model_dir(testing.DEFAULT_FAMILY)
+    assert d == tmp_path / f"tiny-{testing.DEFAULT_FAMILY}-v{testing.RECIPE_VERSION}"
     stamp = (d / "model.safetensors").stat().st_mtime_ns
-    assert tiny.tiny_model_dir(tiny.DEFAULT_FAMILY) == d
+    assert testing.tiny_model_dir(testing.DEFAULT_FAMILY) == d
     assert (d / "model.safetensors").stat().st_mtime_ns == stamp
     assert tf.AutoConfig.from_pretrained(d).model_type == "qwen2_vl"
     with pytest.raises(ValueError):
-        tiny.tiny_model_dir("gpt2")
+        testing.tiny_model_dir("gpt2")
     # the embedded default is not built: it is the trained model shipped in the package
     assert tiny.default_model_dir() == Path(tiny.__file__).parent / "shapes_model"
     assert not list(tmp_path.glob("*shapes*"))
@@ -312,15 +312,37 @@ def test_4bit_nf4_load_and_generate(built):
 
 def test_a_tiny_family_is_found_from_its_file_alone(tmp_path, monkeypatch):
     """Adding a tiny builder is adding its module: the registry finds it, nothing else to edit."""
-    import pipeline.tiny as package
-    from pipeline.tiny import registry
+    import pipeline.testing as package
+    from pipeline.testing import registry
 
     (tmp_path / "tiny_test_family.py").write_text(
-        "from pipeline.tiny.llama import *  # noqa\n"
-        "from pipeline.tiny.llama import CHAT_TEMPLATE, ROLES, SPECIAL_TOKENS, make_config, model_class\n"
+        "from pipeline.testing.llama import *  # noqa\n"
+        "from pipeline.testing.llama import CHAT_TEMPLATE, ROLES, SPECIAL_TOKENS, make_config, model_class\n"
         "FAMILY = 'test-llama'\nRANK = 99\n"
     )
     monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
     found = registry._discover()
-    assert list(found)[: len(tiny.FAMILIES)] == list(tiny.FAMILIES)
-    assert found["test-llama"].CHAT_TEMPLATE == tiny.CHAT_TEMPLATES["llama"]
+    assert list(found)[: len(testing.FAMILIES)] == list(testing.FAMILIES)
+    assert found["test-llama"].CHAT_TEMPLATE == testing.CHAT_TEMPLATES["llama"]
+
+
+def test_the_runtime_does_not_import_the_builders_and_old_names_still_read():
+    """``pipeline.tiny`` (the embedded default) is what the runtime imports; the builders live in
+    ``pipeline.testing`` and load only when asked for, also through the names ``pipeline.tiny`` had."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pipeline.tiny, pipeline.cli.assemble, pipeline.model.loading\n"
+        "assert not [m for m in sys.modules if m.startswith('pipeline.testing')], 'builders imported'\n"
+        "from pipeline.tiny import build_tiny, tiny_model_dir, FAMILIES, make_tokenizer, make_processor\n"
+        "from pipeline.tiny import RECIPE_VERSION, DEFAULT_FAMILY, shapes\n"
+        "import pipeline.testing as t\n"
+        "assert build_tiny is t.build_tiny and FAMILIES == t.FAMILIES\n"
+        "assert pipeline.tiny.CHAT_TEMPLATES is t.CHAT_TEMPLATES\n"
+        "assert pipeline.tiny.MARKER_FILE == t.MARKER_FILE and pipeline.tiny.MAX_PIXELS == t.MAX_PIXELS\n"
+        "assert shapes.__name__ == 'pipeline.tiny.shapes'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    with pytest.raises(AttributeError):
+        tiny.no_such_name

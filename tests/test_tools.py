@@ -11,7 +11,7 @@ import pytest
 
 from pipeline import UserError
 from pipeline.serve.answer import Deltas, Reading, message
-from pipeline.tiny import make_tokenizer
+from pipeline.testing import make_tokenizer
 from pipeline.structured.tools import HERMES, LLAMA, XML, fallback_messages, parse, tool_format
 from stages.tokenize import render
 

@@ -36,11 +36,13 @@ TEXT = dict(
     max_position_embeddings=2048,
 )
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+TOWER_56 = dict(VISION, image_size=56, patch_size=14)  # a 56-pixel image is 4 x 4 patches
 
 
-# What the LLaVA-style builders share: a CLIP tower of 2x2 patches (+ CLS), its image sizes, LLaVA's processor
-# settings, LLaVA-NeXT's grid of tile shapes.
+# What the LLaVA-style builders share: a CLIP tower of 2x2 patches (+ CLS), its image sizes, the features
+# LLaVA takes from it, LLaVA's processor settings, LLaVA-NeXT's grid of tile shapes.
 CLIP_SIZES = dict(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+LLAVA_FEATURES = dict(vision_feature_layer=-2, vision_feature_select_strategy="default")
 LLAVA_PROCESSING = dict(patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1)
 PINPOINTS = [[28, 56], [56, 28], [56, 56]]
 
@@ -51,6 +53,21 @@ def clip_tower():
     return CLIPVisionConfig(**VISION, image_size=28, patch_size=14, projection_dim=32)
 
 
+def llava_style(config_class, tok, **settings):
+    """A LLaVA-style config: the CLIP tower and a Llama decoder (ids from ``tok``), then the
+    architecture's own ``settings`` (its image token, which features it takes)."""
+    from transformers import LlamaConfig
+
+    return config_class(vision_config=clip_tower(), text_config=LlamaConfig(**text_config(tok)), **settings)
+
+
+def llava_processor(tok):
+    """LLaVA's processor (CLIP's image processor), as LLaVA and ViP-LLaVA ship it."""
+    from transformers import CLIPImageProcessor, LlavaProcessor
+
+    return LlavaProcessor(CLIPImageProcessor(**CLIP_SIZES), tok, **LLAVA_PROCESSING, chat_template=LLAVA_TEMPLATE)
+
+
 def tokenizer(extra: list[str], named: dict[str, str] | None = None):
     """The project's tiny Llama-3 tokenizer with ``extra`` special tokens added (image tokens) and
     ``named`` ones as attributes (``tok.boi_token``), as a checkpoint's ``extra_special_tokens`` give them."""
@@ -58,7 +75,7 @@ def tokenizer(extra: list[str], named: dict[str, str] | None = None):
 
     from transformers import AutoTokenizer
 
-    from pipeline.tiny.tokenizer import make_tokenizer
+    from pipeline.testing import make_tokenizer
 
     tok = make_tokenizer("llama")
     tok.add_special_tokens({"additional_special_tokens": extra})
@@ -89,20 +106,11 @@ LLAVA_VIDEO_TEMPLATE = LLAVA_TEMPLATE.replace(
 
 
 def llava(dest: Path) -> None:
-    from transformers import CLIPImageProcessor, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
 
     tok = tokenizer(["<image>"])
-    vision = clip_tower()
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=LlamaConfig(**text_config(tok)),
-        image_token_id=tok.convert_tokens_to_ids("<image>"),
-        vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
-    )
-    images = CLIPImageProcessor(**CLIP_SIZES)
-    processor = LlavaProcessor(images, tok, **LLAVA_PROCESSING, chat_template=LLAVA_TEMPLATE)
-    save(LlavaForConditionalGeneration(config), processor, dest)
+    config = llava_style(LlavaConfig, tok, image_token_id=tok.convert_tokens_to_ids("<image>"), **LLAVA_FEATURES)
+    save(LlavaForConditionalGeneration(config), llava_processor(tok), dest)
 
 
 # mistralai/Mistral-Small-3.1-24B-Instruct-2503's format: [INST] ... [/INST], an image as [IMG]
@@ -128,7 +136,7 @@ def mistral3(dest: Path) -> None:
     )
 
     tok = tokenizer(["[IMG]", "[IMG_BREAK]", "[IMG_END]", "[INST]", "[/INST]"])
-    vision = PixtralVisionConfig(**VISION, head_dim=16, image_size=56, patch_size=14)
+    vision = PixtralVisionConfig(**TOWER_56, head_dim=16)
     config = Mistral3Config(
         vision_config=vision,
         text_config=MistralConfig(**text_config(tok), head_dim=16),
@@ -160,6 +168,19 @@ TILE_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<g
 TILE_SIZES = dict(size={"longest_edge": 112}, max_image_size={"longest_edge": 56})
 
 
+def tiled_config(config_class, vision_class, tok):
+    """Idefics3's config (SmolVLM's is the same under its own classes): 56-pixel tiles through the
+    tower, pixel-shuffled 2 x 2 to 4 slots each, a Llama decoder (ids from ``tok``)."""
+    from transformers import LlamaConfig
+
+    return config_class(
+        vision_config=vision_class(**TOWER_56),
+        text_config=LlamaConfig(**text_config(tok)).to_dict(),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+    )
+
+
 def idefics3(dest: Path) -> None:
     """Idefics3 / SmolVLM: an image split into tiles plus a global view, each tile's slots framed by
     ``<fake_token_around_image>`` and a ``<row_r_col_c>`` tag."""
@@ -169,17 +190,10 @@ def idefics3(dest: Path) -> None:
         Idefics3ImageProcessor,
         Idefics3Processor,
         Idefics3VisionConfig,
-        LlamaConfig,
     )
 
     tok = tokenizer(TILE_TOKENS)
-    vision = Idefics3VisionConfig(**VISION, image_size=56, patch_size=14)
-    config = Idefics3Config(
-        vision_config=vision,
-        text_config=LlamaConfig(**text_config(tok)).to_dict(),
-        image_token_id=tok.convert_tokens_to_ids("<image>"),
-        scale_factor=2,
-    )
+    config = tiled_config(Idefics3Config, Idefics3VisionConfig, tok)
     images = Idefics3ImageProcessor(**TILE_SIZES)
     processor = Idefics3Processor(images, tok, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE)
     save(Idefics3ForConditionalGeneration(config), processor, dest)
@@ -189,7 +203,6 @@ def smolvlm(dest: Path) -> None:
     """SmolVLM (2): Idefics3's tiles under its own classes, with a video processor (the model has no
     get_video_features: images only)."""
     from transformers import (
-        LlamaConfig,
         SmolVLMConfig,
         SmolVLMForConditionalGeneration,
         SmolVLMImageProcessor,
@@ -199,13 +212,7 @@ def smolvlm(dest: Path) -> None:
     )
 
     tok = tokenizer([*TILE_TOKENS, "<video>"])
-    vision = SmolVLMVisionConfig(**VISION, image_size=56, patch_size=14)
-    config = SmolVLMConfig(
-        vision_config=vision,
-        text_config=LlamaConfig(**text_config(tok)).to_dict(),
-        image_token_id=tok.convert_tokens_to_ids("<image>"),
-        scale_factor=2,
-    )
+    config = tiled_config(SmolVLMConfig, SmolVLMVisionConfig, tok)
     images = SmolVLMImageProcessor(**TILE_SIZES)
     videos = SmolVLMVideoProcessor(size={"longest_edge": 56}, max_image_size={"longest_edge": 56})
     processor = SmolVLMProcessor(images, tok, videos, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE)
@@ -227,7 +234,6 @@ def llava_next(dest: Path) -> None:
     """LLaVA-NeXT: "any resolution" tiles chosen by the image's size (``image_sizes``), a newline
     embedding after each row of the unpadded grid."""
     from transformers import (
-        LlamaConfig,
         LlavaNextConfig,
         LlavaNextForConditionalGeneration,
         LlavaNextImageProcessor,
@@ -235,14 +241,9 @@ def llava_next(dest: Path) -> None:
     )
 
     tok = tokenizer(["<image>"])
-    vision = clip_tower()
-    config = LlavaNextConfig(
-        vision_config=vision,
-        text_config=LlamaConfig(**text_config(tok)),
-        image_token_index=tok.convert_tokens_to_ids("<image>"),
-        image_grid_pinpoints=PINPOINTS,
-        vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
+    ids = tok.convert_tokens_to_ids
+    config = llava_style(
+        LlavaNextConfig, tok, image_token_index=ids("<image>"), image_grid_pinpoints=PINPOINTS, **LLAVA_FEATURES
     )
     images = LlavaNextImageProcessor(**CLIP_SIZES, image_grid_pinpoints=PINPOINTS)
     processor = LlavaNextProcessor(images, tok, **LLAVA_PROCESSING, chat_template=LLAVA_NEXT_TEMPLATE)
@@ -308,6 +309,19 @@ AYA_TEMPLATE = (
 )
 
 
+# What Aya Vision and Command A Vision share: Cohere's turn tokens, a SigLIP tower, a Cohere 2 decoder
+# (logit scale, a sliding-window layer then a full one)
+COHERE_TURN_TOKENS = ["<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>"]
+
+
+def cohere_parts(tok):
+    """The (vision, text) configs of the Cohere vision models; ids from ``tok``."""
+    from transformers import Cohere2Config, SiglipVisionConfig
+
+    text = Cohere2Config(**text_config(tok), sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    return SiglipVisionConfig(**TOWER_56), text
+
+
 def aya_vision(dest: Path) -> None:
     """Aya Vision: tiles plus a global view, each a TILE tag and rows of ``<|IMG_PATCH|>`` slots ended
     by ``<|IMG_LINE_BREAK|>``, framed by ``<|START_OF_IMG|>`` / ``<|END_OF_IMG|>``; a Cohere 2 decoder
@@ -316,26 +330,12 @@ def aya_vision(dest: Path) -> None:
         AyaVisionConfig,
         AyaVisionForConditionalGeneration,
         AyaVisionProcessor,
-        Cohere2Config,
         GotOcr2ImageProcessor,
-        SiglipVisionConfig,
     )
 
-    tok = tokenizer(
-        [
-            "<image>",
-            "<|START_OF_IMG|>",
-            "<|END_OF_IMG|>",
-            "<|IMG_PATCH|>",
-            "<|IMG_LINE_BREAK|>",
-            "<|START_OF_TURN_TOKEN|>",
-            "<|END_OF_TURN_TOKEN|>",
-            "<|USER_TOKEN|>",
-            "<|CHATBOT_TOKEN|>",
-        ]
-    )
-    vision = SiglipVisionConfig(**VISION, image_size=56, patch_size=14)
-    text = Cohere2Config(**text_config(tok), sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    image_tokens = ["<image>", "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>"]
+    tok = tokenizer(image_tokens + COHERE_TURN_TOKENS)
+    vision, text = cohere_parts(tok)
     config = AyaVisionConfig(
         vision_config=vision,
         text_config=text,
@@ -352,12 +352,10 @@ def aya_vision(dest: Path) -> None:
 def cohere2_vision(dest: Path) -> None:
     """Command A Vision: tiles of ``<|IMG_PATCH|>`` slots, each ended by ``<|IMG_LINE_BREAK|>``."""
     from transformers import (
-        Cohere2Config,
         Cohere2VisionConfig,
         Cohere2VisionForConditionalGeneration,
         Cohere2VisionImageProcessor,
         Cohere2VisionProcessor,
-        SiglipVisionConfig,
     )
 
     named = {
@@ -366,12 +364,8 @@ def cohere2_vision(dest: Path) -> None:
         "image_token": "<|IMG_PATCH|>",
         "img_line_break_token": "<|IMG_LINE_BREAK|>",
     }
-    tok = tokenizer(
-        [*named.values(), "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>"],
-        named,
-    )
-    vision = SiglipVisionConfig(**VISION, image_size=56, patch_size=14)
-    text = Cohere2Config(**text_config(tok), sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    tok = tokenizer([*named.values(), *COHERE_TURN_TOKENS], named)
+    vision, text = cohere_parts(tok)
     config = Cohere2VisionConfig(
         vision_config=vision,
         text_config=text,
@@ -417,7 +411,7 @@ def internvl(dest: Path) -> None:
         "video_token": "<video>",
     }
     tok = tokenizer([*named.values(), "<|im_start|>", "<|im_end|>"], named)
-    vision = InternVLVisionConfig(**VISION, image_size=56, patch_size=14)
+    vision = InternVLVisionConfig(**TOWER_56)
     config = InternVLConfig(
         vision_config=vision,
         text_config=Qwen2Config(**text_config(tok)),
@@ -433,31 +427,18 @@ def internvl(dest: Path) -> None:
 
 def vipllava(dest: Path) -> None:
     """ViP-LLaVA: LLaVA's placeholders, features from five tower layers at once."""
-    from transformers import (
-        CLIPImageProcessor,
-        LlamaConfig,
-        LlavaProcessor,
-        VipLlavaConfig,
-        VipLlavaForConditionalGeneration,
-    )
+    from transformers import VipLlavaConfig, VipLlavaForConditionalGeneration
 
     tok = tokenizer(["<image>"])
-    vision = clip_tower()
-    config = VipLlavaConfig(
-        vision_config=vision,
-        text_config=LlamaConfig(**text_config(tok)),
-        image_token_index=tok.convert_tokens_to_ids("<image>"),
-        vision_feature_layers=[-2, -1],
+    config = llava_style(
+        VipLlavaConfig, tok, image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_layers=[-2, -1]
     )
-    images = CLIPImageProcessor(**CLIP_SIZES)
-    processor = LlavaProcessor(images, tok, **LLAVA_PROCESSING, chat_template=LLAVA_TEMPLATE)
-    save(VipLlavaForConditionalGeneration(config), processor, dest)
+    save(VipLlavaForConditionalGeneration(config), llava_processor(tok), dest)
 
 
 def llava_next_video(dest: Path) -> None:
     """LLaVA-NeXT-Video, its images: LLaVA-NeXT's tiles beside a video token of its own."""
     from transformers import (
-        LlamaConfig,
         LlavaNextImageProcessor,
         LlavaNextVideoConfig,
         LlavaNextVideoForConditionalGeneration,
@@ -466,15 +447,14 @@ def llava_next_video(dest: Path) -> None:
     )
 
     tok = tokenizer(["<image>", "<video>"])
-    vision = clip_tower()
-    config = LlavaNextVideoConfig(
-        vision_config=vision,
-        text_config=LlamaConfig(**text_config(tok)),
-        image_token_index=tok.convert_tokens_to_ids("<image>"),
-        video_token_index=tok.convert_tokens_to_ids("<video>"),
+    ids = tok.convert_tokens_to_ids
+    config = llava_style(
+        LlavaNextVideoConfig,
+        tok,
+        image_token_index=ids("<image>"),
+        video_token_index=ids("<video>"),
         image_grid_pinpoints=PINPOINTS,
-        vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
+        **LLAVA_FEATURES,
     )
     images = LlavaNextImageProcessor(**CLIP_SIZES, image_grid_pinpoints=PINPOINTS)
     videos = LlavaNextVideoVideoProcessor(**CLIP_SIZES)
@@ -504,7 +484,7 @@ def idefics2(dest: Path) -> None:
     )
 
     tok = tokenizer(["<fake_token_around_image>", "<image>", "<end_of_utterance>"])
-    vision = Idefics2VisionConfig(**VISION, image_size=56, patch_size=14)
+    vision = Idefics2VisionConfig(**TOWER_56)
     perceiver = dict(
         hidden_size=TEXT["hidden_size"],
         resampler_n_latents=4,
@@ -619,7 +599,7 @@ def paligemma(dest: Path) -> None:
     )
 
     tok = tokenizer(["<image>"])
-    vision = SiglipVisionConfig(**VISION, image_size=56, patch_size=14)
+    vision = SiglipVisionConfig(**TOWER_56)
     text = GemmaConfig(**{**text_config(tok), "initializer_range": 0.2}, head_dim=16)
     config = PaliGemmaConfig(
         vision_config=vision,

@@ -14,10 +14,10 @@ Adding a family (what ``qwen2_vl.py`` and ``qwen2_audio.py`` did):
    (the stages in ``stages/vision_encoder.py`` and ``stages/audio_encoder.py`` only ask these);
    ``bidirectional_spans`` where prompt tokens attend both ways (Gemma 3's image blocks).
 2. ``conf/model/<name>.yaml``: ``name`` and the hub ``path`` of its reference checkpoint.
-3. ``pipeline/tiny/<name>.py``: its tiny random-weight builder for the tests, which compare
+3. ``pipeline/testing/<name>.py``: its tiny random-weight builder for the tests, which compare
    greedy output with ``generate()``: ``FAMILY``, ``RANK``, ``ROLES``, ``SPECIAL_TOKENS`` (in the
    published order), ``CHAT_TEMPLATE`` (the published one), ``make_config``, ``model_class`` and
-   ``make_processor`` (the real processor classes). ``pipeline/tiny/registry.py`` finds it.
+   ``make_processor`` (the real processor classes). ``pipeline/testing/registry.py`` finds it.
 4. Tests: greedy equality with ``generate()`` for each modality it takes, nf4 included.
 
 Its layers must be full or sliding-window attention (the paged KV pool keeps every position

@@ -41,16 +41,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from pipeline.context import Request
 from pipeline.families.base import TextFamily
-from pipeline.tiny import qwen3
-from pipeline.tiny.build import _cache_root
-from pipeline.tiny.common import MARKER_FILE, RECIPE_VERSION, _generation_config, _text_kwargs
-from pipeline.tiny.tokenizer import make_tokenizer
-from scripts.train.training import fit, reproducible, save_model, written_whole
+from pipeline.testing import qwen3
+from pipeline.testing.build import _cache_root
+from pipeline.testing.common import MARKER_FILE, RECIPE_VERSION, _generation_config, _text_kwargs
+from pipeline.testing.tokenizer import make_tokenizer
+from scripts.train.training import answer_batch, answer_cross_entropy, decoder_sizes, fit, reproducible
+from scripts.train.training import save_model, written_whole
 from stages.tokenize import build_messages
 
 if TYPE_CHECKING:
@@ -205,16 +205,7 @@ class Task:
 
     def batch(self, examples: list[Example]) -> dict[str, torch.Tensor]:
         """Right-padded ids, attention mask, and labels on the answer and ``<|im_end|>`` only."""
-        rows = [(self.prompt_ids(e), self.answer_ids(e)) for e in examples]
-        size = (len(rows), max(len(p) + len(a) for p, a in rows))
-        ids = torch.full(size, self.pad, dtype=torch.long)
-        labels = torch.full(size, -100, dtype=torch.long)
-        mask = torch.zeros(size, dtype=torch.long)
-        for i, (p, a) in enumerate(rows):
-            ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-            labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
-            mask[i, : len(p) + len(a)] = 1
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        return answer_batch([(self.prompt_ids(e), self.answer_ids(e)) for e in examples], self.pad)
 
 
 def heldout(tok: PreTrainedTokenizerBase, n: int, task: str, seed: int = EVAL_SEED) -> list[Example]:
@@ -232,16 +223,7 @@ def heldout(tok: PreTrainedTokenizerBase, n: int, task: str, seed: int = EVAL_SE
 def make_config(tok: PreTrainedTokenizerBase, recipe: Recipe) -> Any:
     """The tiny Qwen3's config (token ids, vocabulary) at the recipe's sizes."""
     text = _text_kwargs(tok, FAMILY, qwen3.ROLES)
-    text.update(
-        hidden_size=recipe.hidden,
-        intermediate_size=recipe.intermediate,
-        num_hidden_layers=recipe.layers,
-        max_window_layers=recipe.layers,
-        num_attention_heads=recipe.heads,
-        num_key_value_heads=recipe.kv_heads,
-        initializer_range=recipe.init_range,
-        max_position_embeddings=2048,
-    )
+    text.update(**decoder_sizes(recipe), max_position_embeddings=2048)
     return Qwen3Config(
         **text,
         head_dim=recipe.hidden // recipe.heads,
@@ -264,12 +246,9 @@ def curriculum(step: int, recipe: Recipe) -> tuple[int, str | None]:
 
 def answer_loss(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int, int]:
     """Cross-entropy over the answer tokens; answer tokens whose argmax is right (teacher-forced), and how many."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-    labels = batch["labels"][:, 1:]
-    mask = labels != -100
-    loss = F.cross_entropy(logits[mask].float(), labels[mask])
-    right = int((logits.detach().argmax(-1)[mask] == labels[mask]).sum())
-    return loss, right, int(mask.sum())
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    loss, hit, mask = answer_cross_entropy(logits, batch["labels"])
+    return loss, int(hit[mask].sum()), int(mask.sum())
 
 
 def evaluate(model: PreTrainedModel, tok: PreTrainedTokenizerBase, n: int = 16) -> dict[str, dict[str, float]]:

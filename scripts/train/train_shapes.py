@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import (
     AutoProcessor,
     Qwen2VLConfig,
@@ -47,10 +46,13 @@ from transformers import (
 
 from pipeline.context import Request
 from pipeline.families.qwen2_vl import Qwen2VLFamily
-from pipeline.tiny import qwen2_vl, shapes
-from pipeline.tiny.common import RECIPE_VERSION, _generation_config
-from pipeline.tiny.tokenizer import make_tokenizer
-from scripts.train.training import fit, reproducible, save_model, written_whole
+from pipeline.testing import qwen2_vl
+from pipeline.testing.common import RECIPE_VERSION, _generation_config
+from pipeline.testing.tokenizer import make_tokenizer
+from pipeline.tiny import shapes
+from pipeline.tiny.card import SHAPES_MODEL_DIR
+from scripts.train.training import answer_batch, answer_cross_entropy, decoder_sizes, fit, reproducible
+from scripts.train.training import save_model, written_whole
 from stages.tokenize import build_messages
 
 if TYPE_CHECKING:
@@ -58,7 +60,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, ProcessorMixin
 
 BASE_FAMILY = "qwen2-vl"
-SHIPPED_DIR = Path(__file__).resolve().parent / "shapes_model"
+SHIPPED_DIR = SHAPES_MODEL_DIR  # pipeline/tiny/shapes_model: what default_model_dir() returns
 EXAMPLE_IMAGE = "example.png"  # written next to the weights: what `python -m pipeline` asks about with no input
 THREADS = 2
 
@@ -120,13 +122,7 @@ def make_config(tok: Any, recipe: Recipe) -> Any:
     head_dim = recipe.hidden // recipe.heads
     text = qwen2_vl._text_config(tok, BASE_FAMILY)
     text.update(
-        hidden_size=recipe.hidden,
-        intermediate_size=recipe.intermediate,
-        num_hidden_layers=recipe.layers,
-        max_window_layers=recipe.layers,
-        num_attention_heads=recipe.heads,
-        num_key_value_heads=recipe.kv_heads,
-        initializer_range=recipe.init_range,
+        **decoder_sizes(recipe),
         rope_parameters={
             **text["rope_parameters"],
             "rope_theta": recipe.rope_theta,
@@ -242,22 +238,12 @@ class Encoder:
             n_image = grid[0] * grid[1] * grid[2] // self.merge**2
             prompt = before + [self.image_token] * n_image + after
             rows.append((prompt, self._answer_ids(answer), len(before), n_image))
-        width = max(len(p) + len(a) for p, a, _, _ in rows)
-        size = (len(rows), width)
-        ids = torch.full(size, self.pad, dtype=torch.long)
-        labels = torch.full(size, -100, dtype=torch.long)
-        mask = torch.zeros(size, dtype=torch.long)
-        types = torch.zeros(size, dtype=torch.long)  # which positions are image placeholders (M-RoPE needs it)
-        for i, (prompt, answer, first, n_image) in enumerate(rows):
-            k = len(prompt) + len(answer)
-            ids[i, :k] = torch.tensor(prompt + answer)
-            labels[i, len(prompt) : k] = torch.tensor(answer)
-            mask[i, :k] = 1
+        batch = answer_batch([(prompt, answer) for prompt, answer, _, _ in rows], self.pad)
+        types = torch.zeros_like(batch["input_ids"])  # which positions are image placeholders (M-RoPE needs it)
+        for i, (_, _, first, n_image) in enumerate(rows):
             types[i, first : first + n_image] = 1
         return {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "labels": labels,
+            **batch,
             "mm_token_type_ids": types,
             "pixel_values": pixels["pixel_values"],
             "image_grid_thw": grids,
@@ -286,12 +272,8 @@ def answer_loss(model: PreTrainedModel, batch: dict[str, Any]) -> tuple[torch.Te
     """Cross-entropy over the answer tokens, and per sequence whether every answer token is the
     argmax (teacher-forced, which is exactly "greedy decoding gives this answer")."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits[:, :-1]
-    labels = batch["labels"][:, 1:]
-    mask = labels != -100
-    loss = F.cross_entropy(logits[mask].float(), labels[mask])
-    hit = (logits.detach().argmax(-1) == labels) | ~mask
-    return loss, hit.all(dim=1)
+    loss, hit, mask = answer_cross_entropy(model(**inputs).logits, batch["labels"])
+    return loss, (hit | ~mask).all(dim=1)
 
 
 def evaluate(

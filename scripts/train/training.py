@@ -1,5 +1,6 @@
-"""What the project's trained tiny models share: the optimiser and its schedule, the training
-loop, and writing the finished model directory in one move.
+"""What the project's trained tiny models share: the decoder's sizes from a recipe, answer-only
+batches and their loss, the optimiser and its schedule, the training loop, and writing the
+finished model directory in one move.
 
 Why one place: the embedded default (``train_shapes``) and the speculative-decoding pair
 (``train_copy``) are trained the same way; only their data, loss and sizes differ.
@@ -19,10 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
-from pipeline.tiny.build import _quiet_progress
-from pipeline.tiny.common import MARKER_FILE
+from pipeline.testing.build import _quiet_progress
+from pipeline.testing.common import MARKER_FILE
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -37,6 +39,54 @@ class Schedule(Protocol):
     warmup: int
     weight_decay: float
     grad_clip: float
+
+
+class Sizes(Protocol):
+    """The recipe fields that size the decoder (each trainer's ``Recipe`` has them)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    init_range: float
+
+
+def decoder_sizes(recipe: Sizes) -> dict[str, Any]:
+    """The decoder's config settings at the recipe's sizes (over the tiny builder's, whose token ids stay)."""
+    return dict(
+        hidden_size=recipe.hidden,
+        intermediate_size=recipe.intermediate,
+        num_hidden_layers=recipe.layers,
+        max_window_layers=recipe.layers,
+        num_attention_heads=recipe.heads,
+        num_key_value_heads=recipe.kv_heads,
+        initializer_range=recipe.init_range,
+    )
+
+
+def answer_batch(rows: list[tuple[list[int], list[int]]], pad: int) -> dict[str, torch.Tensor]:
+    """(prompt ids, answer ids) rows right-padded with ``pad``: ``input_ids``, ``attention_mask``, and
+    ``labels`` on the answer only (-100 elsewhere), so the loss is on what the model should answer."""
+    size = (len(rows), max(len(p) + len(a) for p, a in rows))
+    ids = torch.full(size, pad, dtype=torch.long)
+    labels = torch.full(size, -100, dtype=torch.long)
+    mask = torch.zeros(size, dtype=torch.long)
+    for i, (p, a) in enumerate(rows):
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
+        mask[i, : len(p) + len(a)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def answer_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy over the labelled (answer) positions of ``answer_batch``'s ``labels``;
+    with it, per position whether the argmax is the label (teacher-forced) and which positions are
+    labelled, both aligned to the shifted labels."""
+    logits, labels = logits[:, :-1], labels[:, 1:]
+    mask = labels != -100
+    loss = F.cross_entropy(logits[mask].float(), labels[mask])
+    return loss, logits.detach().argmax(-1) == labels, mask
 
 
 def lr_at(step: int, recipe: Schedule) -> float:

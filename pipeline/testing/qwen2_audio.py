@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.tiny.common import (
+from pipeline.testing.common import (
     AUDIO_DIM,
     AUDIO_HEADS,
     AUDIO_LAYERS,

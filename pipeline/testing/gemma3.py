@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeline.tiny.common import (
+from pipeline.testing.common import (
     HEAD_DIM,
     HEADS,
     HIDDEN,

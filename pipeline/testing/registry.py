@@ -17,13 +17,7 @@ import pkgutil
 from types import ModuleType
 
 
-_MACHINERY = {
-    "build",
-    "common",
-    "registry",
-    "tokenizer",
-    "shapes",
-}  # the package's own modules, not families
+_MACHINERY = {"build", "common", "registry", "tokenizer"}  # the package's own modules, not families
 
 
 def _discover() -> dict[str, ModuleType]:

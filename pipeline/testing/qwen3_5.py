@@ -12,17 +12,18 @@ output per value head (4 here, 16 in the 0.8B model), which bitsandbytes' CPU 4-
 refuses (it needs a multiple of 32): nf4 on CPU must keep them unquantised.
 
 ``make_text_config`` is also what the text-only ``Qwen3_5ForCausalLM`` takes
-(``pipeline.tiny.qwen3_5_text``, family ``qwen3.5-text``).
+(``pipeline.testing.qwen3_5_text``, family ``qwen3.5-text``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pipeline.tiny.common import HIDDEN, INIT_RANGE, MAX_PIXELS, MIN_PIXELS, QWEN_ROLES, VISION_DEPTH, VISION_DIM
-from pipeline.tiny.common import VISION_HEADS, _text_kwargs
-from pipeline.tiny.qwen2_vl import _vision_token_ids
-from pipeline.tiny.qwen3 import SPECIAL_TOKENS as QWEN3_SPECIAL_TOKENS
+from pipeline.testing.common import QWEN_ROLES, _text_kwargs
+from pipeline.testing.qwen2_vl import _vl_config
+from pipeline.testing.qwen3 import SPECIAL_TOKENS as QWEN3_SPECIAL_TOKENS
+from pipeline.testing.qwen3 import USER_TURN_AND_REASONING
+from pipeline.testing.qwen3_vl import processor_with, tower
 
 # transformers' config, model and processor classes are imported in the functions that use them: each
 # pulls in its family's modeling code, and ``import pipeline`` imports every family module (the registry).
@@ -36,7 +37,6 @@ ROLES = QWEN_ROLES  # eos <|im_end|>, pad <|endoftext|>; generation stops on bot
 # +1, <|vision_start|> +9, <|image_pad|> +12, <tool_call> +14, <think> +24), <think> and
 # <tool_call> added but not special.
 SPECIAL_TOKENS = QWEN3_SPECIAL_TOKENS
-PATCH = 16
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 HEAD_DIM = 64  # gated attention; a quarter of it rotates (partial_rotary_factor 0.25, as published)
 MROPE_SECTION = [3, 3, 2]  # the 8 rotary frequencies split T/H/W, interleaved (published: [11, 11, 10] of 32)
@@ -53,7 +53,8 @@ LINEAR = dict(
 # the 0.8B model card says it "operates in non-thinking mode by default". Taken from the copy in
 # github.com/trymirai/uzu (crates/hanashi/configs/rendering/qwen3.5.json, first version, commit
 # f4a421880), as the hub file itself could not be fetched here.
-CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) %}
+CHAT_TEMPLATE = (
+    r"""{%- set image_count = namespace(value=0) %}
 {%- set video_count = namespace(value=0) %}
 {%- macro render_content(content, do_vision_count, is_system_content=false) %}
     {%- if content is string %}
@@ -140,18 +141,9 @@ CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) %}
             {{- raise_exception('System message must be at the beginning.') }}
         {%- endif %}
     {%- elif message.role == "user" %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set reasoning_content = '' %}
-        {%- if message.reasoning_content is string %}
-            {%- set reasoning_content = message.reasoning_content %}
-        {%- else %}
-            {%- if '</think>' in content %}
-                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
-                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
-            {%- endif %}
-        {%- endif %}
-        {%- set reasoning_content = reasoning_content|trim %}
+"""
+    + USER_TURN_AND_REASONING
+    + r"""        {%- set reasoning_content = reasoning_content|trim %}
         {%- if loop.index0 > ns.last_query_index %}
             {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content + '\n</think>\n\n' + content }}
         {%- else %}
@@ -207,6 +199,7 @@ CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) %}
         {{- '<think>\n\n</think>\n\n' }}
     {%- endif %}
 {%- endif %}"""
+)
 
 
 def make_text_config(tok: PreTrainedTokenizerBase) -> dict[str, Any]:
@@ -232,27 +225,11 @@ def make_text_config(tok: PreTrainedTokenizerBase) -> dict[str, Any]:
 
 
 def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
-    """A 4-layer hybrid Qwen3.5 behind a 2-block tower (16 px patches merged 2 x 2); ids from ``tok``."""
+    """A 4-layer hybrid Qwen3.5 behind Qwen3-VL's 2-block tower without deepstack (16 px patches merged
+    2 x 2); ids from ``tok``."""
     from transformers import Qwen3_5Config
 
-    return Qwen3_5Config(
-        text_config=make_text_config(tok),
-        vision_config=dict(
-            depth=VISION_DEPTH,
-            hidden_size=VISION_DIM,
-            intermediate_size=2 * VISION_DIM,
-            num_heads=VISION_HEADS,
-            in_channels=3,
-            patch_size=PATCH,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            out_hidden_size=HIDDEN,
-            num_position_embeddings=64,
-            initializer_range=INIT_RANGE,
-        ),
-        **_vision_token_ids(tok),
-        tie_word_embeddings=False,
-    )
+    return _vl_config(Qwen3_5Config, tok, make_text_config(tok), tower())
 
 
 def model_class() -> type[PreTrainedModel]:
@@ -262,15 +239,6 @@ def model_class() -> type[PreTrainedModel]:
 
 
 def make_processor(tok: PreTrainedTokenizerBase) -> ProcessorMixin:
-    """The real ``Qwen3VLProcessor`` (what transformers maps ``qwen3_5`` to), with Qwen2-VL's image
+    """The real ``Qwen3VLProcessor`` (what transformers maps ``qwen3_5`` to), Qwen3-VL's: Qwen2-VL's image
     processor and Qwen3-VL's video processor at small pixel budgets."""
-    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
-
-    bounds = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
-    common = dict(patch_size=PATCH, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    return Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessor(size=bounds, **common),
-        tokenizer=tok,
-        video_processor=Qwen3VLVideoProcessor(size=bounds, **common),
-        chat_template=CHAT_TEMPLATE,
-    )
+    return processor_with(tok, CHAT_TEMPLATE)

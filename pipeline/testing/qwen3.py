@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.tiny.common import HEAD_DIM, QWEN_ROLES, QWEN_SPECIAL_TOKENS, _text_kwargs
+from pipeline.testing.common import HEAD_DIM, QWEN_ROLES, QWEN_SPECIAL_TOKENS, _text_kwargs
 
 # transformers' config, model and processor classes are imported in the functions that use them: each
 # pulls in its family's modeling code, and ``import pipeline`` imports every family module (the registry).
@@ -20,8 +20,24 @@ SPECIAL_TOKENS = QWEN_SPECIAL_TOKENS + [
     (t, False) for t in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 ]
 
+# A user turn, and an assistant turn's reasoning split out of its content (what is before
+# ``</think>``) when it comes without ``reasoning_content``: Qwen3.5's template has the same lines.
+USER_TURN_AND_REASONING = r"""        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+"""
+
 # The published Qwen3-8B template (thinking, tools).
-QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
+QWEN3_CHAT_TEMPLATE = (
+    r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0].role == 'system' %}
         {{- messages[0].content + '\n\n' }}
@@ -52,18 +68,9 @@ QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
         {%- set content = '' %}
     {%- endif %}
     {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set reasoning_content = '' %}
-        {%- if message.reasoning_content is string %}
-            {%- set reasoning_content = message.reasoning_content %}
-        {%- else %}
-            {%- if '</think>' in content %}
-                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
-                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
-            {%- endif %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index %}
+"""
+    + USER_TURN_AND_REASONING
+    + r"""        {%- if loop.index0 > ns.last_query_index %}
             {%- if loop.last or (not loop.last and reasoning_content) %}
                 {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
             {%- else %}
@@ -110,6 +117,7 @@ QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
         {{- '<think>\n\n</think>\n\n' }}
     {%- endif %}
 {%- endif %}"""
+)
 CHAT_TEMPLATE = QWEN3_CHAT_TEMPLATE
 
 

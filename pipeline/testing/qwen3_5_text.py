@@ -3,7 +3,7 @@
 
 Why a family of its own: a checkpoint's ``config.json`` decides what loads, and a text-only one
 names ``qwen3_5_text`` and ``Qwen3_5ForCausalLM``; the same tokenizer, template and decoder
-settings as ``qwen3.5`` (``pipeline.tiny.qwen3_5``), so the two differ only by the tower.
+settings as ``qwen3.5`` (``pipeline.testing.qwen3_5``), so the two differ only by the tower.
 ``build_tiny("qwen3.5-text", dir)`` writes it.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.tiny.qwen3_5 import CHAT_TEMPLATE, ROLES, SPECIAL_TOKENS  # noqa: F401  (the registry reads them here)
-from pipeline.tiny.qwen3_5 import make_text_config
+from pipeline.testing.qwen3_5 import CHAT_TEMPLATE, ROLES, SPECIAL_TOKENS  # noqa: F401  (the registry reads them here)
+from pipeline.testing.qwen3_5 import make_text_config
 
 # transformers' config, model and processor classes are imported in the functions that use them: each
 # pulls in its family's modeling code, and ``import pipeline`` imports every family module (the registry).

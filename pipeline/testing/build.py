@@ -1,6 +1,6 @@
-"""Writing a tiny model directory (``build_tiny``) and the on-disk cache behind the default.
+"""Writing a tiny model directory (``build_tiny``) and the on-disk cache (``tiny_model_dir``).
 
-Why: tests and the embedded default need a real ``from_pretrained`` directory, built
+Why: tests and benchmarks need a real ``from_pretrained`` directory, built
 deterministically (seeded weights) and atomically (``os.replace``), so concurrent first uses
 and interrupted builds never leave a half-written model behind.
 """
@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.utils import logging as hf_logging
 
-from pipeline.tiny.common import MARKER_FILE, RECIPE_VERSION, _generation_config
-from pipeline.tiny.registry import family_module
-from pipeline.tiny.tokenizer import make_tokenizer
+from pipeline.testing.common import MARKER_FILE, RECIPE_VERSION, _generation_config
+from pipeline.testing.registry import family_module
+from pipeline.testing.tokenizer import make_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
@@ -111,7 +111,7 @@ class _seeded:
 def build_tiny(family: str, out_dir: str | Path, seed: int = 0) -> Path:
     """Write a complete tiny ``family`` model (config, weights, tokenizer/processor) to ``out_dir``.
 
-    Why: gives tests and the embedded default a real ``from_pretrained`` directory.  Weights
+    Why: gives tests and benchmarks a real ``from_pretrained`` directory.  Weights
     are seeded, so building twice gives byte-identical safetensors.  The directory is built
     next to ``out_dir`` and moved into place with ``os.replace``, so no process ever sees a
     half-written model; an existing ``out_dir`` is replaced.
@@ -170,32 +170,3 @@ def tiny_model_dir(family: str) -> Path:
     if not _is_complete(d):
         _build_into(family, 0, d, keep_existing=True)  # a broken leftover is replaced
     return d
-
-
-# The embedded default: a tiny Qwen2-VL trained by ``python -m scripts.train.train_shapes`` to name
-# the shapes in images (``pipeline.tiny.shapes``); its files ship in the package.
-SHAPES_MODEL_DIR = Path(__file__).resolve().parent / "shapes_model"
-
-
-def default_model_dir() -> Path:
-    """The embedded default model: the shipped toy shapes model (nothing to build, offline).
-
-    Why trained rather than random: the first run shows a model looking at an image and
-    answering correctly. ``tiny_model_dir(family)`` still gives random-weight models for tests.
-    """
-    if not (SHAPES_MODEL_DIR / "model.safetensors").is_file() or model_card(SHAPES_MODEL_DIR) is None:
-        raise FileNotFoundError(
-            f"the embedded default model is missing from {SHAPES_MODEL_DIR}: re-create it with "
-            "`python -m scripts.train.train_shapes` (or reinstall the package)"
-        )
-    return SHAPES_MODEL_DIR
-
-
-def model_card(path: str | Path) -> dict | None:
-    """The marker of a model directory the project wrote (how it was made, what it answers), or
-    None for any other model (a hub id, someone's save_pretrained directory)."""
-    try:
-        card = json.loads((Path(path).expanduser() / MARKER_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return card if isinstance(card, dict) else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pipeline.tiny.common import (
+from pipeline.testing.common import (
     HIDDEN,
     INIT_RANGE,
     MAX_PIXELS,
@@ -80,36 +80,47 @@ def _media_processors() -> tuple[BaseImageProcessor, BaseVideoProcessor]:
     """Image and video processors with small pixel budgets, so an image is a handful of tokens."""
     from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    image_processor = Qwen2VLImageProcessor(
-        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, temporal_patch_size=2, merge_size=2
+    bounds = dict(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, temporal_patch_size=2, merge_size=2)
+    return Qwen2VLImageProcessor(**bounds), Qwen2VLVideoProcessor(**bounds)
+
+
+def _vl_config(
+    config_class: type[PretrainedConfig], tok: PreTrainedTokenizerBase, text: dict[str, Any], vision: dict[str, Any]
+) -> PretrainedConfig:
+    """A Qwen vision-language config (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5): the decoder's and the
+    tower's settings, the placeholder ids from ``tok``, an untied output layer."""
+    return config_class(text_config=text, vision_config=vision, **_vision_token_ids(tok), tie_word_embeddings=False)
+
+
+def _vl_processor(processor_class: type[ProcessorMixin], tok: PreTrainedTokenizerBase) -> ProcessorMixin:
+    """The real ``processor_class`` (Qwen2-VL's or Qwen2.5-VL's) around ``tok``, with the small-budget
+    image and video processors and the shared template."""
+    image_processor, video_processor = _media_processors()
+    return processor_class(
+        image_processor=image_processor,
+        tokenizer=tok,
+        video_processor=video_processor,
+        chat_template=QWEN2_VL_CHAT_TEMPLATE,
     )
-    video_processor = Qwen2VLVideoProcessor(
-        min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, temporal_patch_size=2, merge_size=2
-    )
-    return image_processor, video_processor
 
 
 def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
     """A 2-layer Qwen2-VL with a 2-block vision tower; token ids come from ``tok``."""
     from transformers import Qwen2VLConfig
 
-    return Qwen2VLConfig(
-        text_config=_text_config(tok, FAMILY),
-        vision_config=dict(
-            depth=VISION_DEPTH,
-            embed_dim=VISION_DIM,
-            hidden_size=HIDDEN,
-            mlp_ratio=2,
-            num_heads=VISION_HEADS,
-            in_channels=3,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            initializer_range=INIT_RANGE,
-        ),
-        **_vision_token_ids(tok),
-        tie_word_embeddings=False,
+    vision = dict(
+        depth=VISION_DEPTH,
+        embed_dim=VISION_DIM,
+        hidden_size=HIDDEN,
+        mlp_ratio=2,
+        num_heads=VISION_HEADS,
+        in_channels=3,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        initializer_range=INIT_RANGE,
     )
+    return _vl_config(Qwen2VLConfig, tok, _text_config(tok, FAMILY), vision)
 
 
 def model_class() -> type[PreTrainedModel]:
@@ -122,7 +133,4 @@ def make_processor(tok: PreTrainedTokenizerBase) -> ProcessorMixin:
     """The real ``Qwen2VLProcessor`` around ``tok``."""
     from transformers import Qwen2VLProcessor
 
-    image_processor, video_processor = _media_processors()
-    return Qwen2VLProcessor(
-        image_processor=image_processor, tokenizer=tok, video_processor=video_processor, chat_template=CHAT_TEMPLATE
-    )
+    return _vl_processor(Qwen2VLProcessor, tok)

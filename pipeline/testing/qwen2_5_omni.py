@@ -10,21 +10,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.tiny.common import (
+from pipeline.testing.common import (
     AUDIO_DIM,
     AUDIO_HEADS,
     AUDIO_LAYERS,
     HIDDEN,
     INIT_RANGE,
-    MAX_PIXELS,
-    MIN_PIXELS,
     QWEN_BASE_TOKENS,
     QWEN_ROLES,
-    VISION_DEPTH,
-    VISION_DIM,
-    VISION_HEADS,
 )
-from pipeline.tiny.qwen2_vl import _text_config
+from pipeline.testing.qwen2_5_vl import window_tower
+from pipeline.testing.qwen2_vl import _media_processors, _text_config
 
 # transformers' config, model and processor classes are imported in the functions that use them: each
 # pulls in its family's modeling code, and ``import pipeline`` imports every family module (the registry).
@@ -95,21 +91,7 @@ def make_config(tok: PreTrainedTokenizerBase) -> PretrainedConfig:
     ids = tok.convert_tokens_to_ids
     return Qwen2_5OmniThinkerConfig(
         text_config=_text_config(tok, FAMILY),
-        vision_config=dict(
-            depth=VISION_DEPTH,
-            hidden_size=VISION_DIM,
-            intermediate_size=2 * VISION_DIM,
-            out_hidden_size=HIDDEN,
-            num_heads=VISION_HEADS,
-            in_channels=3,
-            patch_size=14,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
-            window_size=112,
-            fullatt_block_indexes=[VISION_DEPTH - 1],
-            hidden_act="silu",
-            initializer_range=INIT_RANGE,
-        ),
+        vision_config=window_tower(),  # Qwen2.5-VL's, without its tokens_per_second
         audio_config=dict(
             num_mel_bins=128,
             encoder_layers=AUDIO_LAYERS,
@@ -143,9 +125,9 @@ def model_class() -> type[PreTrainedModel]:
 def make_processor(tok: PreTrainedTokenizerBase) -> ProcessorMixin:
     """The real ``Qwen2_5OmniProcessor``: Qwen2-VL image and video processors with small pixel
     budgets and a 128-bin Whisper feature extractor at 16 kHz."""
-    from transformers import Qwen2_5OmniProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor, WhisperFeatureExtractor
+    from transformers import Qwen2_5OmniProcessor, WhisperFeatureExtractor
 
-    bounds = dict(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=14, temporal_patch_size=2, merge_size=2)
+    image_processor, video_processor = _media_processors()
     fe = WhisperFeatureExtractor(
         feature_size=128,
         sampling_rate=16000,
@@ -156,8 +138,8 @@ def make_processor(tok: PreTrainedTokenizerBase) -> ProcessorMixin:
         return_attention_mask=True,
     )
     return Qwen2_5OmniProcessor(
-        image_processor=Qwen2VLImageProcessor(**bounds),
-        video_processor=Qwen2VLVideoProcessor(**bounds),
+        image_processor=image_processor,
+        video_processor=video_processor,
         feature_extractor=fe,
         tokenizer=tok,
         chat_template=CHAT_TEMPLATE,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.tiny.common import _text_kwargs
+from pipeline.testing.common import _text_kwargs
 
 # transformers' config, model and processor classes are imported in the functions that use them: each
 # pulls in its family's modeling code, and ``import pipeline`` imports every family module (the registry).

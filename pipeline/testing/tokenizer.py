@@ -15,8 +15,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast, Qwen2Tokenizer
 
-from pipeline.tiny.common import NUM_MERGES
-from pipeline.tiny.registry import CHAT_TEMPLATES, family_module
+from pipeline.testing.common import NUM_MERGES
+from pipeline.testing.registry import CHAT_TEMPLATES, family_module
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import GenerationConfig
 
+# Written last into every built directory (``pipeline.tiny`` owns it: the loader reads it at runtime).
+from pipeline.tiny.card import MARKER_FILE  # noqa: F401
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -17,9 +20,6 @@ DEFAULT_FAMILY = "qwen2-vl"
 # Bump when anything below changes what gets written (weights, tokenizer, configs): cached
 # directories are keyed on it, so a stale cache is never reused.
 RECIPE_VERSION = 1
-# Written last into every built directory; lets callers recognise a tiny model (e.g. for a
-# "random weights, meaningless output" banner) and records how it was made.
-MARKER_FILE = "mm_pipeline_tiny.json"
 
 # --------------------------------------------------------------------------------------
 # Sizes: tiny but valid.  Every nn.Linear has in_features >= 64 (bitsandbytes' CPU 4-bit
