@@ -46,7 +46,7 @@ class Completions:
     def __init__(self, pipe: Pipeline, settings: ServeSettings, draining: Callable[[], bool]) -> None:
         self.pipe, self.settings = pipe, settings
         self.requests = Renderer(pipe, settings, draining)  # it refuses new requests while draining
-        self.metrics = ServerMetrics(pipe.engine)
+        self.metrics = ServerMetrics(pipe.engine, settings.model_name)
         self.started = int(time.time())
         self.texts = lp.TokenTexts(pipe.lm.tokenizer)
         self._scorer: Pipeline | None = None  # prefill only: completions with max_tokens 0 (echo)
@@ -77,7 +77,7 @@ class Completions:
             return self._failed(rid, endpoint, APIError(400, str(err), code="invalid_value"))
         meta = {"id": rid, "created": int(time.time()), "model": self.settings.model_name}
         if body.stream:
-            return await self._stream(body, http, sub, meta, chat, endpoint, call)
+            return await self._stream(body, sub, meta, chat, endpoint, call)
         return await self._whole(http, sub, meta, chat, endpoint, call)
 
     def _submit(self, sub: Submission, rid: str, call: Call, stream: bool) -> None:
@@ -91,9 +91,13 @@ class Completions:
             sub.track(pipe.submit(request, on_text=sub.on_text(i) if stream else None, ids=ids))
 
     def _failed(self, rid: str, endpoint: str, err: APIError) -> JSONResponse:
-        self.metrics.requests.labels(endpoint, str(err.status)).inc()
-        log(f"{rid} {err.status} {err.message}")
+        self.count_failure(rid, endpoint, err)
         return error_response(err.status, err.message, err.type, err.code)
+
+    def count_failure(self, rid: str, endpoint: str, err: APIError, where: str = "") -> None:
+        """A failed call counted and logged (``where``: `` (streaming)`` once its stream began)."""
+        self.metrics.requests.labels(endpoint, str(err.status)).inc()
+        log(f"{rid} {err.status}{where} {err.message}")
 
     def _outcome(self, handles: list[Handle]) -> tuple[list[Result] | None, APIError | None]:
         """The finished handles' results, or the API error their first failure maps to."""
@@ -107,9 +111,15 @@ class Completions:
             traceback.print_exception(err, file=sys.stderr)
             return None, APIError(500, f"internal error ({type(err).__name__}: {err})", "server_error")
 
-    def _done(self, rid: str, endpoint: str, results: list[Result]) -> None:
+    def outcome_of(self, sub: Submission, choice: int) -> tuple[Result | None, APIError | None]:
+        """One ended choice's result, or the API error its failure maps to."""
+        results, err = self._outcome([sub.handles[choice]])
+        return (results[0] if results else None), err
+
+    def count_done(self, rid: str, endpoint: str, results: list[Result]) -> None:
+        """A call answered: its sequences' metrics counted, one line logged."""
         for result in results:
-            self.metrics.finished(result.metrics)
+            self.metrics.finished(result.metrics, result.finish_reason)
         self.metrics.requests.labels(endpoint, "200").inc()
         m = results[0].metrics
         log(
@@ -117,41 +127,32 @@ class Completions:
             f"ttft={m.get('ttft_s') or 0:.3f}s reused={m.get('kv_reused_tokens')}"
         )
 
-    @staticmethod
-    def _usage(results: list[Result], n: int) -> dict:
-        """Each prompt counted once (its ``n`` choices share it); ``cached_tokens``: its tokens the
-        prefix cache held."""
-        firsts = results[::n]
-        prompt = sum(r.prompt_tokens for r in firsts)
-        completion = sum(len(r.token_ids) for r in results)
-        cached = sum(int(r.metrics.get("kv_reused_tokens") or 0) for r in firsts)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    @staticmethod
-    def _metrics(result: Result) -> dict:
-        keys = (
-            "ttft_s",
-            "tpot_s",
-            "decode_tok_s",
-            "prefill_tok_s",
-            "queue_s",
-            "prompt_tokens",
-            "kv_reused_tokens",
-            "prefill_tokens",
-            "generated_tokens",
-            "total_s",
-        )
-        return {k: result.metrics.get(k) for k in keys}
+    # --- answered whole ---------------------------------------------------------------------
 
     async def _whole(
         self, http: HTTPRequest, sub: Submission, meta: dict, chat: bool, endpoint: str, call: Call
     ) -> Response:
-        async def watch() -> None:  # a client that hangs up cancels its sequences
+        await self._wait_all(http, sub)
+        results, err = self._outcome(sub.handles)
+        if err is not None:
+            return self._failed(meta["id"], endpoint, err)
+        self.count_done(meta["id"], endpoint, results)
+        choice = self._chat_choice if chat else self._completion_choice
+        return JSONResponse(
+            {
+                **meta,
+                "object": "chat.completion" if chat else "text_completion",
+                "choices": [choice(call, i, r) for i, r in enumerate(results)],
+                "usage": usage(results, call.n),
+                "metrics": reported_metrics(results[0]),
+            }
+        )
+
+    @staticmethod
+    async def _wait_all(http: HTTPRequest, sub: Submission) -> None:
+        """Until every choice ended; a client that hangs up meanwhile cancels its sequences."""
+
+        async def watch() -> None:
             while not await http.is_disconnected():
                 await asyncio.sleep(0.25)
             sub.cancel()
@@ -163,36 +164,12 @@ class Completions:
         finally:
             watcher.cancel()
             sub.cancel()
-        results, err = self._outcome(sub.handles)
-        if err is not None:
-            return self._failed(meta["id"], endpoint, err)
-        self._done(meta["id"], endpoint, results)
-        if chat:
-            choices = []
-            for i, r in enumerate(results):
-                msg, finish = message(call.reading, r.text, self.requests.opened(r.prompt_ids), FINISH[r.finish_reason])
-                choices.append(
-                    {
-                        "index": i,
-                        "message": msg,
-                        "logprobs": self._chat_logprobs(call, r.logprobs),
-                        "finish_reason": finish,
-                    }
-                )
-        else:
-            choices = [self._completion_choice(call, i, r) for i, r in enumerate(results)]
-        return JSONResponse(
-            {
-                **meta,
-                "object": "chat.completion" if chat else "text_completion",
-                "choices": choices,
-                "usage": self._usage(results, call.n),
-                "metrics": self._metrics(results[0]),
-            }
-        )
 
-    def _chat_logprobs(self, call: Call, entries: Any) -> dict | None:
-        return None if call.top is None else {"content": lp.chat_content(entries or [], self.texts), "refusal": None}
+    def _chat_choice(self, call: Call, i: int, r: Result) -> dict:
+        """A chat choice: the message read off the text (content, reasoning, tool calls)."""
+        msg, finish = message(call.reading, r.text, self.requests.opened(r.prompt_ids), FINISH[r.finish_reason])
+        logprobs = chat_logprobs(call, r.logprobs, self.texts)
+        return {"index": i, "message": msg, "logprobs": logprobs, "finish_reason": finish}
 
     def _completion_choice(self, call: Call, i: int, r: Result) -> dict:
         """A completions choice: the echoed prompt first when asked (its tokens' scores too, the
@@ -206,128 +183,204 @@ class Completions:
         finish = "length" if call.requests[i].max_new_tokens == 0 else FINISH[r.finish_reason]
         return {"index": i, "text": prompt + r.text, "logprobs": logprobs, "finish_reason": finish}
 
+    # --- streamed ---------------------------------------------------------------------------
+
     async def _stream(
-        self, body: Sampling, http: HTTPRequest, sub: Submission, meta: dict, chat: bool, endpoint: str, call: Call
+        self, body: Sampling, sub: Submission, meta: dict, chat: bool, endpoint: str, call: Call
     ) -> Response:
+        """The answer as server-sent events, committed (200) only once its first events are known:
+        a choice that failed before any text (bad media, a prompt too long) gets its JSON error."""
         try:
-            first = await sub.next_events()  # commit to 200 only once something is known
+            first = await sub.next_events()
         except BaseException:
             sub.cancel()
             raise
-        for choice, text in first:
-            if text is None:
-                _, err = self._outcome_of(sub, choice)
-                if err is not None:
-                    sub.cancel()
-                    return self._failed(meta["id"], endpoint, err)
+        err = self._first_failure(sub, first)
+        if err is not None:
+            sub.cancel()
+            return self._failed(meta["id"], endpoint, err)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        sent = [0] * len(sub.handles)  # per choice: log-probabilities sent so far
-        deltas: list[Deltas | None] = [None] * len(sub.handles)  # per choice (chat): what its text added
-        offsets = [0] * len(sub.handles)  # per choice: characters sent so far (text_offset)
-
-        def scores(choice: int, text: str | None) -> dict | None:
-            """The log-probabilities of the tokens this choice generated since its last chunk."""
-            if call.top is None:
-                return None
-            entries = sub.handles[choice].context.logprobs[sent[choice] :]
-            sent[choice] += len(entries)
-            if chat:
-                return self._chat_logprobs(call, entries)
-            out = lp.legacy([e.token_id for e in entries], entries, self.texts, offsets[choice])
-            offsets[choice] += len(text or "")
-            return out
-
-        def chunk(
-            choice: int,
-            text: str | None = None,
-            finish: str | None = None,
-            role: bool = False,
-            held: dict | None = None,
-        ) -> str:
-            """A chunk of ``text`` (or ``held``: the delta of what a chat answer held back, sent as it is)."""
-            if held is not None:
-                return (
-                    "data: "
-                    + json.dumps(
-                        {
-                            **meta,
-                            "object": obj,
-                            "choices": [{"index": choice, "delta": held, "logprobs": None, "finish_reason": None}],
-                        }
-                    )
-                    + "\n\n"
-                )
-            logprobs = None if role else scores(choice, text)
-            if chat:
-                delta: dict = {"role": "assistant", "content": ""} if role else {}
-                if text is not None:
-                    if deltas[choice] is None:
-                        deltas[choice] = Deltas(
-                            call.reading, self.requests.opened(sub.handles[choice].context.input_ids)
-                        )
-                    delta = deltas[choice].add(text)
-                    if not delta and logprobs is None:
-                        return ""  # held back (it may be a tool call starting)
-                if finish == "stop" and deltas[choice] is not None and deltas[choice].called:
-                    finish = "tool_calls"
-                item = {"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            else:
-                item = {"index": choice, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-            return "data: " + json.dumps({**meta, "object": obj, "choices": [item]}) + "\n\n"
-
-        async def lines() -> AsyncIterator[str]:
-            finished: list[Result | None] = [None] * len(sub.handles)
-            try:
-                if chat:
-                    for i in range(len(sub.handles)):
-                        yield chunk(i, role=True)
-                pending = first
-                while True:
-                    for choice, text in pending:
-                        if text is not None:
-                            piece = chunk(choice, text)
-                            if piece:
-                                yield piece
-                            continue
-                        result, err = self._outcome_of(sub, choice)
-                        if err is not None:
-                            self.metrics.requests.labels(endpoint, str(err.status)).inc()
-                            log(f"{meta['id']} {err.status} (streaming) {err.message}")
-                            yield (
-                                "data: "
-                                + json.dumps({"error": {"message": err.message, "type": err.type, "code": err.code}})
-                                + "\n\n"
-                            )
-                            yield "data: [DONE]\n\n"
-                            return
-                        finished[choice] = result
-                        rest = deltas[choice].flush() if deltas[choice] is not None else None
-                        if rest:
-                            yield chunk(choice, held=rest)
-                        yield chunk(choice, finish=FINISH[result.finish_reason])
-                    if not sub.open:
-                        break
-                    pending = await sub.next_events()
-                results = [r for r in finished if r is not None]
-                self._done(meta["id"], endpoint, results)
-                if include_usage:
-                    usage = self._usage(results, call.n)
-                    yield (
-                        "data: "
-                        + json.dumps(
-                            {**meta, "object": obj, "choices": [], "usage": usage, "metrics": self._metrics(results[0])}
-                        )
-                        + "\n\n"
-                    )
-                yield "data: [DONE]\n\n"
-            finally:
-                sub.cancel()  # client gone mid-stream (or done): nothing keeps running for it
-
+        stream = StreamedAnswer(self, sub, call, meta, chat, endpoint, include_usage)
         return StreamingResponse(
-            lines(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            stream.events(first),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    def _outcome_of(self, sub: Submission, choice: int) -> tuple[Result | None, APIError | None]:
-        results, err = self._outcome([sub.handles[choice]])
-        return (results[0] if results else None), err
+    def _first_failure(self, sub: Submission, events: list[tuple[int, str | None]]) -> APIError | None:
+        """The error of the first choice these events end with a failure, if any."""
+        for choice, text in events:
+            if text is None:
+                _, err = self.outcome_of(sub, choice)
+                if err is not None:
+                    return err
+        return None
+
+
+DONE = "data: [DONE]\n\n"  # the stream's last event
+
+
+def sse(payload: dict) -> str:
+    """One server-sent event: ``data:`` and the JSON, then the blank line that ends it."""
+    return "data: " + json.dumps(payload) + "\n\n"
+
+
+class StreamedAnswer:
+    """One streamed call's events: each choice's text as it comes (a chat answer's role first,
+    its deltas read off the text) with its tokens' log-probabilities, each choice's end, then
+    the usage when asked and ``[DONE]``. A choice failing mid-stream ends it with an error event."""
+
+    def __init__(
+        self,
+        api: Completions,
+        sub: Submission,
+        call: Call,
+        meta: dict,
+        chat: bool,
+        endpoint: str,
+        include_usage: bool,
+    ) -> None:
+        self.api, self.sub, self.call, self.meta, self.chat = api, sub, call, meta, chat
+        self.endpoint, self.include_usage = endpoint, include_usage
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+        n = len(sub.handles)
+        self.sent = [0] * n  # per choice: log-probabilities sent so far
+        self.offsets = [0] * n  # per choice: characters sent so far (text_offset)
+        self.deltas: list[Deltas | None] = [None] * n  # per choice (chat): what its text added
+        self.finished: list[Result | None] = [None] * n
+        self.failed = False
+
+    async def events(self, first: list[tuple[int, str | None]]) -> AsyncIterator[str]:
+        """The events, from the submission's first ones on, until ``[DONE]``."""
+        try:
+            if self.chat:  # each choice's role first
+                for choice in range(len(self.sub.handles)):
+                    yield self.role_chunk(choice)
+            pending = first
+            while True:
+                for choice, text in pending:
+                    for event in self._events_of(choice, text):
+                        yield event
+                    if self.failed:
+                        return
+                if not self.sub.open:
+                    break
+                pending = await self.sub.next_events()
+            for event in self._closing():
+                yield event
+        finally:
+            self.sub.cancel()  # client gone mid-stream (or done): nothing keeps running for it
+
+    def _events_of(self, choice: int, text: str | None) -> list[str]:
+        """What one submission event sends: a chunk of new text (none while a chat answer holds
+        it back), or the choice's end."""
+        if text is None:
+            return self._ended(choice)
+        chunk = self.chunk(choice, text)
+        return [chunk] if chunk else []
+
+    def _ended(self, choice: int) -> list[str]:
+        """A choice ended: what its chat answer held back, then its ``finish_reason``; or, when it
+        failed, the error and ``[DONE]`` (the stream ends there)."""
+        result, err = self.api.outcome_of(self.sub, choice)
+        if err is not None:
+            self.failed = True
+            self.api.count_failure(self.meta["id"], self.endpoint, err, " (streaming)")
+            return [sse({"error": {"message": err.message, "type": err.type, "code": err.code}}), DONE]
+        self.finished[choice] = result
+        rest = self.deltas[choice].flush() if self.deltas[choice] is not None else None
+        held = [self._event({"index": choice, "delta": rest, "logprobs": None, "finish_reason": None})] if rest else []
+        return held + [self.chunk(choice, finish=FINISH[result.finish_reason])]
+
+    def _closing(self) -> list[str]:
+        """After every choice ended: the call counted and logged, its usage when asked, ``[DONE]``."""
+        results = [r for r in self.finished if r is not None]
+        self.api.count_done(self.meta["id"], self.endpoint, results)
+        if not self.include_usage:
+            return [DONE]
+        totals = {"usage": usage(results, self.call.n), "metrics": reported_metrics(results[0])}
+        return [sse({**self.meta, "object": self.object, "choices": [], **totals}), DONE]
+
+    def _event(self, item: dict) -> str:
+        """A chunk of one choice: ``item`` under the call's id, time and model."""
+        return sse({**self.meta, "object": self.object, "choices": [item]})
+
+    def role_chunk(self, choice: int) -> str:
+        """A chat choice's first chunk: the assistant's role, no text yet."""
+        delta = {"role": "assistant", "content": ""}
+        return self._event({"index": choice, "delta": delta, "logprobs": None, "finish_reason": None})
+
+    def chunk(self, choice: int, text: str | None = None, finish: str | None = None) -> str:
+        """A chunk of new ``text`` (None: the choice's end, with ``finish``) and the log-probabilities
+        of the tokens since the last one; empty when a chat answer holds the text back."""
+        logprobs = self._scores(choice, text)
+        if not self.chat:
+            return self._event({"index": choice, "text": text or "", "logprobs": logprobs, "finish_reason": finish})
+        delta = {} if text is None else self._chat_delta(choice, text)
+        if text is not None and not delta and logprobs is None:
+            return ""  # held back (it may be a tool call starting)
+        deltas = self.deltas[choice]
+        if finish == "stop" and deltas is not None and deltas.called:
+            finish = "tool_calls"
+        return self._event({"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+
+    def _chat_delta(self, choice: int, text: str) -> dict:
+        """What ``text`` adds to a chat answer: content, reasoning, tool-call fragments."""
+        if self.deltas[choice] is None:
+            opened = self.api.requests.opened(self.sub.handles[choice].context.input_ids)
+            self.deltas[choice] = Deltas(self.call.reading, opened)
+        return self.deltas[choice].add(text)
+
+    def _scores(self, choice: int, text: str | None) -> dict | None:
+        """The log-probabilities of the tokens this choice generated since its last chunk."""
+        if self.call.top is None:
+            return None
+        entries = self.sub.handles[choice].context.logprobs[self.sent[choice] :]
+        self.sent[choice] += len(entries)
+        if self.chat:
+            return chat_logprobs(self.call, entries, self.api.texts)
+        out = lp.legacy([e.token_id for e in entries], entries, self.api.texts, self.offsets[choice])
+        self.offsets[choice] += len(text or "")
+        return out
+
+
+# --- the parts of a response both ways share ---------------------------------------------------
+
+
+def usage(results: list[Result], n: int) -> dict:
+    """Each prompt counted once (its ``n`` choices share it); ``cached_tokens``: its tokens the
+    prefix cache held."""
+    firsts = results[::n]
+    prompt = sum(r.prompt_tokens for r in firsts)
+    completion = sum(len(r.token_ids) for r in results)
+    cached = sum(int(r.metrics.get("kv_reused_tokens") or 0) for r in firsts)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+REPORTED_METRICS = (
+    "ttft_s",
+    "tpot_s",
+    "decode_tok_s",
+    "prefill_tok_s",
+    "queue_s",
+    "prompt_tokens",
+    "kv_reused_tokens",
+    "prefill_tokens",
+    "generated_tokens",
+    "total_s",
+)
+
+
+def reported_metrics(result: Result) -> dict:
+    """The metrics a response carries (``metrics``, next to ``usage``): the first choice's."""
+    return {k: result.metrics.get(k) for k in REPORTED_METRICS}
+
+
+def chat_logprobs(call: Call, entries: Any, texts: lp.TokenTexts) -> dict | None:
+    """A chat choice's ``logprobs`` (None when not asked)."""
+    return None if call.top is None else {"content": lp.chat_content(entries or [], texts), "refusal": None}
