@@ -53,6 +53,13 @@ class Request:
     # arguments for the template (enable_thinking comes from ``thinking``).
     tools: list[dict] | None = None
     chat_template_kwargs: dict | None = None
+    # Embed the prompt instead of answering it: prefill only, the final hidden states pooled
+    # ("last": the last token's, as decoder embedders such as Qwen3-Embedding; "mean"; "cls": the
+    # first token's) and L2-normalised, into ``Result.embedding``. None: generate as usual.
+    pooling: str | None = None
+
+
+POOLINGS = ("last", "mean", "cls")
 
 
 LOGPROB_FLOOR = -9999.0  # what -inf is written as: JSON has no infinities (vLLM sends the same)
@@ -94,6 +101,7 @@ class Context:
     model_inputs: dict = field(default_factory=dict)  # processor outputs (pixel_values, grid_thw, ...)
     inputs_embeds: torch.Tensor | None = None  # [1, L, H] when media embeddings are merged in
     logits: torch.Tensor | None = None  # [1, V] logits for the next token
+    pooled: torch.Tensor | None = None  # [H] float32: Request.pooling's sum of hidden states so far
     generated: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when asked
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # prompt position -> its score
@@ -116,6 +124,7 @@ class Result:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (Request.logprobs)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, the first None
+    embedding: list[float] | None = None  # Request.pooling: the prompt's L2-normalised embedding
 
     @property
     def prompt_tokens(self) -> int:
@@ -135,4 +144,5 @@ class Result:
                 if self.prompt_logprobs is None
                 else {"prompt_logprobs": [None if t is None else t.to_dict() for t in self.prompt_logprobs]}
             ),
+            **({} if self.embedding is None else {"embedding": self.embedding}),
         }

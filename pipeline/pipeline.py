@@ -14,6 +14,7 @@ from pipeline.context import Context, Request, Result
 from pipeline.engine import Engine, Handle, Phases, Sequence as EngineSequence
 from pipeline.errors import UserError
 from pipeline.engine.headroom import measured_headroom
+from pipeline.engine.pooling import embedding
 from pipeline.kv import ATTENTION, BlockPool, KVCache
 from pipeline.kv.offload import Offload, attach_tier
 from pipeline.kv.quantised import kv_format
@@ -311,7 +312,7 @@ class Pipeline:
         if ids is not None:
             ctx.input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.engine.device)
             ctx.token_keys = list(ids)
-        decode = self.stages.get("decode")
+        decode = None if request.pooling is not None else self.stages.get("decode")  # embedding: prefill only
         sampler = request.sampler or getattr(decode, "sampler", None)
         seq = EngineSequence(
             ctx,
@@ -502,4 +503,5 @@ class Pipeline:
             prompt_logprobs=None
             if ctx.request.prompt_logprobs is None
             else [ctx.prompt_logprobs.get(p) for p in range(ctx.input_ids.shape[1])],
+            embedding=None if ctx.request.pooling is None else embedding(ctx),
         )

@@ -125,6 +125,7 @@ class ServeSettings:
     max_tokens: int = 8192
     max_n: int = 8
     drain_s: float = 30.0
+    pooling: str = "last"
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from pipeline.engine import pooling
 from pipeline.engine.output import Output
 from pipeline.engine.scheduler import Scheduled
 from pipeline.engine.sequence import Layout, Sequence
@@ -22,6 +23,8 @@ def prepare(seq: Sequence) -> None:
     ctx = seq.ctx
     if seq.phases.front:
         check_media(seq.phases.front, ctx.request)
+    if ctx.request.pooling is not None:
+        pooling.check(ctx.request)
     reused = _run_front(seq)
     if ctx.input_ids is None or ctx.input_ids.shape[1] == 0:
         raise UserError("the prompt has no tokens: there is nothing to prefill")
@@ -96,6 +99,8 @@ def _check_limits(seq: Sequence, total: int) -> None:
             f"the prompt ({total} tokens) plus max_new_tokens ({req.max_new_tokens}) exceed the "
             f"model's context of {context} tokens"
         )
+    if req.pooling is not None and context and total > context:
+        raise UserError(f"the prompt ({total} tokens) exceeds the model's context of {context} tokens")
     ctx.cache.ensure_capacity(total + (0 if seq.prefill_only else req.max_new_tokens - 1))
 
 
@@ -155,6 +160,7 @@ def make_chunk(item: Scheduled) -> Chunk:
         state=seq.cache.state_io,
         logits=kept_rows(item),
         extras=extras,
+        pool=None if ctx.request.pooling is None else pooling.chunk_pool(ctx.request, begin, end, seq.prompt_len),
     )
 
 

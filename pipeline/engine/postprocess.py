@@ -19,7 +19,7 @@ from typing import Sequence as Seq
 import torch
 
 from pipeline.context import TokenLogprob
-from pipeline.engine import ends, token_choice
+from pipeline.engine import ends, pooling, token_choice
 from pipeline.engine.intake import chosen_rows, kept_rows, prompt_rows
 from pipeline.engine.scheduler import Scheduled, Scheduler
 from pipeline.engine.sequence import Sequence
@@ -45,6 +45,7 @@ class _Rows:
     recorded: list[Scheduled] = field(default_factory=list)  # parts whose fed tokens are recorded now
     ending: list[Sequence] = field(default_factory=list)  # prefill-only sequences, their logits kept
     scoring: list[tuple[Scheduled, int]] = field(default_factory=list)  # parts scoring their prompt, first row
+    pooling: list[Scheduled] = field(default_factory=list)  # parts handing back a pooled row, in order
 
 
 class PostProcess:
@@ -62,6 +63,8 @@ class PostProcess:
         out.finish_timing()
         if parts.scoring:
             token_choice.take_prompt_scores(parts.scoring, scores)
+        for item, row in zip(parts.pooling, out.pooled if out.pooled is not None else ()):
+            pooling.add(item.seq.ctx, row, item.begin)
         for item in parts.recorded:
             self._record_fed(item, out)
         for seq in parts.ending:
@@ -166,6 +169,10 @@ def _sort(plan: list[Scheduled], logits: torch.Tensor) -> _Rows:
         seq, n = item.seq, chosen_rows(item)
         if prompt_rows(item):
             parts.scoring.append((item, row))
+        if seq.ctx.request.pooling is not None and pooling.chunk_pool(
+            seq.ctx.request, item.begin, item.end, seq.prompt_len
+        ):
+            parts.pooling.append(item)
         first = row + kept_rows(item) - n
         if seq.drafts:
             parts.verifying.append((seq, logits[first : first + n]))

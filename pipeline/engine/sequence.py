@@ -107,7 +107,10 @@ class Sequence:
 
     def reusable(self, keys: list) -> list:
         """The keys a cache may keep a prefix of: all, or (scoring the prompt from position s)
-        the first s, of which a cache keeps at most s - 1: the row scoring position s is computed."""
+        the first s, of which a cache keeps at most s - 1: the row scoring position s is computed;
+        none for an embedding pooled from every row (``Request.pooling`` "mean" or "cls")."""
+        if getattr(getattr(self.ctx, "request", None), "pooling", None) in ("mean", "cls"):
+            return []
         return keys[: self.scored_from] if self.scores_prompt else keys
 
     @property

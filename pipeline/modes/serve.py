@@ -24,11 +24,12 @@ from pipeline.cli.assemble import (
     stages_from_cfg,
     video_sampling,
 )
+from pipeline.context import POOLINGS
 from pipeline.errors import UserError, whole_number
 from pipeline.model.loading import weights_line
 from pipeline.serve.app import create_app
 from pipeline.serve.protocol import ServeSettings
-from pipeline.serve.respond import log
+from pipeline.serve.calls import log
 from pipeline.serve.media import MediaPolicy
 
 
@@ -41,6 +42,8 @@ def settings_from_cfg(cfg: DictConfig) -> ServeSettings:
     if isinstance(max_audio_s, bool) or not isinstance(max_audio_s, (int, float)) or max_audio_s <= 0:
         raise UserError(f"serve.max_audio_s must be a number > 0 (got {max_audio_s!r})")
     video_fps, video_max_frames = video_sampling(cfg)
+    if s.pooling not in POOLINGS:
+        raise UserError(f"serve.pooling must be one of {', '.join(POOLINGS)} (got {s.pooling!r})")
     key = s.api_key if s.api_key is not None else os.environ.get("MM_PIPELINE_API_KEY") or None
     if key is not None and not str(key).strip():
         raise UserError("serve.api_key is empty: give a key or leave it null")
@@ -51,6 +54,7 @@ def settings_from_cfg(cfg: DictConfig) -> ServeSettings:
         max_tokens=whole_number("serve.max_tokens", s.max_tokens),
         default_max_tokens=min(whole_number("max_new_tokens", cfg.max_new_tokens), s.max_tokens),
         max_n=whole_number("serve.max_n", s.max_n),
+        pooling=str(s.pooling),
         media=MediaPolicy(
             allowed_dir=None if media_dir is None else Path(str(media_dir)),
             allow_remote=bool(s.allow_remote_media),

@@ -57,6 +57,40 @@ def forward(
     return logits[index] if logits.shape[0] == off and off != len(index) else logits  # no logits_to_keep support
 
 
+def forward_pooled(
+    lm: Any, pool: BlockPool, chunks: Sequence[Chunk], device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``forward``, also handing back one row of final hidden states per chunk that pools
+    (``Chunk.pool``), float32 [n, H] in chunk order. The decoder's output is caught by a forward
+    hook, so the model runs exactly as in ``forward`` (a hooked decoder is called as a module)."""
+    caught: list[torch.Tensor] = []
+
+    def catch(_module: Any, _args: Any, out: Any) -> None:
+        caught.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)
+
+    hook = lm.model.get_decoder().register_forward_hook(catch)
+    try:
+        logits = forward(lm, pool, chunks, device=device)
+    finally:
+        hook.remove()
+    return logits, pooled_rows(caught[-1][0], chunks)
+
+
+def pooled_rows(hidden: torch.Tensor, chunks: Sequence[Chunk]) -> torch.Tensor:
+    """One float32 row per chunk that pools, from the packed hidden states [T, H]."""
+    rows, off = [], 0
+    for c in chunks:
+        part = hidden[off : off + c.count]
+        if c.pool == "sum":
+            rows.append(part.float().sum(0))
+        elif c.pool == "first":
+            rows.append(part[0].float())
+        elif c.pool == "last":
+            rows.append(part[-1].float())
+        off += c.count
+    return torch.stack(rows)
+
+
 _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 

@@ -24,7 +24,7 @@ from pipeline.kv import BlockPool
 from pipeline.runner import matvec
 from pipeline.runner.paged_batch import Chunk
 from pipeline.runner.compiled import CompiledStep
-from pipeline.runner.forward import burst_state, forward, run_burst, single_row_step
+from pipeline.runner.forward import burst_state, forward, forward_pooled, run_burst, single_row_step
 from pipeline.runner.graphs import GraphedStep
 from pipeline.runner.mirror import Mirror
 from pipeline.transfer import read
@@ -45,6 +45,7 @@ class StepOutput:
     compiled: bool
     started: float = 0.0
     graphed: bool = False
+    pooled: torch.Tensor | None = None  # [n, H]: a row per chunk that pools (Chunk.pool), in chunk order
 
     def finish_timing(self) -> None:
         """The step's wall time, once its result has been read back (or waited for)."""
@@ -92,11 +93,16 @@ class ModelRunner:
         (a decode step). Nothing waits here; the caller's read of the logits does
         (``StepOutput.finish_timing``)."""
         t0 = time.perf_counter()
-        fixed = self._fixed() if all(c.count == 1 for c in chunks) else None
+        pooling = any(c.pool for c in chunks)
+        fixed = self._fixed() if all(c.count == 1 for c in chunks) and not pooling else None
         run = fixed or self._eager
+        pooled = None
         with self._mirrored("forward", chunks), matvec.active(self.native):
-            logits = run(self.lm, self.pool, chunks, device=self.device)
-        return StepOutput(logits, None, 0.0, started=t0, **self._ran(fixed))
+            if pooling:
+                logits, pooled = forward_pooled(self.lm, self.pool, chunks, device=self.device)
+            else:
+                logits = run(self.lm, self.pool, chunks, device=self.device)
+        return StepOutput(logits, None, 0.0, started=t0, pooled=pooled, **self._ran(fixed))
 
     def _mirrored(self, kind: str, *args: Any) -> Any:
         """Tensor parallel, on rank 0: the step sent to the other ranks first (``Mirror.step``)."""

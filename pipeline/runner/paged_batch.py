@@ -41,6 +41,7 @@ class Chunk:
     state: StateIO | None = None  # recurrent-state slots (models with linear-attention layers)
     logits: int = 1  # keep the logits of its last N tokens (1: next-token; 0: none; more: verifying drafts)
     extras: dict | None = None  # the family's per-token inputs for the prompt part (Family.chunk_extras)
+    pool: str | None = None  # hand back its final hidden states' "sum", "first" or "last" row (embeddings)
 
     @property
     def count(self) -> int:

@@ -37,6 +37,8 @@ from pipeline.serve.protocol import (
     TokenizeRequest,
     error_response,
 )
+from pipeline.serve.embeddings import Embeddings, EmbeddingRequest
+from pipeline.serve.rerank import Reranker, RerankRequest, ScoreRequest
 from pipeline.serve.respond import Completions
 
 PAGE = Path(__file__).parent / "static" / "chat.html"
@@ -103,6 +105,8 @@ def create_app(
     app = FastAPI(title="mm-pipeline", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     api = Completions(pipe, settings, draining)
     app.state.api = api
+    reranker = Reranker(pipe, settings, draining, api.ledger)
+    embeddings = Embeddings(api, settings.pooling, draining)
 
     @app.exception_handler(APIError)
     async def _api_error(_: HTTPRequest, err: APIError) -> JSONResponse:
@@ -156,7 +160,14 @@ def create_app(
             {
                 "object": "list",
                 "data": [
-                    {"id": settings.model_name, "object": "model", "created": api.started, "owned_by": "mm-pipeline"}
+                    {
+                        "id": settings.model_name,
+                        "object": "model",
+                        "created": api.started,
+                        "owned_by": "mm-pipeline",
+                        "max_model_len": api.requests.context(),
+                        "embedding": embeddings.describe(),
+                    }
                 ],
             }
         )
@@ -180,6 +191,21 @@ def create_app(
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
         return await api.complete(body, http, chat=False)
+
+    @app.post("/v1/embeddings", dependencies=[Depends(authorized)])
+    async def embed(body: EmbeddingRequest, http: HTTPRequest) -> Response:
+        return await embeddings.create(body, http)
+
+    @app.post("/v1/rerank", dependencies=[Depends(authorized)])
+    @app.post("/v2/rerank", dependencies=[Depends(authorized)])
+    @app.post("/rerank", dependencies=[Depends(authorized)])
+    async def rerank(body: RerankRequest, http: HTTPRequest) -> Response:
+        return await reranker.rerank(body, http)  # rendering, submission and reading: off the loop
+
+    @app.post("/score", dependencies=[Depends(authorized)])
+    @app.post("/v1/score", dependencies=[Depends(authorized)])
+    async def score(body: ScoreRequest, http: HTTPRequest) -> Response:
+        return await reranker.score(body, http)
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     return app

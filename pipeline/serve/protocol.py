@@ -187,6 +187,7 @@ class ServeSettings:
     default_max_tokens: int = 1024  # when a request gives none
     max_n: int = 8
     media: MediaPolicy = field(default_factory=MediaPolicy)
+    pooling: str = "last"  # /v1/embeddings (Request.pooling)
 
 
 @dataclass

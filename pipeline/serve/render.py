@@ -12,6 +12,7 @@ from pipeline.memory import text_config
 from pipeline.pipeline import Pipeline
 from pipeline.runner.grammar import inside_think, think_ids
 from pipeline.serve.answer import Reading
+from pipeline.serve.calls import admit
 from pipeline.serve.media import audio_from_base64, image_from_url, video_from_url
 from pipeline.serve.protocol import (
     RESERVED_TEMPLATE_KWARGS,
@@ -42,26 +43,13 @@ class Renderer:
 
     def check(self, body: Sampling, max_tokens: int | None) -> int:
         s = self.settings
-        if self.draining():
-            raise APIError(503, "the server is shutting down", "unavailable", "draining")
-        unsupported = body.unsupported()
-        if unsupported:
-            raise APIError(
-                400,
-                f"{', '.join(unsupported)}: not supported by this server (docs/serve.md lists the "
-                f"fields it implements)",
-                code="unsupported_parameter",
-            )
+        admit(body, s.model_name, self.draining)
         if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value")
         if isinstance(body, CompletionRequest) and max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens=0 returns nothing without echo: true", code="invalid_value")
         if isinstance(body, CompletionRequest) and body.echo and body.stream:
             raise APIError(400, "echo with stream is not supported: ask without stream", code="invalid_value")
-        if body.model and body.model != s.model_name:
-            raise APIError(
-                404, f"model {body.model!r} not found: this server serves {s.model_name!r}", code="model_not_found"
-            )
         if body.n > s.max_n:
             raise APIError(400, f"n={body.n} is over serve.max_n ({s.max_n})", code="invalid_value")
         tokens = max_tokens if max_tokens is not None else s.default_max_tokens
@@ -233,17 +221,18 @@ class Renderer:
             return False
         return inside_think(ids.reshape(-1).tolist() if hasattr(ids, "reshape") else list(ids), *self.think_ids)
 
-    def prompts(self, prompt: Any) -> list[tuple[list[int], str]]:
-        """A completions ``prompt`` (a string, token ids, or a list of either) as (ids, text) pairs."""
+    def prompts(self, prompt: Any, name: str = "prompt") -> list[tuple[list[int], str]]:
+        """A completions ``prompt`` (a string, token ids, or a list of either; ``name``: the field,
+        for errors) as (ids, text) pairs."""
         tokenizer = self.pipe.lm.tokenizer
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         if not prompt:
-            raise UserError("prompt is empty")
+            raise UserError(f"{name} is empty")
         vocab = len(tokenizer)
         out = []
         for k, p in enumerate(prompt):
-            where = "prompt" if len(prompt) == 1 else f"prompt[{k}]"
+            where = name if len(prompt) == 1 else f"{name}[{k}]"
             if not p:
                 raise UserError(f"{where} is empty")
             if isinstance(p, str):
@@ -277,7 +266,7 @@ class Renderer:
         else:
             ids = tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
         strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": self._context(), "tokens": ids, "token_strs": strs}
+        return {"count": len(ids), "max_model_len": self.context(), "tokens": ids, "token_strs": strs}
 
     def detokenize(self, body: DetokenizeRequest) -> dict:
         tokenizer = self.pipe.lm.tokenizer
@@ -299,11 +288,11 @@ class Renderer:
             "pad_token": tokenizer.pad_token,
             "unk_token": tokenizer.unk_token,
             "chat_template": getattr(tokenizer, "chat_template", None),
-            "model_max_length": self._context(),
+            "model_max_length": self.context(),
             "vocab_size": len(tokenizer),
         }
 
-    def _context(self) -> int | None:
+    def context(self) -> int | None:
         """The model's context length, as the engine's limit check reads it."""
         return getattr(text_config(self.pipe.lm.config), "max_position_embeddings", None)
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 import time
-import traceback
 import uuid
 from typing import Any, AsyncIterator, Callable
 
@@ -16,12 +14,12 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pipeline.context import Result
-from pipeline.engine import Cancelled, Handle
 from pipeline.errors import UserError
 from pipeline.pipeline import Pipeline
 from pipeline.serve import logprobs as lp
 from pipeline.serve.answer import Deltas, message
 from pipeline.serve.bridge import Submission
+from pipeline.serve.calls import Ledger, outcome, wait_all
 from pipeline.serve.prometheus import ServerMetrics
 from pipeline.serve.protocol import (
     FINISH,
@@ -29,14 +27,8 @@ from pipeline.serve.protocol import (
     Call,
     Sampling,
     ServeSettings,
-    error_response,
 )
 from pipeline.serve.render import Renderer
-
-
-def log(line: str) -> None:
-    """One line of the server's log, on stderr (stdout is not the server's)."""
-    print(line, file=sys.stderr, flush=True)
 
 
 class Completions:
@@ -47,6 +39,7 @@ class Completions:
         self.pipe, self.settings = pipe, settings
         self.requests = Renderer(pipe, settings, draining)  # it refuses new requests while draining
         self.metrics = ServerMetrics(pipe.engine, settings.model_name)
+        self.ledger = Ledger(self.metrics)
         self.started = int(time.time())
         self.texts = lp.TokenTexts(pipe.lm.tokenizer)
         self._scorer: Pipeline | None = None  # prefill only: completions with max_tokens 0 (echo)
@@ -91,49 +84,30 @@ class Completions:
             sub.track(pipe.submit(request, on_text=sub.on_text(i) if stream else None, ids=ids))
 
     def _failed(self, rid: str, endpoint: str, err: APIError) -> JSONResponse:
-        self.count_failure(rid, endpoint, err)
-        return error_response(err.status, err.message, err.type, err.code)
+        return self.ledger.refused(rid, endpoint, err)
 
-    def count_failure(self, rid: str, endpoint: str, err: APIError, where: str = "") -> None:
-        """A failed call counted and logged (``where``: `` (streaming)`` once its stream began)."""
-        self.metrics.requests.labels(endpoint, str(err.status)).inc()
-        log(f"{rid} {err.status}{where} {err.message}")
-
-    def _outcome(self, handles: list[Handle]) -> tuple[list[Result] | None, APIError | None]:
-        """The finished handles' results, or the API error their first failure maps to."""
-        try:
-            return [handle.result() for handle in handles], None
-        except UserError as err:
-            return None, APIError(400, str(err), code="invalid_value")
-        except Cancelled:
-            return None, APIError(499, "cancelled", "cancelled")
-        except Exception as err:  # a failed forward: reported, never a traceback to the client
-            traceback.print_exception(err, file=sys.stderr)
-            return None, APIError(500, f"internal error ({type(err).__name__}: {err})", "server_error")
-
-    def outcome_of(self, sub: Submission, choice: int) -> tuple[Result | None, APIError | None]:
+    @staticmethod
+    def outcome_of(sub: Submission, choice: int) -> tuple[Result | None, APIError | None]:
         """One ended choice's result, or the API error its failure maps to."""
-        results, err = self._outcome([sub.handles[choice]])
+        results, err = outcome([sub.handles[choice]])
         return (results[0] if results else None), err
 
     def count_done(self, rid: str, endpoint: str, results: list[Result]) -> None:
         """A call answered: its sequences' metrics counted, one line logged."""
-        for result in results:
-            self.metrics.finished(result.metrics, result.finish_reason)
-        self.metrics.requests.labels(endpoint, "200").inc()
         m = results[0].metrics
-        log(
-            f"{rid} 200 prompt={m.get('prompt_tokens')} generated={sum(len(r.token_ids) for r in results)} "
+        line = (
+            f"prompt={m.get('prompt_tokens')} generated={sum(len(r.token_ids) for r in results)} "
             f"ttft={m.get('ttft_s') or 0:.3f}s reused={m.get('kv_reused_tokens')}"
         )
+        self.ledger.done(rid, endpoint, results, line)
 
     # --- answered whole ---------------------------------------------------------------------
 
     async def _whole(
         self, http: HTTPRequest, sub: Submission, meta: dict, chat: bool, endpoint: str, call: Call
     ) -> Response:
-        await self._wait_all(http, sub)
-        results, err = self._outcome(sub.handles)
+        await wait_all(http, sub)
+        results, err = outcome(sub.handles)
         if err is not None:
             return self._failed(meta["id"], endpoint, err)
         self.count_done(meta["id"], endpoint, results)
@@ -147,23 +121,6 @@ class Completions:
                 "metrics": reported_metrics(results[0]),
             }
         )
-
-    @staticmethod
-    async def _wait_all(http: HTTPRequest, sub: Submission) -> None:
-        """Until every choice ended; a client that hangs up meanwhile cancels its sequences."""
-
-        async def watch() -> None:
-            while not await http.is_disconnected():
-                await asyncio.sleep(0.25)
-            sub.cancel()
-
-        watcher = asyncio.create_task(watch())
-        try:
-            while sub.open:
-                await sub.next_events()
-        finally:
-            watcher.cancel()
-            sub.cancel()
 
     def _chat_choice(self, call: Call, i: int, r: Result) -> dict:
         """A chat choice: the message read off the text (content, reasoning, tool calls)."""
@@ -285,7 +242,7 @@ class StreamedAnswer:
         result, err = self.api.outcome_of(self.sub, choice)
         if err is not None:
             self.failed = True
-            self.api.count_failure(self.meta["id"], self.endpoint, err, " (streaming)")
+            self.api.ledger.failed(self.meta["id"], self.endpoint, err, " (streaming)")
             return [sse({"error": {"message": err.message, "type": err.type, "code": err.code}}), DONE]
         self.finished[choice] = result
         rest = self.deltas[choice].flush() if self.deltas[choice] is not None else None

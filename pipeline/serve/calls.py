@@ -1,0 +1,98 @@
+"""What every endpoint does around the engine, in one place: a call refused before it starts
+(the server draining, a field it does not implement, another model); its sequences waited for,
+cancelled when the client hangs up; their outcome mapped to the API error a failure means; the
+call counted in ``/metrics`` and logged in one line."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import traceback
+from typing import Any, Callable
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse
+
+from pipeline.context import Result
+from pipeline.engine import Cancelled, Handle
+from pipeline.errors import UserError
+from pipeline.serve.bridge import Submission
+from pipeline.serve.prometheus import ServerMetrics
+from pipeline.serve.protocol import APIError, error_response
+
+
+def log(line: str) -> None:
+    """One line of the server's log, on stderr (stdout is not the server's)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def admit(body: Any, model_name: str, draining: Callable[[], bool]) -> None:
+    """Refuse a call before anything runs: 503 while draining, 400 naming the top-level fields the
+    server does not implement (``body.unsupported()``), 404 for another model than the one served."""
+    if draining():
+        raise APIError(503, "the server is shutting down", "unavailable", "draining")
+    unsupported = body.unsupported()
+    if unsupported:
+        raise APIError(
+            400,
+            f"{', '.join(unsupported)}: not supported by this server (docs/serve.md lists the fields it implements)",
+            code="unsupported_parameter",
+        )
+    if body.model and body.model != model_name:
+        raise APIError(
+            404, f"model {body.model!r} not found: this server serves {model_name!r}", code="model_not_found"
+        )
+
+
+def outcome(handles: list[Handle]) -> tuple[list[Result] | None, APIError | None]:
+    """The ended handles' results, or the API error their first failure maps to."""
+    try:
+        return [handle.result() for handle in handles], None
+    except UserError as err:
+        return None, APIError(400, str(err), code="invalid_value")
+    except Cancelled:
+        return None, APIError(499, "cancelled", "cancelled")
+    except Exception as err:  # a failed forward: reported, never a traceback to the client
+        traceback.print_exception(err, file=sys.stderr)
+        return None, APIError(500, f"internal error ({type(err).__name__}: {err})", "server_error")
+
+
+async def wait_all(http: HTTPRequest, sub: Submission) -> None:
+    """Until every sequence of the call ended; a client that hangs up meanwhile cancels them."""
+
+    async def watch() -> None:
+        while not await http.is_disconnected():
+            await asyncio.sleep(0.25)
+        sub.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        while sub.open:
+            await sub.next_events()
+    finally:
+        watcher.cancel()
+        sub.cancel()
+
+
+class Ledger:
+    """Each call's end in the server's metrics and log."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def refused(self, rid: str, endpoint: str, err: APIError) -> JSONResponse:
+        """A failed call counted and logged, and its JSON error."""
+        self.failed(rid, endpoint, err)
+        return error_response(err.status, err.message, err.type, err.code)
+
+    def failed(self, rid: str, endpoint: str, err: APIError, where: str = "") -> None:
+        """A failed call counted and logged (``where``: `` (streaming)`` once its stream began)."""
+        self.metrics.requests.labels(endpoint, str(err.status)).inc()
+        log(f"{rid} {err.status}{where} {err.message}")
+
+    def done(self, rid: str, endpoint: str, results: list[Result], line: str) -> None:
+        """A call answered: its sequences' metrics counted, ``line`` logged after its id and status."""
+        for result in results:
+            self.metrics.finished(result.metrics, result.finish_reason)
+        self.metrics.requests.labels(endpoint, "200").inc()
+        log(f"{rid} 200 {line}")
