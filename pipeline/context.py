@@ -27,6 +27,13 @@ class Request:
     max_new_tokens: int = 128
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # end the answer as EOS does (with ignore_eos too)
+    min_new_tokens: int = 0  # EOS, stop_token_ids and stop strings are held back until this many tokens
+    priority: int = 0  # lower runs first (vLLM's convention); a waiting request preempts running ones of a higher value
+    # How the chat template renders the prompt: without the reply header (add_generation_prompt
+    # False), or continuing the last, assistant, message instead of starting a new turn.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     thinking: bool | None = None  # passed to the template as enable_thinking when set
     id: str | None = None
     sampler: Any = None  # this request's sampler (e.g. its own temperature and seed); None: the pipeline's

@@ -124,7 +124,7 @@ class Tokenize:
             **({} if req.thinking is None else {"enable_thinking": bool(req.thinking)}),
         }
         messages, extra = with_tools(messages, extra, req.tools, template_owner, lm.tokenizer)
-        text = render(template_owner, messages, extra)
+        text = render(template_owner, messages, extra, req.add_generation_prompt, req.continue_final_message)
         if lm.processor is not None:
             inputs = lm.family.process(lm, text, req)
         else:
@@ -135,16 +135,30 @@ class Tokenize:
         ctx.model_inputs = inputs
         ctx.extras["prompt_text"] = text
         ctx.token_keys = lm.family.token_keys(ctx)
-        if getattr(lm, "recurrent", False):
+        if getattr(lm, "recurrent", False) and req.add_generation_prompt:
             ctx.reply_start = _reply_start(template_owner, lm.tokenizer, messages, text, ctx.input_ids.shape[1], extra)
         return ctx
 
 
-def render(owner: Any, messages: list[dict], extra: dict) -> str:
-    """The prompt text; a conversation the template refuses (Gemma's alternating roles, a
-    misplaced system message) is the user's error, in the template's own words."""
+def render(
+    owner: Any, messages: list[dict], extra: dict, add_generation_prompt: bool = True, continue_final: bool = False
+) -> str:
+    """The prompt text: a new reply's header after the conversation (``add_generation_prompt``),
+    or the last, assistant, message left open to be continued (``continue_final``). A conversation
+    the template refuses (Gemma's alternating roles, a misplaced system message) is the user's
+    error, in the template's own words."""
+    if continue_final and add_generation_prompt:
+        raise UserError("continue_final_message needs add_generation_prompt false: the last message is continued")
+    if continue_final and (not messages or messages[-1].get("role") != "assistant"):
+        raise UserError("continue_final_message needs the last message to be the assistant's")
     try:
-        return owner.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+        return owner.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final,
+            tokenize=False,
+            **extra,
+        )
     except jinja2.TemplateError as err:
         raise UserError(f"the model's chat template refused these messages: {err}") from None
 

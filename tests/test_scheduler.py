@@ -418,6 +418,58 @@ def test_out_of_blocks_preempts_the_latest_admitted_which_recomputes_first():
     assert eng.started.count(b) == 1  # re-admission is not a new start (queue_s kept)
 
 
+def prioritised(seq: Sequence, priority: int) -> Sequence:
+    seq.ctx.request = SimpleNamespace(priority=priority)
+    return seq
+
+
+def test_waiting_requests_queue_by_priority_then_arrival():
+    pool = FakePool(64)
+    sched = Scheduler(pool, max_seqs=1, max_batch_tokens=64)
+    seqs = [prioritised(make_seq(pool, prompt_of(4, 100 * i), name=f"s{i}"), p) for i, p in enumerate([3, 1, 2, 1])]
+    for seq in seqs:
+        sched.add(seq)
+    assert [s.ctx.name for s in sched.waiting] == ["s1", "s3", "s2", "s0"]
+    eng = FakeEngine(sched)
+    eng.run()
+    assert [s.ctx.name for s in eng.finished] == ["s1", "s3", "s2", "s0"]
+
+
+def test_a_waiting_request_of_higher_priority_preempts_a_running_one():
+    pool = FakePool(64)
+    sched = Scheduler(pool, max_seqs=1, max_batch_tokens=64)
+    low = prioritised(make_seq(pool, prompt_of(8), max_new=10, name="low"), 5)
+    sched.add(low)
+    eng = FakeEngine(sched)
+    eng.step()
+    eng.step()
+    high = prioritised(make_seq(pool, prompt_of(4, 100), max_new=2, name="high"), 0)
+    same = prioritised(make_seq(pool, prompt_of(4, 200), max_new=2, name="same"), 5)
+    sched.add(same)  # an equal priority never preempts
+    sched.add(high)
+    eng.step()
+    assert sched.running == [high] and list(sched.waiting) == [low, same] and sched.preemptions == 1
+    generated = low.ids[low.prompt_len :]
+    eng.run()
+    assert [s.ctx.name for s in eng.finished] == ["high", "low", "same"] and not sched.failed
+    assert low.ids[: low.prompt_len + len(generated)] == prompt_of(8) + generated  # recomputed, unchanged
+
+
+def test_out_of_blocks_preempts_the_lowest_priority_first():
+    pool = FakePool(6)  # as in the test above: a and b need 5 blocks each by their end
+    sched = Scheduler(pool, max_seqs=2, max_batch_tokens=64)
+    a = prioritised(make_seq(pool, prompt_of(8), max_new=12, name="a"), 2)
+    b = prioritised(make_seq(pool, prompt_of(8, 100), max_new=12, name="b"), 1)
+    sched.add(a)
+    sched.add(b)  # b is first in the queue (priority 1), a admitted after it
+    eng = FakeEngine(sched)
+    while not sched.preemptions:
+        eng.step()
+    assert sched.running == [b] and list(sched.waiting) == [a]  # a lost: lower priority, though admitted first
+    eng.run()
+    assert not sched.failed and len(eng.finished) == 2
+
+
 def test_every_request_finishes_on_a_tiny_pool():
     pool = FakePool(10, block_size=4)  # 40 tokens for 12 requests that need up to 24 each
     sched = Scheduler(pool, max_seqs=4, max_batch_tokens=16)

@@ -126,6 +126,9 @@ class ServeSettings:
     max_n: int = 8
     drain_s: float = 30.0
     pooling: str = "last"
+    max_waiting: Optional[int] = 256
+    cors_origins: List[str] = field(default_factory=list)
+    max_stored_responses: int = 1000
 
 
 @dataclass

@@ -33,6 +33,7 @@ def length(plan: list[Scheduled], limit: int, quiet: bool) -> int:
             or seq.grammar
             or not argmax_only(seq.sampler)
             or seq.ctx.request.logprobs is not None
+            or seq.output.held(len(seq.ctx.generated))  # min_new_tokens: its end ids are masked
         ):
             return 1
         steps = min(steps, seq.ctx.request.max_new_tokens - len(seq.ctx.generated))

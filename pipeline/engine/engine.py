@@ -142,6 +142,12 @@ class Engine:
         for handle in handles:
             handle.result()  # raise the first error
 
+    @property
+    def waiting(self) -> int:
+        """Sequences submitted and not yet admitted (new, or preempted to recompute)."""
+        with self._cond:
+            return len(self._inbox) + len(self.scheduler.waiting)
+
     def wake(self) -> None:
         with self._cond:
             self._cond.notify_all()

@@ -50,7 +50,10 @@ def prepare(seq: Sequence) -> None:
     if not seq.prefill_only:
         req = ctx.request
         eos = frozenset() if req.ignore_eos else frozenset(ctx.lm.eos_token_ids)
-        seq.output = Output(ctx.lm.tokenizer, req.max_new_tokens, req.stop, eos, ctx.on_text)
+        stop_ids = frozenset(int(t) for t in req.stop_token_ids)
+        seq.output = Output(
+            ctx.lm.tokenizer, req.max_new_tokens, req.stop, eos, ctx.on_text, stop_ids, req.min_new_tokens
+        )
     ctx.finish_reason = None
     seq.layout = Layout(
         pos.reshape(-1, pos.shape[-1]).tolist(),
@@ -93,6 +96,7 @@ def _check_limits(seq: Sequence, total: int) -> None:
         raise UserError(f"max_new_tokens must be >= 1 (got {req.max_new_tokens})")
     _check_logprobs(seq)
     _check_logit_bias(seq)
+    _check_ends(seq)
     context = getattr(text_config(ctx.lm.config), "max_position_embeddings", None)
     if not seq.prefill_only and context and total + req.max_new_tokens > context:
         raise UserError(
@@ -102,6 +106,23 @@ def _check_limits(seq: Sequence, total: int) -> None:
     if req.pooling is not None and context and total > context:
         raise UserError(f"the prompt ({total} tokens) exceeds the model's context of {context} tokens")
     ctx.cache.ensure_capacity(total + (0 if seq.prefill_only else req.max_new_tokens - 1))
+
+
+def _check_ends(seq: Sequence) -> None:
+    """``stop_token_ids`` the model has; ``min_new_tokens`` a whole number up to ``max_new_tokens``."""
+    req = seq.ctx.request
+    vocab = int(text_config(seq.ctx.lm.config).vocab_size)
+    bad = [t for t in req.stop_token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise UserError(f"stop_token_ids {bad[:5]} are not token ids of this model's vocabulary of {vocab} tokens")
+    low = req.min_new_tokens
+    if (
+        isinstance(low, bool)
+        or not isinstance(low, int)
+        or low < 0
+        or (not seq.prefill_only and low > req.max_new_tokens)
+    ):
+        raise UserError(f"min_new_tokens must be a whole number from 0 to max_new_tokens (got {low!r})")
 
 
 def _check_logit_bias(seq: Sequence) -> None:

@@ -83,7 +83,10 @@ class Output:
     could still become a stop string), and say when it ends (EOS, a stop string, the length).
 
     ``on_text``: the streaming callback (None: no streaming); ``stops``: stop strings;
-    ``eos``: token ids that end the answer (empty with ``ignore_eos``).
+    ``eos``: token ids that end the answer (empty with ``ignore_eos``); ``stop_ids``: token ids
+    that end it too (``Request.stop_token_ids``); ``min_new_tokens``: none of these ends an
+    answer shorter than this (the sampler never picks the ids: ``held``; stop strings are looked
+    for only in the text that comes after).
     """
 
     def __init__(
@@ -93,44 +96,60 @@ class Output:
         stops: Seq[str],
         eos: frozenset,
         on_text: Callable[[str], None] | None,
+        stop_ids: frozenset = frozenset(),
+        min_new_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.stops = [s for s in stops if s]
-        self.eos = eos
+        self.eos, self.stop_ids, self.min_new_tokens = eos, stop_ids, min_new_tokens
+        self.ends = eos | stop_ids  # the ids held back below min_new_tokens
         self.on_text = on_text
         self.stream = TextStream(tokenizer) if on_text is not None or self.stops else None
         self.emitted = 0
         self._scanned = 0  # text before this was searched for stop strings already
+        self._stop_at: int | None = None  # where the stop string that ended the answer begins
+
+    def held(self, generated: int) -> bool:
+        """Whether, with ``generated`` tokens so far, the next token may not end the answer."""
+        return generated < self.min_new_tokens
 
     def accept(self, generated: Seq[int]) -> str | None:
         """The newest of ``generated`` arrived: stream it; the finish reason if the answer ends."""
-        token_id = generated[-1]
+        token_id, early = generated[-1], len(generated) <= self.min_new_tokens
         if self.stream is not None:
             self.stream.push(token_id)
-            if self._stopped(self.stream.text):
+            if self._stopped(self.stream.text, early):
                 return "stop"
             self._emit(self.stream.text, holdback(self.stream.text, self.stops))
-        if token_id in self.eos:
+        if token_id in self.eos and not early:
             return "eos"
+        if token_id in self.stop_ids and not early:
+            return "stop"
         if len(generated) >= self.max_new_tokens:
             return "length"
         return None
 
-    def _stopped(self, text: str) -> bool:
+    def _stopped(self, text: str, early: bool = False) -> bool:
         """Whether a stop string appeared; only the new text (and the tail a stop string could
-        straddle) is searched, so the checks stay linear in the answer's length."""
+        straddle) is searched, so the checks stay linear in the answer's length. ``early``: the
+        answer is under ``min_new_tokens``: its text is passed over, never searched."""
         if not self.stops:
             return False
         start = max(0, self._scanned - max(map(len, self.stops)) + 1)
         self._scanned = len(text)
-        return any(text.find(s, start) >= 0 for s in self.stops)
+        if early:
+            return False
+        found = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        if found:
+            self._stop_at = min(found)
+        return bool(found)
 
     def final_text(self, generated: Seq[int], finish_reason: str | None) -> str:
-        """The whole answer (cut before a stop string), with the rest of the stream sent."""
+        """The whole answer (cut before the stop string that ended it), with the rest of the stream sent."""
         text = self.tokenizer.decode(list(generated), skip_special_tokens=True)
-        if finish_reason == "stop":
-            text = text[: min((text.find(s) for s in self.stops if s in text), default=len(text))]
+        if finish_reason == "stop" and self._stop_at is not None:
+            text = text[: self._stop_at]
         self._emit(text, 0)
         return text
 

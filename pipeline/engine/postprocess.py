@@ -142,6 +142,7 @@ class PostProcess:
         spec, m = seq.spec, seq.ctx.metrics
         drafts, checked, q = spec.drafts, spec.drafts, spec.q
         t0 = time.perf_counter()
+        logits = token_choice.hold_ends(logits, [(i, seq, len(seq.ctx.generated) + i) for i in range(len(logits))])
         if seq.grammar is not None:  # drafts the grammar refuses are never kept: check only the rest
             n = seq.grammar.allowed_drafts(drafts)
             checked, q = drafts[:n], None if q is None else q[:n]

@@ -3,16 +3,19 @@
 It sees sequences (``pipeline.engine.sequence``), their caches' block tables and the pool's
 free blocks, never a tensor or the model, so it is tested on its own (``tests/test_scheduler.py``).
 
-- **Admission**: waiting sequences join the running set in arrival order while there are
-  places (``max_seqs``) and blocks for their prompt plus headroom. A sequence whose next block
+- **Admission**: waiting sequences join the running set by priority (``Request.priority``,
+  lower first), then in arrival order, while there are places (``max_seqs``) and blocks for
+  their prompt plus headroom; a waiting sequence that finds neither preempts running ones of a
+  lower priority (a higher value), the most recently admitted first. A sequence whose next block
   another running sequence is computing right now waits until that prefill is done, then takes
   it from the prefix cache: requests that share a system prompt or an image, arriving together,
   compute it once.
 - **Scheduling**: decode tokens first (one per decoding sequence), then prefill chunks of the
   others in admission order, under the token budget (``max_batch_tokens``).
-- **Preemption**: a sequence that cannot get blocks takes them from the most recently admitted
-  sequence not yet scheduled in this step (it may be itself): that one's blocks go back, and it
-  waits at the head of the queue to recompute (mostly prefix-cache hits) with its output unchanged.
+- **Preemption**: a sequence that cannot get blocks takes them from the lowest-priority, then
+  most recently admitted, sequence not yet scheduled in this step (it may be itself): that one's
+  blocks go back, and it waits at the head of its priority in the queue to recompute (mostly
+  prefix-cache hits) with its output unchanged.
 """
 
 from __future__ import annotations
@@ -53,6 +56,15 @@ class Scheduler:
         self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        """Into the waiting queue by priority; among equals at the back (a new request) or at the
+        front (a preempted one: it recomputes first)."""
+        for i, other in enumerate(self.waiting):
+            if other.priority > seq.priority or (front and other.priority == seq.priority):
+                self.waiting.insert(i, seq)
+                return
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -75,14 +87,16 @@ class Scheduler:
         of a sequence's first admission."""
         computing = self._computing()
         for seq in list(self.waiting):
-            if len(self.running) >= self.max_seqs:
+            if len(self.running) >= self.max_seqs and not self._make_way(
+                seq, lambda: len(self.running) < self.max_seqs
+            ):
                 return
             if not self._ready(seq, prepare):
                 continue
             upcoming = seq.cache.future_digests(seq.keys[: seq.prompt_len], limit=1)
             if upcoming and upcoming[0] in computing and seq.cache.length % self.pool.block_size == 0:
                 continue  # deferred: another sequence is computing its next block
-            if self.running and not self._room_for(seq):
+            if self.running and not self._room_for(seq) and not self._make_way(seq, lambda: self._room_for(seq)):
                 return  # new requests wait for blocks (and state slots) to come back
             if not seq.started:
                 seq.started = True
@@ -92,6 +106,20 @@ class Scheduler:
             seq.status = Status.RUNNING
             if seq.cache.length < seq.prompt_len:
                 computing.update(seq.cache.future_digests(seq.keys[: seq.prompt_len]))
+
+    def _make_way(self, seq: Sequence, enough: Callable[[], bool]) -> bool:
+        """Preempt running sequences of a lower priority than ``seq`` (the lowest, then the most
+        recently admitted, first) until ``enough()``; whether it now holds."""
+        while not enough():
+            lower = [s for s in self.running if s.priority > seq.priority]
+            if not lower:
+                return False
+            self.preempt(self._victim(lower))
+        return True
+
+    def _victim(self, candidates: list[Sequence]) -> Sequence:
+        """The one to preempt: the lowest priority (highest value), then the most recently admitted."""
+        return max(candidates, key=lambda s: (s.priority, self.running.index(s)))
 
     def _computing(self) -> set[int]:
         """Chain hashes of the prompt blocks running sequences are computing now. (Recurrent
@@ -185,7 +213,8 @@ class Scheduler:
             try:
                 return seq.cache.reserve(n, every_position=bool(seq.drafts))
             except OutOfBlocks:
-                victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
+                candidates = [s for s in self.running if id(s) not in scheduled]
+                victim = self._victim(candidates) if candidates else seq
                 self.preempt(victim)
                 if victim is seq:
                     return None
@@ -195,7 +224,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.cache.clear()
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         self.preemptions += 1
         seq.ctx.metrics.count("preemptions")
         states = self.pool.states

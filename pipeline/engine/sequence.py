@@ -95,6 +95,11 @@ class Sequence:
         return self.status is Status.FINISHED
 
     @property
+    def priority(self) -> int:
+        """``Request.priority``: lower runs first."""
+        return int(getattr(getattr(self.ctx, "request", None), "priority", 0) or 0)
+
+    @property
     def scores_prompt(self) -> bool:
         """``Request.prompt_logprobs``: the positions before the scored prompt tokens are computed
         (none taken from a cache) and their logits rows kept, each to score the token after it."""

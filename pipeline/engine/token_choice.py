@@ -31,6 +31,7 @@ def pick(
     t0 = time.perf_counter()
     raw = logits
     logits = apply_processors(logits, [s.ctx for s in seqs], [s.phases.processors for s in seqs])
+    logits = hold_ends(logits, [(i, s, len(s.ctx.generated)) for i, s in enumerate(seqs)])
     logits = grammar.mask(logits, [s.grammar for s in seqs])
     samplers = [s.sampler for s in seqs]
     chosen = choose(logits, samplers, lambda i: seqs[i].ids, lambda i: seqs[i].ctx.generated)
@@ -50,6 +51,23 @@ def pick(
         lp, top = logprobs.unpack(row, k, seqs[i].ctx.request.logprobs)
         entries[i] = TokenLogprob(tokens[i], lp, top)
     return tokens, time.perf_counter() - t0, entries, values[len(seqs) + len(asked) * width :]
+
+
+def hold_ends(logits: torch.Tensor, rows: list[tuple[int, Sequence, int]]) -> torch.Tensor:
+    """``logits`` with the ids that would end an answer (EOS, ``stop_token_ids``) at -inf in each
+    row ``(row, seq, generated)`` whose sequence has fewer than ``min_new_tokens`` tokens there."""
+    index: list[int] = []
+    ids: list[int] = []
+    for row, seq, generated in rows:
+        if seq.output is not None and seq.output.held(generated):
+            ends = sorted(seq.output.ends)
+            index += [row] * len(ends)
+            ids += ends
+    if not ids:
+        return logits
+    held = logits.clone()
+    held[upload(index, logits.device), upload(ids, logits.device)] = float("-inf")
+    return held
 
 
 def logprob_table(

@@ -55,6 +55,9 @@ def settings_from_cfg(cfg: DictConfig) -> ServeSettings:
         default_max_tokens=min(whole_number("max_new_tokens", cfg.max_new_tokens), s.max_tokens),
         max_n=whole_number("serve.max_n", s.max_n),
         pooling=str(s.pooling),
+        max_waiting=None if s.max_waiting is None else whole_number("serve.max_waiting", s.max_waiting, minimum=0),
+        cors_origins=[str(o) for o in s.cors_origins],
+        max_stored_responses=whole_number("serve.max_stored_responses", s.get("max_stored_responses", 1000), minimum=0),
         media=MediaPolicy(
             allowed_dir=None if media_dir is None else Path(str(media_dir)),
             allow_remote=bool(s.allow_remote_media),

@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import Depends, FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -39,7 +40,9 @@ from pipeline.serve.protocol import (
 )
 from pipeline.serve.embeddings import Embeddings, EmbeddingRequest
 from pipeline.serve.rerank import Reranker, RerankRequest, ScoreRequest
+from pipeline.serve.responses import Responses, ResponsesRequest
 from pipeline.serve.respond import Completions
+from pipeline.serve.transcriptions import Transcriptions
 
 PAGE = Path(__file__).parent / "static" / "chat.html"
 
@@ -105,12 +108,14 @@ def create_app(
     app = FastAPI(title="mm-pipeline", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     api = Completions(pipe, settings, draining)
     app.state.api = api
-    reranker = Reranker(pipe, settings, draining, api.ledger)
+    reranker = Reranker(pipe, settings, draining, api.ledger, api.gate)
     embeddings = Embeddings(api, settings.pooling, draining)
+    transcriptions = Transcriptions(api, draining)
+    responses = Responses(api, draining, settings.max_stored_responses)
 
     @app.exception_handler(APIError)
     async def _api_error(_: HTTPRequest, err: APIError) -> JSONResponse:
-        return error_response(err.status, err.message, err.type, err.code)
+        return error_response(err.status, err.message, err.type, err.code, err.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: HTTPRequest, err: RequestValidationError) -> JSONResponse:
@@ -192,9 +197,25 @@ def create_app(
     async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
         return await api.complete(body, http, chat=False)
 
+    @app.post("/v1/responses", dependencies=[Depends(authorized)])
+    async def create_response(body: ResponsesRequest, http: HTTPRequest) -> Response:
+        return await responses.create(body, http)
+
+    @app.get("/v1/responses/{rid}", dependencies=[Depends(authorized)])
+    async def get_response(rid: str) -> JSONResponse:
+        return responses.retrieve(rid)
+
+    @app.delete("/v1/responses/{rid}", dependencies=[Depends(authorized)])
+    async def delete_response(rid: str) -> JSONResponse:
+        return responses.delete(rid)
+
     @app.post("/v1/embeddings", dependencies=[Depends(authorized)])
     async def embed(body: EmbeddingRequest, http: HTTPRequest) -> Response:
         return await embeddings.create(body, http)
+
+    @app.post("/v1/audio/transcriptions", dependencies=[Depends(authorized)])
+    async def transcribe(http: HTTPRequest) -> Response:
+        return await transcriptions.create(http)  # a multipart form, read by the endpoint itself
 
     @app.post("/v1/rerank", dependencies=[Depends(authorized)])
     @app.post("/v2/rerank", dependencies=[Depends(authorized)])
@@ -208,4 +229,12 @@ def create_app(
         return await reranker.score(body, http)
 
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    if settings.cors_origins:  # outermost: preflights answered, and every answer (errors too) readable
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After"],
+        )
     return app

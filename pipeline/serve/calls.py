@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import traceback
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
@@ -74,6 +76,34 @@ async def wait_all(http: HTTPRequest, sub: Submission) -> None:
         sub.cancel()
 
 
+class Gate:
+    """``serve.max_waiting``: a call whose sequences would take the engine's waiting queue past
+    the bound is refused at once (503 with ``Retry-After``), never queued without end; those in
+    flight are untouched. The check and the submission happen under one lock (``admitting``), so
+    calls arriving together cannot overshoot the bound between them."""
+
+    RETRY_AFTER_S = 1
+
+    def __init__(self, engine: Any, limit: int | None) -> None:
+        self.engine, self.limit = engine, limit
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def admitting(self, sequences: int) -> Iterator[None]:
+        """Submit ``sequences`` inside this block (on a worker thread), or get the 503."""
+        with self._lock:
+            waiting = self.engine.waiting
+            if self.limit is not None and waiting + sequences > self.limit:
+                raise APIError(
+                    503,
+                    f"the server is busy: {waiting} requests wait (serve.max_waiting={self.limit}); retry shortly",
+                    "unavailable",
+                    "overloaded",
+                    headers={"Retry-After": str(self.RETRY_AFTER_S)},
+                )
+            yield
+
+
 class Ledger:
     """Each call's end in the server's metrics and log."""
 
@@ -83,7 +113,7 @@ class Ledger:
     def refused(self, rid: str, endpoint: str, err: APIError) -> JSONResponse:
         """A failed call counted and logged, and its JSON error."""
         self.failed(rid, endpoint, err)
-        return error_response(err.status, err.message, err.type, err.code)
+        return error_response(err.status, err.message, err.type, err.code, err.headers)
 
     def failed(self, rid: str, endpoint: str, err: APIError, where: str = "") -> None:
         """A failed call counted and logged (``where``: `` (streaming)`` once its stream began)."""

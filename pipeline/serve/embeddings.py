@@ -56,6 +56,7 @@ class Embeddings:
 
     def __init__(self, api: Any, pooling: str, draining: Callable[[], bool]) -> None:
         self.pipe, self.settings, self.requests, self.ledger = api.pipe, api.settings, api.requests, api.ledger
+        self.gate = api.gate
         self.pooling, self.draining = pooling, draining
         self.dimensions = int(text_config(self.pipe.lm.config).hidden_size)
 
@@ -91,8 +92,9 @@ class Embeddings:
 
     def _submit(self, sub: Submission, rid: str, prompts: list[list[int]]) -> None:
         """All inputs queued at once (off the event loop: a submission may touch the device)."""
-        for i, ids in enumerate(prompts):
-            sub.track(self.pipe.submit(Request(pooling=self.pooling, id=f"{rid}-{i}"), ids=ids))
+        with self.gate.admitting(len(prompts)):
+            for i, ids in enumerate(prompts):
+                sub.track(self.pipe.submit(Request(pooling=self.pooling, id=f"{rid}-{i}"), ids=ids))
 
     def _response(self, body: EmbeddingRequest, results: list[Result], tokens: int) -> dict:
         data = []

@@ -61,7 +61,19 @@ class AudioPart(_Open):
     input_audio: AudioData
 
 
-Part = Annotated[Union[TextPart, ImagePart, VideoPart, AudioPart], Field(discriminator="type")]
+class AudioURL(_Open):
+    url: str
+
+
+class AudioURLPart(_Open):
+    """vLLM's extension for audio by URL: ``{"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,..."}}``
+    (the URL rules of ``image_url``)."""
+
+    type: Literal["audio_url"]
+    audio_url: AudioURL
+
+
+Part = Annotated[Union[TextPart, ImagePart, VideoPart, AudioPart, AudioURLPart], Field(discriminator="type")]
 
 
 class FunctionCall(_Open):
@@ -110,6 +122,9 @@ class Sampling(_Open):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
+    stop_token_ids: list[int] | None = None  # vLLM's: token ids that end the answer (kept in it)
+    min_tokens: int = Field(default=0, ge=0)  # vLLM's: EOS, stop ids and stop strings held back until then
+    priority: int = 0  # vLLM's: lower runs first; preempts running requests of a higher value
     response_format: dict[str, Any] | None = None  # OpenAI's text | json_object | json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM's json | regex | choice | grammar
 
@@ -125,6 +140,9 @@ class Sampling(_Open):
 
 class ChatCompletionRequest(Sampling):
     messages: list[Message]
+    add_generation_prompt: bool = True  # vLLM's: false renders no reply header
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, not a new turn
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
@@ -188,6 +206,9 @@ class ServeSettings:
     max_n: int = 8
     media: MediaPolicy = field(default_factory=MediaPolicy)
     pooling: str = "last"  # /v1/embeddings (Request.pooling)
+    max_waiting: int | None = 256  # requests waiting for the engine beyond this: 503 (None: no bound)
+    cors_origins: list[str] = field(default_factory=list)  # browser origins allowed (CORS); "*": any
+    max_stored_responses: int = 1000  # /v1/responses kept for previous_response_id (LRU)
 
 
 @dataclass
@@ -206,14 +227,28 @@ class Call:
 
 
 class APIError(Exception):
-    """An error answered as OpenAI does: ``{"error": {"message", "type", "code"}}``."""
+    """An error answered as OpenAI does: ``{"error": {"message", "type", "code"}}`` (``headers``:
+    sent with it, e.g. ``Retry-After``)."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type_, code
+        self.status, self.message, self.type, self.code, self.headers = status, message, type_, code, headers
 
 
 def error_response(
-    status: int, message: str, type_: str = "invalid_request_error", code: str | None = None
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": type_, "code": code}}, status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "code": code}}, status_code=status, headers=headers
+    )

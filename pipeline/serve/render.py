@@ -13,11 +13,12 @@ from pipeline.pipeline import Pipeline
 from pipeline.runner.grammar import inside_think, think_ids
 from pipeline.serve.answer import Reading
 from pipeline.serve.calls import admit
-from pipeline.serve.media import audio_from_base64, image_from_url, video_from_url
+from pipeline.serve.media import audio_from_base64, audio_from_url, image_from_url, video_from_url
 from pipeline.serve.protocol import (
     RESERVED_TEMPLATE_KWARGS,
     APIError,
     AudioPart,
+    AudioURLPart,
     Call,
     ChatCompletionRequest,
     CompletionRequest,
@@ -125,11 +126,14 @@ class Renderer:
                         raise UserError(f"{where}: more than serve.max_videos ({policy.max_videos}) videos")
                     videos.append(video_from_url(part.video_url.url, where, policy))
                     parts.append({"type": "video"})
-                elif isinstance(part, AudioPart):
+                elif isinstance(part, (AudioPart, AudioURLPart)):
                     if len(audios) >= policy.max_audios:
                         raise UserError(f"{where}: more than serve.max_audios ({policy.max_audios}) audio clips")
                     rate = family.audio_rate(lm)
-                    audios.append(audio_from_base64(part.input_audio.data, where, rate, policy))
+                    if isinstance(part, AudioURLPart):  # vLLM's extension: the URL rules of image_url
+                        audios.append(audio_from_url(part.audio_url.url, where, rate, policy))
+                    else:
+                        audios.append(audio_from_base64(part.input_audio.data, where, rate, policy))
                     parts.append({"type": "audio", "audio": f"audio {len(audios)}"})
             if not family.media:  # text models' templates take a string
                 content = "".join(part["text"] for part in parts)
@@ -141,7 +145,14 @@ class Renderer:
     def call(self, body: Sampling, chat: bool, tokens: int) -> Call:
         """One Request per choice of each prompt (completions: with its raw prompt ids). Runs off
         the loop: media decoding and tokenizing are CPU work."""
-        common = dict(max_new_tokens=tokens, ignore_eos=body.ignore_eos, stop=body.stops())
+        common = dict(
+            max_new_tokens=tokens,
+            ignore_eos=body.ignore_eos,
+            stop=body.stops(),
+            stop_token_ids=list(body.stop_token_ids or []),
+            min_new_tokens=body.min_tokens,
+            priority=body.priority,
+        )
         if chat:
             assert isinstance(body, ChatCompletionRequest)
             messages, images, audios, videos = self.messages(body)
@@ -149,7 +160,7 @@ class Renderer:
             reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
             if reserved:
                 raise UserError(f"chat_template_kwargs: {reserved[0]!r} is set by the server (tools go in tools)")
-            thinking = kwargs.pop("enable_thinking", None)
+            thinking, kwargs = self.reasoning(body.reasoning_effort, kwargs)
             reading, constraint = self.tools(body)
             common.update(
                 messages=messages,
@@ -159,6 +170,8 @@ class Renderer:
                 chat_template_kwargs=kwargs or None,
                 thinking=None if thinking is None else bool(thinking),
                 tools=body.tools,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
                 **constraint,
             )
             top = (body.top_logprobs or 0) if body.logprobs else None
@@ -179,6 +192,22 @@ class Renderer:
                 call.ids.append(ids)
                 call.prompts.append(text)
         return call
+
+    def reasoning(self, effort: str | None, kwargs: dict) -> tuple[bool | None, dict]:
+        """``thinking`` and the template's other arguments: ``enable_thinking`` as given, or
+        ``reasoning_effort`` mapped to the template's own switch (a ``reasoning_effort`` variable,
+        as gpt-oss has, or ``enable_thinking``: off for none and minimal, on otherwise)."""
+        thinking = kwargs.pop("enable_thinking", None)
+        if effort is None:
+            return (None if thinking is None else bool(thinking)), kwargs
+        if thinking is not None:
+            raise UserError("give reasoning_effort or chat_template_kwargs.enable_thinking, not both")
+        template = str(getattr(self.pipe.lm.template_owner, "chat_template", None) or "")
+        if "reasoning_effort" in template:
+            return None, {**kwargs, "reasoning_effort": effort}
+        if "enable_thinking" in template:
+            return effort not in ("none", "minimal"), kwargs
+        raise UserError("reasoning_effort: this model's chat template has no reasoning switch")
 
     @staticmethod
     def constraint(body: Sampling) -> dict:

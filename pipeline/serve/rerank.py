@@ -38,7 +38,7 @@ from pipeline.memory import text_config
 from pipeline.pipeline import Pipeline
 from pipeline.serve.bridge import Submission
 from pipeline.serve.protocol import HARMLESS, APIError, ServeSettings
-from pipeline.serve.calls import Ledger, admit, outcome, wait_all
+from pipeline.serve.calls import Gate, Ledger, admit, outcome, wait_all
 
 # Qwen3-Reranker's judging prompt (its model card).
 JUDGE = (
@@ -155,8 +155,10 @@ def relevance(pair: torch.Tensor) -> torch.Tensor:
 class Reranker:
     """``/v1/rerank`` and ``/score`` over one pipeline: pairs in, prefill-only sequences, scores out."""
 
-    def __init__(self, pipe: Pipeline, settings: ServeSettings, draining: Callable[[], bool], ledger: Ledger) -> None:
-        self.pipe, self.settings, self.draining, self.ledger = pipe, settings, draining, ledger
+    def __init__(
+        self, pipe: Pipeline, settings: ServeSettings, draining: Callable[[], bool], ledger: Ledger, gate: Gate
+    ) -> None:
+        self.pipe, self.settings, self.draining, self.ledger, self.gate = pipe, settings, draining, ledger, gate
         self.scorer = pipe.with_stages({k: v for k, v in pipe.stages.items() if k != "decode"})
         self._tokens: tuple[int, int] | None = None
 
@@ -279,10 +281,11 @@ class Reranker:
 
             return done
 
-        for i, ids in enumerate(prompts):
-            handle = self.scorer.submit(Request(id=f"{rid}-{i}", max_new_tokens=0), ids=ids)
-            handle.add_done_callback(keep(i))
-            sub.track(handle)
+        with self.gate.admitting(len(prompts)):
+            for i, ids in enumerate(prompts):
+                handle = self.scorer.submit(Request(id=f"{rid}-{i}", max_new_tokens=0), ids=ids)
+                handle.add_done_callback(keep(i))
+                sub.track(handle)
 
     def _failed(self, rid: str, endpoint: str, err: APIError) -> JSONResponse:
         return self.ledger.refused(rid, endpoint, err)

@@ -19,7 +19,7 @@ from pipeline.pipeline import Pipeline
 from pipeline.serve import logprobs as lp
 from pipeline.serve.answer import Deltas, message
 from pipeline.serve.bridge import Submission
-from pipeline.serve.calls import Ledger, outcome, wait_all
+from pipeline.serve.calls import Gate, Ledger, outcome, wait_all
 from pipeline.serve.prometheus import ServerMetrics
 from pipeline.serve.protocol import (
     FINISH,
@@ -40,6 +40,7 @@ class Completions:
         self.requests = Renderer(pipe, settings, draining)  # it refuses new requests while draining
         self.metrics = ServerMetrics(pipe.engine, settings.model_name)
         self.ledger = Ledger(self.metrics)
+        self.gate = Gate(pipe.engine, settings.max_waiting)
         self.started = int(time.time())
         self.texts = lp.TokenTexts(pipe.lm.tokenizer)
         self._scorer: Pipeline | None = None  # prefill only: completions with max_tokens 0 (echo)
@@ -68,6 +69,8 @@ class Completions:
         except UserError as err:  # refused at submission (a bad output constraint): nothing else runs
             sub.cancel()
             return self._failed(rid, endpoint, APIError(400, str(err), code="invalid_value"))
+        except APIError as err:  # the queue is full (serve.max_waiting): nothing was submitted
+            return self._failed(rid, endpoint, err)
         meta = {"id": rid, "created": int(time.time()), "model": self.settings.model_name}
         if body.stream:
             return await self._stream(body, sub, meta, chat, endpoint, call)
@@ -78,10 +81,11 @@ class Completions:
         chain). Run off the event loop: a submission may touch the device (raw ids uploaded to
         it, a draft model's pool made on first use), which would stall every open stream for as
         long as the device is busy."""
-        for i, (request, ids) in enumerate(zip(call.requests, call.ids)):
-            request.id = f"{rid}-{i}"
-            pipe = self.scorer if request.max_new_tokens == 0 else self.pipe
-            sub.track(pipe.submit(request, on_text=sub.on_text(i) if stream else None, ids=ids))
+        with self.gate.admitting(len(call.requests)):
+            for i, (request, ids) in enumerate(zip(call.requests, call.ids)):
+                request.id = f"{rid}-{i}"
+                pipe = self.scorer if request.max_new_tokens == 0 else self.pipe
+                sub.track(pipe.submit(request, on_text=sub.on_text(i) if stream else None, ids=ids))
 
     def _failed(self, rid: str, endpoint: str, err: APIError) -> JSONResponse:
         return self.ledger.refused(rid, endpoint, err)
