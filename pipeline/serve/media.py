@@ -135,9 +135,33 @@ def video_from_url(url: str, where: str, policy: MediaPolicy) -> Any:
     return video
 
 
-def audio_from_base64(data: str, where: str, rate: int, policy: MediaPolicy) -> tuple[Any, int]:
-    """An ``input_audio`` part -> (1-D float waveform at ``rate``, rate), at most ``max_audio_s``."""
-    wave, seconds = _decoded(_b64(data, where), where, lambda path: load_audio(path, rate))
+def _audio(decoded: tuple[Any, float], where: str, rate: int, policy: MediaPolicy) -> tuple[Any, int]:
+    """A decoded clip as (wave, rate), refused when over ``max_audio_s``."""
+    wave, seconds = decoded
     if seconds > policy.max_audio_s:
         raise UserError(f"{where}: audio is {seconds:.1f} s, over serve.max_audio_s ({policy.max_audio_s:g} s)")
     return wave, rate
+
+
+def audio_from_base64(data: str, where: str, rate: int, policy: MediaPolicy) -> tuple[Any, int]:
+    """An ``input_audio`` part -> (1-D float waveform at ``rate``, rate), at most ``max_audio_s``."""
+    return audio_from_bytes(_b64(data, where), where, rate, policy)
+
+
+def audio_from_bytes(raw: bytes, where: str, rate: int, policy: MediaPolicy) -> tuple[Any, int]:
+    """An uploaded audio file (``/v1/audio/transcriptions``' ``file``) -> (wave at ``rate``, rate),
+    decoded and limited as ``input_audio`` parts are."""
+    if not raw:
+        raise UserError(f"{where}: empty media data")
+    return _audio(_decoded(raw, where, lambda path: load_audio(path, rate)), where, rate, policy)
+
+
+def audio_from_url(url: str, where: str, rate: int, policy: MediaPolicy) -> tuple[Any, int]:
+    """An ``audio_url`` part (vLLM's extension) -> (wave at ``rate``, rate): the URL rules of
+    ``image_url`` (data:, file:// under the allowed folder, http(s) when remote media are allowed)."""
+
+    def load(path: str) -> tuple[Any, float]:
+        _checked_kind(path, "audio")
+        return load_audio(path, rate)
+
+    return _audio(_from_url(url, where, policy, "audio", load), where, rate, policy)
