@@ -40,7 +40,8 @@ from pipeline.serve.protocol import (
 )
 from pipeline.serve.embeddings import Embeddings, EmbeddingRequest
 from pipeline.serve.rerank import Reranker, RerankRequest, ScoreRequest
-from pipeline.serve.responses import Responses, ResponsesRequest
+from pipeline.serve.response_input import ResponsesRequest
+from pipeline.serve.responses import Responses
 from pipeline.serve.respond import Completions
 from pipeline.serve.transcriptions import Transcriptions
 
