@@ -57,6 +57,17 @@ def held_out_dir(tiny_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3_server(tiny_dir, tmp_path_factory):
+    """One ``mode=serve`` on the tiny Qwen3 (float32, served as "qwen3", default settings) for every
+    test file on this worker that needs no other settings: a server start costs about 14 s. Files
+    that share it must not depend on its counters or its prefix cache being fresh."""
+    from serving import serving_tiny
+
+    with serving_tiny(tmp_path_factory.mktemp("serve-qwen3"), tiny_dir("qwen3"), "qwen3") as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def load_tiny(tiny_dir):
     """load_tiny(family, **load_model_kwargs) -> LoadedModel, cached per (family, kwargs).
 

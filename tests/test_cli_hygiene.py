@@ -88,13 +88,9 @@ def test_legitimate_overrides_pass(capsys, argv):
     assert capsys.readouterr().err == ""
 
 
-def test_every_documented_command_composes(capsys):
-    """Every ``-m pipeline`` command of the README, CONTRIBUTING.md and the docs site (read by
-    tests/doc_commands.py, whose rule leaves ``...`` placeholders out) passes the checks the CLI
-    makes before anything loads: its config group choices, and its composition against conf/ with
-    every key known (each value of a sweep on its own). About 25 s: each compose reads conf/."""
-    commands = documented_commands()
-    assert len(commands) > 60
+def assert_compose(commands: list, capsys) -> None:
+    """Each command passes the checks the CLI makes before anything loads: its config group
+    choices, and its composition against conf/ with every key known (each sweep value on its own)."""
     assert [str(c) for c in commands if "<" in c.text] == []  # a <placeholder> is a redirection to the shell
     for argv, command in {tuple(c.argv): c for c in reversed(commands)}.items():  # each first one named
         try:
@@ -103,6 +99,21 @@ def test_every_documented_command_composes(capsys):
         except SystemExit:
             raise AssertionError(f"{command}: {capsys.readouterr().err}") from None
     assert capsys.readouterr().err == ""
+
+
+def test_the_readmes_commands_compose(capsys):
+    commands = [c for c in documented_commands() if c.page in ("README.md", "CONTRIBUTING.md")]
+    assert len(commands) > 5
+    assert_compose(commands, capsys)
+
+
+@pytest.mark.slow  # suite time (about 25 s: each compose reads conf/); the README's above
+def test_every_documented_command_composes(capsys):
+    """Every ``-m pipeline`` command of the README, CONTRIBUTING.md and the docs site (read by
+    tests/doc_commands.py, whose rule leaves ``...`` placeholders out)."""
+    commands = documented_commands()
+    assert len(commands) > 60
+    assert_compose(commands, capsys)
 
 
 @pytest.mark.slow  # suite time; in-process: test_an_unknown_key_is_refused_with_the_closest_one

@@ -15,17 +15,15 @@ import torch
 from openai import BadRequestError, OpenAI
 from transformers import AutoModel
 
-from serving import serving_tiny
 
 TEXTS = ["The capital of China is Beijing.", "Gravity attracts two bodies.", "the cat sleeps " * 12]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir, tmp_path_factory):
-    with serving_tiny(tmp_path_factory.mktemp("serve-embed"), tiny_dir("qwen3"), "qwen3") as server:
-        server.client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        server.base = AutoModel.from_pretrained(str(tiny_dir("qwen3")), dtype=torch.float32).eval()
-        yield server
+def server(qwen3_server, tiny_dir):  # shared with other files on this worker (conftest.py)
+    qwen3_server.client = OpenAI(base_url=qwen3_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    qwen3_server.base = AutoModel.from_pretrained(str(tiny_dir("qwen3")), dtype=torch.float32).eval()
+    return qwen3_server
 
 
 def oracle(server, ids: list[int]) -> np.ndarray:

@@ -12,14 +12,12 @@ import torch
 from openai import BadRequestError, OpenAI
 
 from conftest import logprob_oracle
-from serving import serving_tiny
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir, tmp_path_factory):
-    with serving_tiny(tmp_path_factory.mktemp("serve-lp"), tiny_dir("qwen3"), "qwen3") as server:
-        server.client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        yield server
+def server(qwen3_server):  # shared with other files on this worker (conftest.py)
+    qwen3_server.client = OpenAI(base_url=qwen3_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return qwen3_server
 
 
 def greedy(lm, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:

@@ -99,6 +99,7 @@ def test_the_media_error_is_one_line_naming_the_part(site):
     assert image_from_url(f"http://localhost:{port}/red.png", "x", named).size == (32, 32)
 
 
+@pytest.mark.slow  # suite time (a server of its own); the guard itself is tested above, in-process
 def test_the_server_answers_400_and_never_fetches(site, tmp_path):
     port, hits = site
 

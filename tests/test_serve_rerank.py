@@ -23,7 +23,6 @@ from pipeline.serve.rerank import (
     prompt_text,
     score_pairs,
 )
-from serving import serving_tiny
 
 # Qwen3-Reranker's model card, verbatim (prefix + format_instruction + suffix).
 CARD = (
@@ -44,10 +43,9 @@ BLOCK = 16  # kv.block_size
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir, tmp_path_factory):
-    with serving_tiny(tmp_path_factory.mktemp("serve-rerank"), tiny_dir("qwen3"), "qwen3") as server:
-        server.http = httpx.Client(base_url=server.url, timeout=120)
-        yield server
+def server(qwen3_server):  # shared with other files on this worker (conftest.py)
+    qwen3_server.http = httpx.Client(base_url=qwen3_server.url, timeout=120)
+    return qwen3_server
 
 
 def card_ids(lm, query: str, doc: str, instruction: str = WEB) -> list[int]:

@@ -100,8 +100,11 @@ def main(cfg: DictConfig) -> None:
     pipe = pipeline_from_cfg(cfg, lm, stages)  # decode.compile: warmed up here, before the first request
     host, port = sock.getsockname()[:2]
 
+    # An idle keep-alive connection stays open 65 s: a client (or a load balancer, whose idle timeout
+    # is usually 60 s) reusing one the server is closing at that instant gets a connection error;
+    # at uvicorn's default of 5 s, a client pausing about 5 s between requests hit that race.
     config = uvicorn.Config(
-        None, log_level="warning", timeout_graceful_shutdown=cfg.serve.drain_s, timeout_keep_alive=5
+        None, log_level="warning", timeout_graceful_shutdown=cfg.serve.drain_s, timeout_keep_alive=65
     )
     server = uvicorn.Server(config)
 
