@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import Depends, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -109,10 +109,24 @@ def create_app(
     app = FastAPI(title="mm-pipeline", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     api = Completions(pipe, settings, draining)
     app.state.api = api
-    reranker = Reranker(pipe, settings, draining, api.ledger, api.gate)
-    embeddings = Embeddings(api, settings.pooling, draining)
-    transcriptions = Transcriptions(api, draining)
-    responses = Responses(api, draining, settings.max_stored_responses)
+    answer_errors(app)
+    app.include_router(open_routes(api, draining))
+    app.include_router(api_routes(api, draining), dependencies=[Depends(bearer(settings.api_key))])
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    if settings.cors_origins:  # outermost: preflights answered, and every answer (errors too) readable
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After"],
+        )
+    return app
+
+
+def answer_errors(app: FastAPI) -> None:
+    """Every error as OpenAI's JSON: the API's own, a body that does not validate (400 naming the
+    field), an unknown route, and a crash (500, its traceback on the server's stderr only)."""
 
     @app.exception_handler(APIError)
     async def _api_error(_: HTTPRequest, err: APIError) -> JSONResponse:
@@ -136,106 +150,135 @@ def create_app(
         traceback.print_exception(err, file=sys.stderr)
         return error_response(500, f"internal error ({type(err).__name__})", "server_error")
 
+
+def bearer(api_key: str | None) -> Callable[[HTTPRequest], None]:
+    """The dependency of the API routes: ``Authorization: Bearer <serve.api_key>`` when one is set."""
+
     def authorized(http: HTTPRequest) -> None:
-        if settings.api_key is None:
+        if api_key is None:
             return
-        given = http.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+        scheme, _, token = http.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             raise APIError(
                 401, "missing or wrong API key (Authorization: Bearer <key>)", "authentication_error", "invalid_api_key"
             )
 
-    @app.get("/health")
+    return authorized
+
+
+def open_routes(api: Completions, draining: Callable[[], bool]) -> APIRouter:
+    """What needs no key: health, the chat page, the metrics."""
+    router = APIRouter()
+
+    @router.get("/health")
     async def health() -> JSONResponse:
         if draining():
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/", response_class=HTMLResponse)
+    @router.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
         return HTMLResponse(PAGE.read_text(encoding="utf-8"))
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def metrics() -> Response:
         return Response(api.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    return router
+
+
+def api_routes(api: Completions, draining: Callable[[], bool]) -> APIRouter:
+    """The API: the model, its tokenizer, and an endpoint object per kind of call."""
+    router, settings = APIRouter(), api.settings
+    embeddings = Embeddings(api, settings.pooling, draining)
+    router.include_router(tokenizer_routes(api))
+    router.include_router(answer_routes(api, draining))
+    router.include_router(reranker_routes(Reranker(api.pipe, settings, draining, api.ledger, api.gate)))
+
+    @router.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": settings.model_name,
-                        "object": "model",
-                        "created": api.started,
-                        "owned_by": "mm-pipeline",
-                        "max_model_len": api.requests.context(),
-                        "embedding": embeddings.describe(),
-                    }
-                ],
-            }
-        )
+        model = {
+            "id": settings.model_name,
+            "object": "model",
+            "created": api.started,
+            "owned_by": "mm-pipeline",
+            "max_model_len": api.requests.context(),
+            "embedding": embeddings.describe(),
+        }
+        return JSONResponse({"object": "list", "data": [model]})
 
-    @app.post("/tokenize", dependencies=[Depends(authorized)])
-    async def tokenize(body: TokenizeRequest) -> JSONResponse:
-        return JSONResponse(await asyncio.to_thread(api.requests.tokenize, body))
-
-    @app.post("/detokenize", dependencies=[Depends(authorized)])
-    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
-        return JSONResponse(await asyncio.to_thread(api.requests.detokenize, body))
-
-    @app.get("/tokenizer_info", dependencies=[Depends(authorized)])
-    async def tokenizer_info() -> JSONResponse:
-        return JSONResponse(api.requests.tokenizer_info())
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:
-        return await api.complete(body, http, chat=True)
-
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
-        return await api.complete(body, http, chat=False)
-
-    @app.post("/v1/responses", dependencies=[Depends(authorized)])
-    async def create_response(body: ResponsesRequest, http: HTTPRequest) -> Response:
-        return await responses.create(body, http)
-
-    @app.get("/v1/responses/{rid}", dependencies=[Depends(authorized)])
-    async def get_response(rid: str) -> JSONResponse:
-        return responses.retrieve(rid)
-
-    @app.delete("/v1/responses/{rid}", dependencies=[Depends(authorized)])
-    async def delete_response(rid: str) -> JSONResponse:
-        return responses.delete(rid)
-
-    @app.post("/v1/embeddings", dependencies=[Depends(authorized)])
+    @router.post("/v1/embeddings")
     async def embed(body: EmbeddingRequest, http: HTTPRequest) -> Response:
         return await embeddings.create(body, http)
 
-    @app.post("/v1/audio/transcriptions", dependencies=[Depends(authorized)])
+    return router
+
+
+def tokenizer_routes(api: Completions) -> APIRouter:
+    """vLLM's tokenizer endpoints (lm-eval's remote tokenizer uses them)."""
+    router = APIRouter()
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        return JSONResponse(await asyncio.to_thread(api.requests.tokenize, body))
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(await asyncio.to_thread(api.requests.detokenize, body))
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(api.requests.tokenizer_info())
+
+    return router
+
+
+def answer_routes(api: Completions, draining: Callable[[], bool]) -> APIRouter:
+    """What generates: chat and text completions, the Responses API, transcriptions."""
+    router = APIRouter()
+    responses = Responses(api, draining, api.settings.max_stored_responses)
+    transcriptions = Transcriptions(api, draining)
+
+    @router.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, http: HTTPRequest) -> Response:
+        return await api.complete(body, http, chat=True)
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: HTTPRequest) -> Response:
+        return await api.complete(body, http, chat=False)
+
+    @router.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, http: HTTPRequest) -> Response:
+        return await responses.create(body, http)
+
+    @router.get("/v1/responses/{rid}")
+    async def get_response(rid: str) -> JSONResponse:
+        return responses.retrieve(rid)
+
+    @router.delete("/v1/responses/{rid}")
+    async def delete_response(rid: str) -> JSONResponse:
+        return responses.delete(rid)
+
+    @router.post("/v1/audio/transcriptions")
     async def transcribe(http: HTTPRequest) -> Response:
         return await transcriptions.create(http)  # a multipart form, read by the endpoint itself
 
-    @app.post("/v1/rerank", dependencies=[Depends(authorized)])
-    @app.post("/v2/rerank", dependencies=[Depends(authorized)])
-    @app.post("/rerank", dependencies=[Depends(authorized)])
+    return router
+
+
+def reranker_routes(reranker: Reranker) -> APIRouter:
+    """Relevance: rerank (with vLLM's aliases) and score."""
+    router = APIRouter()
+
+    @router.post("/v1/rerank")
+    @router.post("/v2/rerank")
+    @router.post("/rerank")
     async def rerank(body: RerankRequest, http: HTTPRequest) -> Response:
         return await reranker.rerank(body, http)  # rendering, submission and reading: off the loop
 
-    @app.post("/score", dependencies=[Depends(authorized)])
-    @app.post("/v1/score", dependencies=[Depends(authorized)])
+    @router.post("/score")
+    @router.post("/v1/score")
     async def score(body: ScoreRequest, http: HTTPRequest) -> Response:
         return await reranker.score(body, http)
 
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-    if settings.cors_origins:  # outermost: preflights answered, and every answer (errors too) readable
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(settings.cors_origins),
-            allow_methods=["*"],
-            allow_headers=["*"],
-            expose_headers=["Retry-After"],
-        )
-    return app
+    return router
