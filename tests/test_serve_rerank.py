@@ -11,14 +11,12 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from conftest import logprob_oracle
-from pipeline.serve.protocol import APIError, ServeSettings
+from pipeline.serve.protocol import APIError
 from pipeline.serve.rerank import (
-    Reranker,
-    RerankRequest,
-    classifier_refusal,
     judge_tokens,
     prompt_text,
     score_pairs,
@@ -226,12 +224,32 @@ def test_pairings():
         score_pairs([], ["a"])
 
 
-def test_a_classification_head_is_refused():
-    assert classifier_refusal(SimpleNamespace(architectures=["Qwen3ForCausalLM"])) is None
-    reranker = Reranker.__new__(Reranker)
-    reranker.draining, reranker.settings = (lambda: False), ServeSettings(model_name="m")
-    config = SimpleNamespace(architectures=["Qwen3ForSequenceClassification"])
-    reranker.pipe = SimpleNamespace(lm=SimpleNamespace(config=config))
-    with pytest.raises(APIError, match="Qwen3ForSequenceClassification checkpoints are not supported") as err:
-        reranker._check(RerankRequest(query="q", documents=["d"]))
-    assert err.value.status == 400
+def test_a_classification_head_scores_as_the_checkpoints_own_forward(tmp_path):
+    """A ``*ForSequenceClassification`` checkpoint saved by transformers (not by the project's
+    builders) loads as a causal LM; ``ScoreHead`` reads its head from the files, and the score of
+    the prompt's last hidden state (the engine's ``pooling="last"``) equals the checkpoint's own
+    classifier forward."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    from pipeline import Pipeline, load_model
+    from pipeline.context import Request
+    from pipeline.serve.rerank import ScoreHead
+    from pipeline.testing import make_tokenizer
+    from stages import Prefill
+
+    tok = make_tokenizer("qwen3")
+    cfg = Qwen3Config(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_labels=1, pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    classifier = Qwen3ForSequenceClassification(cfg).eval()
+    classifier.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), dtype=torch.float32)
+    head = ScoreHead.of(lm)
+    ids = tok(prompt_text(tok, None, QUERY, DOCS[0]), add_special_tokens=False)["input_ids"]
+    pooled = Pipeline(lm, {"prefill": Prefill()}).run_ids(ids, Request(pooling="last")).pooled
+    with torch.no_grad():
+        expected = classifier(torch.tensor([ids])).logits[0, 0].sigmoid()
+    assert float(head(pooled[None])[0]) == pytest.approx(float(expected), abs=1e-5)

@@ -14,8 +14,8 @@ document: they are submitted together and the engine computes the shared full KV
 (the scheduler holds the others back until those blocks are in the prefix cache); ``usage``
 counts the reused tokens in ``prompt_tokens_details.cached_tokens``.
 
-A checkpoint with a sequence-classification head (``*ForSequenceClassification``) is refused:
-the loader reads every text model as a causal LM, which would leave its head out.
+A checkpoint with a sequence-classification head (``*ForSequenceClassification``) is scored by
+that head instead (``ScoreHead``) on the prompt's last hidden state.
 """
 
 from __future__ import annotations
@@ -23,10 +23,13 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Callable, Union
 
 import jinja2
 import torch
+from huggingface_hub import snapshot_download
+from safetensors import safe_open
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
@@ -131,17 +134,46 @@ def judge_tokens(tokenizer: Any) -> tuple[int, int]:
     return _word_token(tokenizer, "yes"), _word_token(tokenizer, "no")
 
 
-def classifier_refusal(config: Any) -> str | None:
-    """Why a checkpoint cannot be scored here (None: it can): a sequence-classification head
-    is not loaded (the loader reads text models as causal LMs), so its score would be made up."""
-    heads = [a for a in getattr(config, "architectures", None) or [] if str(a).endswith("ForSequenceClassification")]
-    if not heads:
-        return None
-    return (
-        f"{heads[0]} checkpoints are not supported: this server loads a model as a causal LM, which leaves a "
-        "sequence-classification head out; serve a reranker that answers yes/no with its LM head (as "
-        "Qwen3-Reranker is published)"
-    )
+class ScoreHead:
+    """A sequence-classification checkpoint's head (``score``, or ``classifier``), read from its
+    files: the loader reads the model as a causal LM, which leaves the head out. A pair's score is
+    the head on the judging prompt's last hidden state (the converted ``*-seq-cls`` rerankers keep
+    Qwen3-Reranker's prompt): the sigmoid of a single logit, or with several labels the probability
+    of label 1, the relevant class."""
+
+    NAMES = ("score", "classifier")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight.float(), None if bias is None else bias.float()
+
+    @classmethod
+    def of(cls, lm: Any) -> "ScoreHead | None":
+        """The head of ``lm``'s checkpoint when it is a sequence classifier (None otherwise)."""
+        archs = [str(a) for a in getattr(lm.config, "architectures", None) or []]
+        if not any(a.endswith("ForSequenceClassification") for a in archs):
+            return None
+        tensors = checkpoint_tensors(lm.path, [f"{n}.{p}" for n in cls.NAMES for p in ("weight", "bias")])
+        for name in cls.NAMES:
+            if f"{name}.weight" in tensors:
+                return cls(tensors[f"{name}.weight"], tensors.get(f"{name}.bias"))
+        raise APIError(400, f"{archs[0]}: no score or classifier weights in the checkpoint", code="unsupported_model")
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Scores [n] from last hidden states [n, H]."""
+        logits = torch.nn.functional.linear(hidden.float(), self.weight, self.bias)
+        return logits[:, 0].sigmoid() if logits.shape[1] == 1 else logits.softmax(-1)[:, 1]
+
+
+def checkpoint_tensors(path: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors of ``names`` a checkpoint (a folder, or a hub id in the local cache) holds."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        folder = Path(snapshot_download(path, local_files_only=True))
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            found.update({n: f.get_tensor(n) for n in names if n in f.keys()})
+    return found
 
 
 def relevance(pair: torch.Tensor) -> torch.Tensor:
@@ -161,6 +193,7 @@ class Reranker:
         self.pipe, self.settings, self.draining, self.ledger, self.gate = pipe, settings, draining, ledger, gate
         self.scorer = pipe.with_stages({k: v for k, v in pipe.stages.items() if k != "decode"})
         self._tokens: tuple[int, int] | None = None
+        self._head: ScoreHead | None | bool = False  # False: not looked for yet
 
     async def rerank(self, body: RerankRequest, http: HTTPRequest) -> Response:
         rid = "rerank-" + uuid.uuid4().hex[:24]
@@ -210,9 +243,6 @@ class Reranker:
     # --- shared --------------------------------------------------------------------------------
     def _check(self, body: _Body) -> None:
         admit(body, self.settings.model_name, self.draining)
-        refusal = classifier_refusal(self.pipe.lm.config)
-        if refusal is not None:
-            raise APIError(400, refusal, code="unsupported_model")
 
     @staticmethod
     def _cap(n: int, field: str) -> None:
@@ -246,12 +276,15 @@ class Reranker:
             raise err
         if any(r is None for r in rows):
             raise APIError(500, "internal error (a pair ended without logits)", "server_error")
-        scores = await asyncio.to_thread(lambda: relevance(torch.stack([r.cpu() for r in rows])).tolist())
+        judge = relevance if self._head is None else self._head
+        scores = await asyncio.to_thread(lambda: judge(torch.stack([r.cpu() for r in rows])).tolist())
         return scores, results
 
     def _prompts(self, instruction: str | None, pairs: list[tuple[str, str]], where: Callable[[int], str]) -> list:
         lm = self.pipe.lm
-        if self._tokens is None:
+        if self._head is False:
+            self._head = ScoreHead.of(lm)
+        if self._head is None and self._tokens is None:
             self._tokens = judge_tokens(lm.tokenizer)
         context = getattr(text_config(lm.config), "max_position_embeddings", None)
         out = []
@@ -269,21 +302,26 @@ class Reranker:
         return out
 
     def _submit(self, sub: Submission, rid: str, prompts: list[list[int]], rows: list) -> None:
-        """Every pair on the prefill-only chain; as each ends (on the engine's thread) its two
-        logits are copied out of the step's logits."""
-        no_yes = list(reversed(self._tokens))
+        """Every pair prefilled only; as each ends (on the engine's thread) its two logits (no,
+        yes) are copied out of the step's logits, or with a classification head the prompt's last
+        hidden state (``Request.pooling``)."""
+        head = self._head is not None
+        no_yes = None if head else list(reversed(self._tokens))
 
         def keep(i: int) -> Callable[[Handle], None]:
             def done(handle: Handle) -> None:
-                logits = handle.context.logits
-                if logits is not None:
-                    rows[i] = logits.reshape(-1)[no_yes].float()
+                ctx = handle.context
+                if head and ctx.pooled is not None:
+                    rows[i] = ctx.pooled
+                elif not head and ctx.logits is not None:
+                    rows[i] = ctx.logits.reshape(-1)[no_yes].float()
 
             return done
 
         with self.gate.admitting(len(prompts)):
             for i, ids in enumerate(prompts):
-                handle = self.scorer.submit(Request(id=f"{rid}-{i}", max_new_tokens=0), ids=ids)
+                request = Request(id=f"{rid}-{i}", max_new_tokens=0, pooling="last" if head else None)
+                handle = self.scorer.submit(request, ids=ids)
                 handle.add_done_callback(keep(i))
                 sub.track(handle)
 
