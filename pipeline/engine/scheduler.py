@@ -87,15 +87,15 @@ class Scheduler:
         of a sequence's first admission."""
         computing = self._computing()
         for seq in list(self.waiting):
-            if len(self.running) >= self.max_seqs and not self._make_way(
-                seq, lambda: len(self.running) < self.max_seqs
-            ):
-                return
+            if not self._seat_free() and not any(s.priority > seq.priority for s in self.running):
+                return  # every place taken, by none it outranks
             if not self._ready(seq, prepare):
                 continue
             upcoming = seq.cache.future_digests(seq.keys[: seq.prompt_len], limit=1)
             if upcoming and upcoming[0] in computing and seq.cache.length % self.pool.block_size == 0:
                 continue  # deferred: another sequence is computing its next block
+            if not self._make_way(seq, self._seat_free):  # only now, when it is ready to run
+                return
             if self.running and not self._room_for(seq) and not self._make_way(seq, lambda: self._room_for(seq)):
                 return  # new requests wait for blocks (and state slots) to come back
             if not seq.started:
@@ -106,6 +106,9 @@ class Scheduler:
             seq.status = Status.RUNNING
             if seq.cache.length < seq.prompt_len:
                 computing.update(seq.cache.future_digests(seq.keys[: seq.prompt_len]))
+
+    def _seat_free(self) -> bool:
+        return len(self.running) < self.max_seqs
 
     def _make_way(self, seq: Sequence, enough: Callable[[], bool]) -> bool:
         """Preempt running sequences of a lower priority than ``seq`` (the lowest, then the most
