@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 from pipeline.context import Request
 from pipeline.errors import UserError
+from pipeline.families import family_for_config
 from pipeline.model.loading import (
     LoadedModel,
     _check_path,
@@ -127,9 +128,11 @@ def follow_from_cfg(cfg: DictConfig) -> None:
 
 def check_settings_for_model(cfg: DictConfig, config: Any, path: str) -> None:
     """The settings that only the model's config.json can judge, judged on it before the weights
-    load (minutes for a large model): ``kv.memory`` in bytes and ``kv.state_checkpoint_every``.
+    load (minutes for a large model): that a family runs it, ``kv.memory`` in bytes and
+    ``kv.state_checkpoint_every``.
     (A fraction of free memory or ``auto`` depends on what is free after loading: ``pool_for``.)"""
     model = model_label(cfg, path)
+    family_for_config(config)  # a model no family runs is refused first, in its own words
     check_state_checkpoint_setting(int(cfg.kv.state_checkpoint_every), config, model)
     check_offload_setting(str(cfg.kv.offload), config, int(cfg.model.tp), model)
     memory = kv_memory_setting(_plain(cfg.kv.memory))
