@@ -164,7 +164,7 @@ class Engine:
         tier = {} if pool.tier is None else {f"kv_tier_{k}": v for k, v in pool.tier.stats().items()}
         return {
             "running": len(sched.running),
-            "waiting": len(sched.waiting) + len(self._inbox),
+            "waiting": self.waiting,
             "kv_blocks_used": pool.used_blocks,
             "kv_blocks_free": pool.free_blocks,
             "kv_blocks_total": pool.num_blocks - 1,

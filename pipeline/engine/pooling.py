@@ -5,7 +5,7 @@ The sequence is prefill only. Each chunk's forward hands back one pooled row per
 rows are added up here as the chunks come (a long prompt prefills in several), and the result is
 L2-normalised when the request ends. "last" needs only the prompt's last token, which is always
 computed, so a prompt whose prefix is cached reuses it; "mean" and "cls" need every row (or the
-first), so such a prompt is computed whole (``reuses_prefix``).
+first), so such a prompt is computed whole (``Sequence.reusable``).
 """
 
 from __future__ import annotations
@@ -24,11 +24,6 @@ def check(request: Any) -> None:
         raise UserError(f"pooling must be one of {', '.join(POOLINGS)} (got {request.pooling!r})")
     if request.logprobs is not None or request.prompt_logprobs is not None:
         raise UserError("an embedding request has no log-probabilities (pooling and logprobs together)")
-
-
-def reuses_prefix(request: Any) -> bool:
-    """Whether a cached prefix may be reused: only the last row is pooled."""
-    return request.pooling == "last"
 
 
 def chunk_pool(request: Any, begin: int, end: int, prompt_len: int) -> str | None:

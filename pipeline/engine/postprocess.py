@@ -45,7 +45,6 @@ class _Rows:
     recorded: list[Scheduled] = field(default_factory=list)  # parts whose fed tokens are recorded now
     ending: list[Sequence] = field(default_factory=list)  # prefill-only sequences, their logits kept
     scoring: list[tuple[Scheduled, int]] = field(default_factory=list)  # parts scoring their prompt, first row
-    pooling: list[Scheduled] = field(default_factory=list)  # parts handing back a pooled row, in order
 
 
 class PostProcess:
@@ -63,8 +62,9 @@ class PostProcess:
         out.finish_timing()
         if parts.scoring:
             token_choice.take_prompt_scores(parts.scoring, scores)
-        for item, row in zip(parts.pooling, out.pooled if out.pooled is not None else ()):
-            pooling.add(item.seq.ctx, row, item.begin)
+        for item, row in zip(plan, out.pooled or ()):  # embeddings: a row per part that pools
+            if row is not None:
+                pooling.add(item.seq.ctx, row, item.begin)
         for item in parts.recorded:
             self._record_fed(item, out)
         for seq in parts.ending:
@@ -170,10 +170,6 @@ def _sort(plan: list[Scheduled], logits: torch.Tensor) -> _Rows:
         seq, n = item.seq, chosen_rows(item)
         if prompt_rows(item):
             parts.scoring.append((item, row))
-        if seq.ctx.request.pooling is not None and pooling.chunk_pool(
-            seq.ctx.request, item.begin, item.end, seq.prompt_len
-        ):
-            parts.pooling.append(item)
         first = row + kept_rows(item) - n
         if seq.drafts:
             parts.verifying.append((seq, logits[first : first + n]))

@@ -59,9 +59,9 @@ def forward(
 
 def forward_pooled(
     lm: Any, pool: BlockPool, chunks: Sequence[Chunk], device: torch.device | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``forward``, also handing back one row of final hidden states per chunk that pools
-    (``Chunk.pool``), float32 [n, H] in chunk order. The decoder's output is caught by a forward
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """``forward``, also handing back per chunk its row of final hidden states (``Chunk.pool``;
+    float32 [H], None for a chunk that pools nothing). The decoder's output is caught by a forward
     hook, so the model runs exactly as in ``forward`` (a hooked decoder is called as a module)."""
     caught: list[torch.Tensor] = []
 
@@ -76,19 +76,20 @@ def forward_pooled(
     return logits, pooled_rows(caught[-1][0], chunks)
 
 
-def pooled_rows(hidden: torch.Tensor, chunks: Sequence[Chunk]) -> torch.Tensor:
-    """One float32 row per chunk that pools, from the packed hidden states [T, H]."""
-    rows, off = [], 0
+def pooled_rows(hidden: torch.Tensor, chunks: Sequence[Chunk]) -> list[torch.Tensor | None]:
+    """Each chunk's float32 row from the packed hidden states [T, H] (None: it pools nothing)."""
+    rows: list[torch.Tensor | None] = []
+    off = 0
     for c in chunks:
         part = hidden[off : off + c.count]
+        off += c.count
         if c.pool == "sum":
             rows.append(part.float().sum(0))
-        elif c.pool == "first":
-            rows.append(part[0].float())
-        elif c.pool == "last":
-            rows.append(part[-1].float())
-        off += c.count
-    return torch.stack(rows)
+        elif c.pool in ("first", "last"):
+            rows.append(part[0 if c.pool == "first" else -1].float())
+        else:
+            rows.append(None)
+    return rows
 
 
 _NO_MASK = torch.ones(1, 1, 1, 1, dtype=torch.bool)

@@ -45,7 +45,7 @@ class StepOutput:
     compiled: bool
     started: float = 0.0
     graphed: bool = False
-    pooled: torch.Tensor | None = None  # [n, H]: a row per chunk that pools (Chunk.pool), in chunk order
+    pooled: list[torch.Tensor | None] | None = None  # per chunk, its pooled row (Chunk.pool; None: none)
 
     def finish_timing(self) -> None:
         """The step's wall time, once its result has been read back (or waited for)."""

@@ -193,7 +193,7 @@ def api_routes(api: Completions, draining: Callable[[], bool]) -> APIRouter:
     embeddings = Embeddings(api, settings.pooling, draining)
     router.include_router(tokenizer_routes(api))
     router.include_router(answer_routes(api, draining))
-    router.include_router(reranker_routes(Reranker(api.pipe, settings, draining, api.ledger, api.gate)))
+    router.include_router(reranker_routes(Reranker(api, draining)))
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:

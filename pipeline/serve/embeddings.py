@@ -26,17 +26,13 @@ from pipeline.errors import UserError
 from pipeline.memory import text_config
 from pipeline.serve.bridge import Submission
 from pipeline.serve.calls import admit, outcome, wait_all
-from pipeline.serve.protocol import HARMLESS, APIError, _Open
+from pipeline.serve.protocol import APIError, Body
 
 
-class EmbeddingRequest(_Open):
-    model: str | None = None
+class EmbeddingRequest(Body):
     input: Union[str, list[str], list[int], list[list[int]]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
-
-    def unsupported(self) -> list[str]:
-        return sorted(set(self.model_extra or {}) - HARMLESS)
 
 
 def encoded(vector: list[float], dimensions: int | None, encoding: str) -> list[float] | str:

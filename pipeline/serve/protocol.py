@@ -102,11 +102,21 @@ class StreamOptions(_Open):
 HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 
 
-class Sampling(_Open):
+class Body(_Open):
+    """A request body of any endpoint: ``model`` (the id the client asks for) and, kept aside,
+    the top-level fields it does not declare, to be refused by name (``unsupported``)."""
+
+    model: str | None = None
+
+    def unsupported(self) -> list[str]:
+        """Top-level fields this server does not implement (``HARMLESS`` ones aside)."""
+        return sorted(set(self.model_extra or {}) - HARMLESS)
+
+
+class Sampling(Body):
     """Fields shared by chat and text completions (vLLM's extensions included: top_k, min_p,
     repetition_penalty, ignore_eos)."""
 
-    model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
@@ -127,10 +137,6 @@ class Sampling(_Open):
     priority: int = 0  # vLLM's: lower runs first; preempts running requests of a higher value
     response_format: dict[str, Any] | None = None  # OpenAI's text | json_object | json_schema
     structured_outputs: dict[str, Any] | None = None  # vLLM's json | regex | choice | grammar
-
-    def unsupported(self) -> list[str]:
-        """Top-level fields this server does not implement (``HARMLESS`` ones aside)."""
-        return sorted(set(self.model_extra or {}) - HARMLESS)
 
     def stops(self) -> list[str]:
         if self.stop is None:

@@ -38,10 +38,9 @@ from pipeline.context import Request, Result
 from pipeline.engine import Handle
 from pipeline.errors import UserError
 from pipeline.memory import text_config
-from pipeline.pipeline import Pipeline
 from pipeline.serve.bridge import Submission
-from pipeline.serve.protocol import HARMLESS, APIError, ServeSettings
-from pipeline.serve.calls import Gate, Ledger, admit, outcome, wait_all
+from pipeline.serve.protocol import APIError, Body
+from pipeline.serve.calls import admit, outcome, wait_all
 
 # Qwen3-Reranker's judging prompt (its model card).
 JUDGE = (
@@ -57,15 +56,10 @@ MAX_PAIRS = 1000  # pairs (documents) per request: each is an engine sequence
 # --- requests ----------------------------------------------------------------------------------
 
 
-class _Body(BaseModel):
-    """A request body: unknown top-level fields are kept, to be refused by name (``unsupported``)."""
+class _Body(Body):
+    """What rerank and score requests share: the judging prompt's instruction."""
 
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
     instruction: str | None = None  # None: DEFAULT_INSTRUCTION
-
-    def unsupported(self) -> list[str]:
-        return sorted(set(self.model_extra or {}) - HARMLESS)
 
 
 class Document(BaseModel):
@@ -185,13 +179,13 @@ def relevance(pair: torch.Tensor) -> torch.Tensor:
 
 
 class Reranker:
-    """``/v1/rerank`` and ``/score`` over one pipeline: pairs in, prefill-only sequences, scores out."""
+    """``/v1/rerank`` and ``/score`` over the completions' pipeline (``api``: ``respond.Completions``,
+    whose prefill-only chain scores the pairs and whose gate and ledger admit and count the calls):
+    pairs in, prefill-only sequences, scores out."""
 
-    def __init__(
-        self, pipe: Pipeline, settings: ServeSettings, draining: Callable[[], bool], ledger: Ledger, gate: Gate
-    ) -> None:
-        self.pipe, self.settings, self.draining, self.ledger, self.gate = pipe, settings, draining, ledger, gate
-        self.scorer = pipe.with_stages({k: v for k, v in pipe.stages.items() if k != "decode"})
+    def __init__(self, api: Any, draining: Callable[[], bool]) -> None:
+        self.pipe, self.settings, self.scorer = api.pipe, api.settings, api.scorer
+        self.ledger, self.gate, self.draining = api.ledger, api.gate, draining
         self._tokens: tuple[int, int] | None = None
         self._head: ScoreHead | None | bool = False  # False: not looked for yet
 

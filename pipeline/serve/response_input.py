@@ -9,16 +9,15 @@ from typing import Any, Literal, Union
 
 from pydantic import Field, ValidationError
 
-from pipeline.serve.protocol import HARMLESS, APIError, ChatCompletionRequest, _Open
+from pipeline.serve.protocol import APIError, Body, ChatCompletionRequest
 
 ROLES = ("user", "system", "developer", "assistant")
 
 
-class ResponsesRequest(_Open):
+class ResponsesRequest(Body):
     """OpenAI's ``POST /v1/responses`` body, as far as this server implements it (other top-level
     fields: a 400 naming them, ``HARMLESS`` ones aside)."""
 
-    model: str | None = None
     input: Union[str, list[dict[str, Any]]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
@@ -35,9 +34,6 @@ class ResponsesRequest(_Open):
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["disabled"] | None = None  # "auto" (dropping earlier turns) is not implemented
-
-    def unsupported(self) -> list[str]:
-        return sorted(set(self.model_extra or {}) - HARMLESS)
 
 
 def _bad(message: str, code: str = "invalid_value") -> APIError:

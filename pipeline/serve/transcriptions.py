@@ -35,7 +35,7 @@ from pipeline.pipeline import Pipeline
 from pipeline.serve.bridge import Submission
 from pipeline.serve.calls import admit, outcome, wait_all
 from pipeline.serve.media import audio_from_bytes
-from pipeline.serve.protocol import HARMLESS, APIError, Sampling, _Open
+from pipeline.serve.protocol import APIError, Body, Sampling
 from stages.tokenize import Tokenize
 
 FORMATS = ("json", "text", "verbose_json")
@@ -75,17 +75,13 @@ GENERIC = AsrPrompt("Transcribe the{language} audio into text.")
 LANGUAGE_TAG = re.compile(r"^\s*<\|([a-z]{2,3})\|>\s*")  # what a base Qwen2-Audio answers first
 
 
-class TranscriptionForm(_Open):
+class TranscriptionForm(Body):
     """The form's fields other than ``file`` (OpenAI's; its other fields are refused by name)."""
 
-    model: str | None = None
     language: str | None = None
     prompt: str | None = None
     response_format: str = "json"
     temperature: float | None = Field(default=None, ge=0, le=1)
-
-    def unsupported(self) -> list[str]:
-        return sorted(set(self.model_extra or {}) - HARMLESS)
 
 
 @dataclass
