@@ -153,11 +153,11 @@ def compression_ratio(text: str) -> float:
 
 class Transcriptions:
     """The endpoint over the completions' pipeline (``api``: ``respond.Completions``: its renderer's
-    sampler, its ledger)."""
+    sampler, its gate (``serve.max_waiting``), its ledger)."""
 
     def __init__(self, api: Any, draining: Callable[[], bool]) -> None:
         self.pipe, self.settings, self.requests, self.ledger = api.pipe, api.settings, api.requests, api.ledger
-        self.draining = draining
+        self.gate, self.draining = api.gate, draining
 
     @functools.cached_property
     def raw_pipe(self) -> Pipeline:
@@ -191,6 +191,8 @@ class Transcriptions:
         except UserError as err:
             sub.cancel()
             return self.ledger.refused(rid, "transcriptions", APIError(400, str(err), code="invalid_value"))
+        except APIError as err:  # the queue is full (serve.max_waiting): nothing was submitted
+            return self.ledger.refused(rid, "transcriptions", err)
         await wait_all(http, sub)
         results, err = outcome(sub.handles)
         if err is not None:
@@ -269,7 +271,8 @@ class Transcriptions:
     def _submit(self, sub: Submission, rid: str, ask: Ask) -> None:
         """Queued on the engine (off the loop: a submission may touch the device)."""
         ask.request.id = f"{rid}-0"
-        sub.track((self.raw_pipe if ask.raw else self.pipe).submit(ask.request))
+        with self.gate.admitting(1):
+            sub.track((self.raw_pipe if ask.raw else self.pipe).submit(ask.request))
 
     @staticmethod
     def _response(ask: Ask, r: Result) -> Response:
