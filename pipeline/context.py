@@ -64,6 +64,9 @@ class Request:
     # ("last": the last token's, as decoder embedders such as Qwen3-Embedding; "mean"; "cls": the
     # first token's) and L2-normalised, into ``Result.embedding``. None: generate as usual.
     pooling: str | None = None
+    # The LoRA adapter to answer with, by the name it was loaded under (Pipeline.load_adapter,
+    # model.lora); None: the base model.
+    adapter: str | None = None
 
 
 POOLINGS = ("last", "mean", "cls")

@@ -20,6 +20,7 @@ from pipeline.kv.offload import Offload, attach_tier
 from pipeline.kv.quantised import kv_format
 from pipeline.kv.sizing import Pools, pools_for
 from pipeline.model.loading import LoadedModel
+from pipeline.model.lora import Adapter
 from pipeline.metrics import Metrics, decode_weight_bytes, reset_window, synchronize
 from pipeline.runner import CompiledStep, GraphedStep, ModelRunner, mirror
 from pipeline.sampling import fork_sampler
@@ -285,6 +286,16 @@ class Pipeline:
         other._pool, other._pools, other._engine, other.warmup_s = self.pool, self._pools, self.engine, self.warmup_s
         return other
 
+    def load_adapter(self, name: str, path: str) -> Adapter:
+        """Load a peft LoRA adapter (a folder or a hub id) beside the model, for requests that
+        name it (``Request.adapter``); a bad one is refused with a ``UserError`` before it serves
+        anything. Every pipeline on this model sees it."""
+        return self.lm.adapters.load(name, path, self.lm.model, tp=getattr(self.lm, "tp", 1))
+
+    def unload_adapter(self, name: str) -> None:
+        """Forget an adapter: new requests cannot name it; those already running finish with it."""
+        self.lm.adapters.unload(name)
+
     def new_cache(self) -> KVCache:
         """An empty sequence on this pipeline's pool (a conversation keeps one across turns)."""
         return KVCache(self.pool)
@@ -320,6 +331,7 @@ class Pipeline:
             phases=self._phases(ids is None, result),
             prefill_only=decode is None,
             release=cache is None and result,
+            adapter=None if request.adapter is None else self.lm.adapters.get(request.adapter),
         )
         if decode is not None:
             seq.spec = decode.drafting(seq.sampler)  # speculative decoding: the sequence's own drafter

@@ -30,6 +30,7 @@ from pipeline.model.loading import (
     resolve_dtype,
 )
 from pipeline.kv import kv_memory_setting, state_budget, state_shape
+from pipeline.model.lora import check_adapter
 from pipeline.kv.offload import check_offload
 from pipeline.memory import fmt_bytes, kv_bytes
 from pipeline.media import Inputs, load_inputs
@@ -105,7 +106,10 @@ def load_from_cfg(cfg: DictConfig) -> LoadedModel:
         check_draft_tokenizer(path, str(cfg.decode.draft_model), bool(m.trust_remote_code))
     config = read_config(path, bool(m.trust_remote_code))
     check_settings_for_model(cfg, config, path)
-    return load_model(
+    lora = {str(name): str(source) for name, source in (_plain(m.lora) or {}).items()}
+    for name, source in lora.items():  # a missing or foreign adapter is refused before the weights load
+        check_adapter(name, source)
+    lm = load_model(
         path,
         dtype=m.dtype,
         device_map=_plain(m.device_map),
@@ -118,6 +122,15 @@ def load_from_cfg(cfg: DictConfig) -> LoadedModel:
         tp=int(m.tp),
         auto_keeps=auto_keeps(cfg),
     )
+    for name, source in lora.items():
+        lm.adapters.load(name, source, lm.model, tp=lm.tp, base=served_base(cfg))
+    return lm
+
+
+def served_base(cfg: DictConfig) -> str | None:
+    """The name ``mode=serve`` gives the base model (an adapter may not take it)."""
+    serve = cfg.get("serve")
+    return None if serve is None else serve.get("model_name")
 
 
 def follow_from_cfg(cfg: DictConfig) -> None:
@@ -358,6 +371,7 @@ def request_from_cfg(cfg: DictConfig, **overrides: Any) -> Request:
         ignore_eos=bool(cfg.ignore_eos),
         stop=[stop] if isinstance(stop, str) else [str(s) for s in stop],
         thinking=cfg.thinking,
+        adapter=cfg.get("adapter"),
         **cli_constraint(cfg.decode),
     )
     fields.update(overrides)

@@ -40,6 +40,7 @@ class ModelSettings:
     trust_remote_code: bool = False
     processor: Dict[str, Any] = field(default_factory=dict)
     tp: int = 1  # tensor-parallel ranks (torchrun --nproc-per-node N ... model.tp=N)
+    lora: Any = None  # LoRA adapters: {name: folder or hub id} (checked by check_numbers)
 
 
 @dataclass
@@ -183,6 +184,7 @@ class Settings:
     prompt: Optional[str] = None
     system_prompt: Optional[str] = None
     thinking: Optional[bool] = None
+    adapter: Optional[str] = None  # a model.lora adapter's name: answer with it
     max_new_tokens: int = 64
     ignore_eos: bool = False
     stop: Any = field(default_factory=list)  # a string or a list of strings
@@ -254,6 +256,12 @@ def check_numbers(cfg: DictConfig) -> None:
         raise UserError("the prompt is empty: give prompt=TEXT")
     if cfg.model.name and not cfg.model.path:
         raise UserError(f"model {cfg.model.name!r} has no model.path: set model.path=DIR_OR_HUB_ID")
+    lora = plain(cfg.model.lora) or {}
+    if not isinstance(lora, dict) or not all(isinstance(v, str) for v in lora.values()):
+        raise UserError(f"model.lora must map names to adapter folders or hub ids: {{a: DIR}} (got {lora!r})")
+    if cfg.adapter is not None and cfg.adapter not in lora:
+        named = f"model.lora names {', '.join(sorted(lora))}" if lora else "model.lora is empty"
+        raise UserError(f"adapter={cfg.adapter}: no such adapter ({named}; load one with model.lora={{NAME: DIR}})")
     processor = {k: v for k, v in plain(cfg.model.processor).items() if v is not None}
     for key in ("min_pixels", "max_pixels"):
         if key in processor:

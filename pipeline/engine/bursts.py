@@ -56,4 +56,5 @@ def run(runner: ModelRunner, plan: list[Scheduled], steps: int) -> StepOutput:
         [c.start for c in chunks],
         [item.seq.cache.blocks for item in plan],
         steps,
+        [c.adapter for c in chunks],
     )

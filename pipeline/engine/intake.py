@@ -11,7 +11,7 @@ from pipeline.engine.scheduler import Scheduled
 from pipeline.engine.sequence import Layout, Sequence
 from pipeline.errors import UserError
 from pipeline.memory import text_config
-from pipeline.runner import Chunk
+from pipeline.runner import Chunk, lora
 from pipeline.sampling.logprobs import check_setting
 
 MEDIA = {"images": "image", "videos": "video", "audios": "audio"}  # Request field -> the kind a stage encodes
@@ -25,7 +25,9 @@ def prepare(seq: Sequence) -> None:
         check_media(seq.phases.front, ctx.request)
     if ctx.request.pooling is not None:
         pooling.check(ctx.request)
-    reused = _run_front(seq)
+    ctx.cache.key_by(None if seq.adapter is None else seq.adapter.root)  # no KV shared across adapters
+    with lora.applied(lora.plan_for(ctx.lm, [seq.adapter], [1], ctx.lm.device)):  # encoders an adapter targets
+        reused = _run_front(seq)
     if ctx.input_ids is None or ctx.input_ids.shape[1] == 0:
         raise UserError("the prompt has no tokens: there is nothing to prefill")
     total = seq.prompt_len = int(ctx.input_ids.shape[1])
@@ -182,6 +184,7 @@ def make_chunk(item: Scheduled) -> Chunk:
         logits=kept_rows(item),
         extras=extras,
         pool=None if ctx.request.pooling is None else pooling.chunk_pool(ctx.request, begin, end, seq.prompt_len),
+        adapter=seq.adapter,
     )
 
 

@@ -76,6 +76,7 @@ class Sequence:
     cancelled: bool = False
     grammar: Any = None  # pipeline.runner.grammar.Matcher: the output constraint, if any
     started: bool = False  # admitted at least once (queue_s recorded)
+    adapter: Any = None  # the request's LoRA adapter (pipeline.model.lora.Adapter; None: the base model)
 
     @property
     def cache(self) -> Any:

@@ -62,6 +62,7 @@ class KVCache:
         self.blocks: list[int] = []
         self.keys: list[Hashable] = []
         self._digests: list[int] = []  # chain hash of each full block, in order
+        self.root: int | None = None  # the chain's root: None, or a LoRA adapter's (``key_by``)
         # Position state a family needs to continue (e.g. Qwen2-VL rope_deltas); reset with the cache.
         self.state: dict[str, Any] = {}
         # Recurrent states and their checkpoints (models with linear-attention layers only).
@@ -156,7 +157,7 @@ class KVCache:
         self.keys.extend(keys)
         bs = self.block_size
         for i in range(len(self._digests), self.length // bs):
-            parent = self._digests[-1] if self._digests else None
+            parent = self._digests[-1] if self._digests else self.root
             self._digests.append(self.pool.register(self.blocks[i], parent, tuple(self.keys[i * bs : (i + 1) * bs])))
         if self.recurrent is not None:
             self.recurrent.commit(start, self.length, self._digests)
@@ -197,6 +198,14 @@ class KVCache:
     def common_prefix(self, keys: Sequence[Hashable]) -> int:
         return shared_prefix_length(self.keys, keys)
 
+    def key_by(self, root: int | None) -> None:
+        """Chain this sequence's blocks from ``root`` (a LoRA adapter's: ``Adapter.root``): keys
+        and values computed under one adapter are found again only under it. A cache holding
+        blocks of another root is emptied first."""
+        if root != self.root:
+            self.clear()
+            self.root = root
+
     def reuse(self, keys: Sequence[Hashable]) -> int:
         """Keep the longest cached prefix of ``keys`` (this sequence's own, then full blocks from
         the pool's prefix cache); return how many tokens are kept.
@@ -211,7 +220,7 @@ class KVCache:
         bs = self.block_size
         while self.length % bs == 0 and self.length + bs <= limit:
             chunk = tuple(keys[self.length : self.length + bs])
-            parent = self._digests[-1] if self._digests else None
+            parent = self._digests[-1] if self._digests else self.root
             block = self.pool.lookup(parent, chunk)
             if block is None:
                 break
@@ -238,7 +247,7 @@ class KVCache:
 
     def _boundary_with_state(self, rec: RecurrentStates, keys: Sequence[Hashable], limit: int) -> int:
         """Full blocks of ``keys`` (within ``limit``) up to the last cached one with a registered state."""
-        bs, parent, best = self.block_size, None, 0
+        bs, parent, best = self.block_size, self.root, 0
         for i in range(limit // bs):
             parent = self.pool.chain(parent, tuple(keys[i * bs : (i + 1) * bs]))
             if not self.pool.is_cached(parent):
@@ -250,7 +259,7 @@ class KVCache:
     def _lookup_blocks(self, keys: Sequence[Hashable], count: int) -> tuple[list[int], list[int]]:
         """The first ``count`` full blocks of ``keys`` from the prefix cache, held, with their
         hashes; fewer if one was evicted meanwhile by another thread."""
-        bs, blocks, digests, parent = self.block_size, [], [], None
+        bs, blocks, digests, parent = self.block_size, [], [], self.root
         for i in range(count):
             block = self.pool.lookup(parent, tuple(keys[i * bs : (i + 1) * bs]))
             if block is None:
@@ -265,7 +274,7 @@ class KVCache:
         (what the prefix cache will know them by once computed); the first ``limit`` of them."""
         bs = self.block_size
         first = self.length // bs
-        parent = self._digests[first - 1] if first else None
+        parent = self._digests[first - 1] if first else self.root
         out = []
         last = len(keys) // bs if limit is None else min(len(keys) // bs, first + limit)
         for i in range(first, last):
@@ -324,6 +333,7 @@ class KVCache:
         """A second sequence holding the same blocks (no copy; a shared partial block is copied
         by whichever sequence writes into it first) and the same recurrent states."""
         other = KVCache(self.pool)
+        other.root = self.root
         for block in self.blocks:
             self.pool.hold(block)
         other.blocks = list(self.blocks)

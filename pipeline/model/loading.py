@@ -18,6 +18,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
 from pipeline.model import quant as q, tensor_parallel
+from pipeline.model.lora import Adapters
 from pipeline.errors import UserError
 from pipeline.families import Family, family_for_config
 from pipeline.kv import state_shape
@@ -42,6 +43,7 @@ class LoadedModel:
     # prompt (the trained embedded default's "What shapes are in the image?"); empty otherwise
     default_prompts: dict = field(default_factory=dict)
     tp: int = 1  # tensor-parallel ranks its weights are sharded over (``pipeline.model.tensor_parallel``)
+    adapters: Adapters = field(default_factory=Adapters)  # LoRA adapters beside it, by name (pipeline.model.lora)
 
     @property
     def config(self) -> Any:
@@ -261,9 +263,11 @@ def format_placement(placement: dict[str, dict[str, int]]) -> str:
 
 def weights_line(lm: LoadedModel) -> str:
     """The weights line a run prints to stderr: the scheme in force, how quant=auto chose it, and
-    the bytes per device."""
+    the bytes per device, and each LoRA adapter's rank and bytes."""
     note = f" {lm.quant_note}" if lm.quant_note else ""
-    return f"weights (quant={lm.quant}):{note}\n{format_placement(lm.placement)}"
+    line = f"weights (quant={lm.quant}):{note}\n{format_placement(lm.placement)}"
+    adapters = [f"{a.name} (rank {a.rank}, {a.nbytes / 2**20:.2f} MiB)" for a in lm.adapters.loaded()]
+    return line + (f"\nLoRA adapters: {', '.join(adapters)}" if adapters else "")
 
 
 def _mib(n: int) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from pipeline.model import tensor_parallel
 from pipeline.kv import BlockPool
-from pipeline.runner import matvec
+from pipeline.runner import lora, matvec
 from pipeline.runner.paged_batch import Chunk
 from pipeline.runner.compiled import CompiledStep
 from pipeline.runner.forward import burst_state, forward, forward_pooled, run_burst, single_row_step
@@ -94,10 +94,11 @@ class ModelRunner:
         (``StepOutput.finish_timing``)."""
         t0 = time.perf_counter()
         pooling = any(c.pool for c in chunks)
-        fixed = self._fixed() if all(c.count == 1 for c in chunks) and not pooling else None
+        plan = lora.plan_for(self.lm, [c.adapter for c in chunks], [c.count for c in chunks], self.device)
+        fixed = self._fixed() if all(c.count == 1 for c in chunks) and not pooling and plan is None else None
         run = fixed or self._eager
         pooled = None
-        with self._mirrored("forward", chunks), matvec.active(self.native):
+        with self._mirrored("forward", chunks), matvec.active(self.native), lora.applied(plan):
             if pooling:
                 logits, pooled = forward_pooled(self.lm, self.pool, chunks, device=self.device)
             else:
@@ -124,18 +125,21 @@ class ModelRunner:
         starts: Sequence[int],
         tables: Sequence[Sequence[int]],
         steps: int,
+        adapters: Sequence[Any] = (),
     ) -> StepOutput:
         """``steps`` greedy decode steps for rows that each feed one token (``fed`` at
         ``positions``, cache lengths ``starts``, block tables covering every slot written),
-        each chosen token fed straight back; one host read at the end."""
+        each chosen token fed straight back; one host read at the end. ``adapters``: each row's
+        LoRA adapter (none given: the base model); rows with one run eagerly."""
+        plan = lora.plan_for(self.lm, adapters, [1] * len(adapters), self.device) if adapters else None
         with self._mirrored("burst", fed, positions, starts, tables, steps):
-            fixed = self._fixed()
+            fixed = self._fixed() if plan is None else None
             state = burst_state(
                 self.pool, fed, positions, starts, tables, steps, self.device, bucketed=fixed is not None
             )
             t0 = time.perf_counter()
             step = None if fixed is not None else single_row_step(self.pool, tables, starts, steps)
-            with matvec.active(self.native):
+            with matvec.active(self.native), lora.applied(plan):
                 chosen = run_burst(self.lm, self.pool, state, steps, fixed, step)
             tokens = read(torch.cat(chosen))  # [steps][rows]: the one host read of the burst
         return StepOutput(None, tokens, (time.perf_counter() - t0) / steps, **self._ran(fixed))

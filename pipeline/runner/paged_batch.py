@@ -10,7 +10,7 @@ masked out) the key slots and masks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -42,6 +42,7 @@ class Chunk:
     logits: int = 1  # keep the logits of its last N tokens (1: next-token; 0: none; more: verifying drafts)
     extras: dict | None = None  # the family's per-token inputs for the prompt part (Family.chunk_extras)
     pool: str | None = None  # hand back its final hidden states' "sum", "first" or "last" row (embeddings)
+    adapter: Any = None  # its request's LoRA adapter (pipeline.model.lora.Adapter; None: the base model)
 
     @property
     def count(self) -> int:
