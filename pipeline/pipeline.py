@@ -504,6 +504,8 @@ class Pipeline:
         if self.warmup_s is not None:
             m.set("warmup_s", self.warmup_s)
         m.info["quant"] = self.lm.quant
+        if ctx.request.adapter is not None:
+            m.info["adapter"] = ctx.request.adapter
         m.info["placement"] = {dev: dict(kinds) for dev, kinds in self.lm.placement.items()}  # device -> kind -> bytes
         return Result(
             text=ctx.text,

@@ -510,3 +510,31 @@ def test_report_errors_are_one_line(tmp_path):
         with pytest.raises(UserError) as err:
             run_report(*args)
         assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_each_line_answers_with_its_adapter(tmp_path, held_out_dir, monkeypatch):
+    from pipeline.model.loading import load_model
+    from pipeline.testing.lora import make_adapter
+
+    base = held_out_dir("qwen3")
+    adapters = {name: make_adapter(base, tmp_path / name, seed=seed) for name, seed in (("a", 1), ("b", 2))}
+    lora = "model.lora={" + ", ".join(f"{n}: {p}" for n, p in adapters.items()) + "}"
+    p = tmp_path / "p.jsonl"
+    rows = [{"prompt": PROMPTS[0], "adapter": "a"}, {"prompt": PROMPTS[0]}, {"prompt": PROMPTS[0], "adapter": "b"}]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    lm = load_model(str(base), quant="none")
+    for name, path in adapters.items():
+        lm.adapters.load(name, str(path), lm.model)
+    expected = one_by_one(lm, [Request(prompt=PROMPTS[0], max_new_tokens=N, adapter=r.get("adapter")) for r in rows])
+    assert len({tuple(e.token_ids) for e in expected}) == 3
+    for shared in ("false", "true"):  # shared prefixes only within one adapter
+        out = tmp_path / f"out-{shared}"
+        run_batch(
+            monkeypatch, out, f"input={p}", f"model.path={base}", "quant=none", lora, f"batch.shared_prefix={shared}"
+        )
+        records = lines(out / "results.jsonl")
+        assert [r["token_ids"] for r in records] == [e.token_ids for e in expected]
+        assert [r["metrics"].get("adapter") for r in records] == ["a", None, "b"]
+    p.write_text(json.dumps({"prompt": "x", "adapter": "zzz"}) + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match="line 1: adapter 'zzz' is not in model.lora"):
+        run_batch(monkeypatch, tmp_path / "bad", f"input={p}", f"model.path={base}", lora)

@@ -296,3 +296,26 @@ def test_two_process_accelerate_launch_equals_one_process(tiny_dir, tasks, tmp_p
                 assert a == b
     results = [json.loads((tmp_path / f / "results.json").read_text())["results"] for f in ("two", "one")]
     assert results[0]["mm_mc"]["acc,none"] == results[1]["mm_mc"]["acc,none"]
+
+
+def test_an_adapter_scores_as_lm_evals_hf_model_on_peft_merged_weights(held_out_dir, tasks, tmp_path):
+    from lm_eval.models.huggingface import HFLM
+
+    from pipeline.frontends.evaluation import EngineLM
+    from pipeline.model.loading import load_model
+    from pipeline.testing.lora import make_adapter, merged_model
+
+    base = held_out_dir("qwen3")
+    path = make_adapter(base, tmp_path / "a", seed=1)
+    lm = load_model(str(base), quant="none")
+    lm.adapters.load("a", str(path), lm.model)
+    pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=32 << 20)
+    names = ["mm_mc", "mm_gen"]
+    ours = evaluate(EngineLM(pipe, progress=False, adapter="a"), tasks, names)
+    theirs = evaluate(HFLM(pretrained=merged_model(base, path), tokenizer=lm.tokenizer, batch_size=4), tasks, names)
+    base_scores = evaluate(EngineLM(pipe, progress=False), tasks, ["mm_mc"])
+    assert [v for v, _ in responses(ours, "mm_mc")] == pytest.approx(
+        [v for v, _ in responses(theirs, "mm_mc")], abs=1e-4
+    )
+    assert responses(ours, "mm_mc") != pytest.approx(responses(base_scores, "mm_mc"), abs=1e-4)
+    assert responses(ours, "mm_gen") == responses(theirs, "mm_gen")

@@ -173,6 +173,7 @@ class EvalSettings:
     log_samples: bool = False
     max_length: Optional[int] = None
     seed: int = 0
+    adapter: Optional[str] = None  # score a model.lora adapter (null: the base model)
 
 
 @dataclass

@@ -86,6 +86,7 @@ class ChatSession:
     video_fps: float | None = None  # frames sampled per second of an attached clip (None: media's default)
     video_max_frames: int | None = None  # at most this many frames per clip (None: media's default)
     constraint: dict = field(default_factory=dict)  # each answer's: Request fields (json_schema=..., regex=...)
+    adapter: str | None = None  # the LoRA adapter answering (Request.adapter; None: the base model)
     cache: KVCache = field(init=False)
     turns: list[Turn] = field(init=False, default_factory=list)
     pending: list[Attachment] = field(init=False, default_factory=list)
@@ -156,8 +157,17 @@ class ChatSession:
             ignore_eos=bool(self.ignore_eos),
             stop=[str(s) for s in self.stop],
             thinking=self.thinking,
+            adapter=self.adapter,
             **self.constraint,
         )
+
+    def use_adapter(self, name: str | None) -> None:
+        """Answer the next turns with this loaded adapter (None: the base model). The
+        conversation stays; its keys and values are recomputed under the new adapter at the next
+        turn (no KV is shared across adapters)."""
+        if name is not None:
+            self.pipe.lm.adapters.get(name)  # UserError naming the loaded ones
+        self.adapter = name
 
     def send(
         self,

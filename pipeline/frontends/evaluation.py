@@ -87,8 +87,10 @@ class EngineLM(TemplateLM):
         thinking: bool | None = None,
         progress: bool = True,
         process: Any = None,
+        adapter: str | None = None,
     ) -> None:
         super().__init__()
+        self.adapter = None if adapter is None else pipe.lm.adapters.get(adapter).name  # every request's
         self.process = process
         if process is not None:
             self._rank, self._world_size = process.process_index, process.num_processes
@@ -184,7 +186,7 @@ class EngineLM(TemplateLM):
         for key, (_, context, continuation) in enumerate(requests):
             whole = (context + continuation)[-self.max_length :]
             start = max(1, len(whole) - len(continuation))
-            job = Job(key, Request(prompt_logprobs=1, prompt_logprobs_from=start), whole)
+            job = Job(key, Request(prompt_logprobs=1, prompt_logprobs_from=start, adapter=self.adapter), whole)
             groups.setdefault(tuple(whole[:start]), []).append(job)
         done = self._run(self.scorer, groups.values(), "loglikelihood", disable_tqdm)
         answers = [_score(done[key], len(requests[key][2])) for key in range(len(requests))]
@@ -230,7 +232,9 @@ class EngineLM(TemplateLM):
         until = handle_stop_sequences(settings.pop("until", None), eos=eos)
         steps = int(settings.pop("max_gen_toks"))
         sampler = _sampler(settings)
-        request = Request(max_new_tokens=steps, stop=until, sampler=sampler, thinking=self.thinking)
+        request = Request(
+            max_new_tokens=steps, stop=until, sampler=sampler, thinking=self.thinking, adapter=self.adapter
+        )
         request.images = list((media or {}).get("visual") or [])
         request.audios = [
             (a["array"], a["sampling_rate"]) if isinstance(a, dict) else a for a in (media or {}).get("audio") or []

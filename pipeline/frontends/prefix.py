@@ -25,13 +25,16 @@ def run_shared_prefix(
 ) -> list[Result | None]:
     """Prefill the common prefix once, snapshot it, and answer each request from the snapshot.
 
-    Each answer equals a fresh run of its full prompt; only its own suffix is computed.
+    Each answer equals a fresh run of its full prompt; only its own suffix is computed. The
+    requests must name the same adapter (``Request.adapter``).
     ``keys``: each request's ``token_keys``, when the caller has tokenized them already.
     ``on_error``: report a request's UserError and go on with the others (its result is None);
     without it the error propagates.
     """
     if not requests:
         return []
+    if len({r.adapter for r in requests}) > 1:
+        raise UserError("requests with different adapters share no prefix (no KV is shared across adapters)")
     cache = cache if cache is not None else pipe.new_cache()
     shared = shared_prefix_length(*keys) if keys is not None else common_prefix_length(pipe, requests)
     cache.checkpoint_at(shared)  # recurrent layers: the state there is what every answer starts from

@@ -6,8 +6,8 @@ Input (kind decided by the file name):
   relative to the file's folder, or absolute; the message shows the images, then the videos,
   then the audio; videos are sampled by ``media.video_fps`` / ``media.video_max_frames``) and
   per-item settings (``max_new_tokens``, ``system_prompt``,
-  ``ignore_eos``, ``stop``, ``thinking``, ``logprobs``, ``prompt_logprobs``, ``logprobs_mode``). Blank lines
-  are skipped.
+  ``ignore_eos``, ``stop``, ``thinking``, ``logprobs``, ``prompt_logprobs``, ``logprobs_mode``, and
+  ``adapter``: a ``model.lora`` adapter's name, or null for the base model). Blank lines are skipped.
 - anything else: one prompt per line; blank lines and lines starting with ``#`` are skipped;
   the id is the line number.
 
@@ -79,6 +79,7 @@ ITEM_SETTINGS = (
     "stop",
     "thinking",
     "response_format",
+    "adapter",
 ) + LOGPROB_SETTINGS
 ITEM_KEYS = ("id", "prompt", "images", "videos", "audios") + ITEM_SETTINGS
 
@@ -186,9 +187,9 @@ def _setting(where: str, key: str, value: Any) -> Any:
     elif key == "thinking":
         if value is not None and not isinstance(value, bool):
             raise UserError(f"{where}: thinking must be true, false or null (got {value!r})")
-    elif key == "system_prompt":
+    elif key in ("system_prompt", "adapter"):
         if value is not None and not isinstance(value, str):
-            raise UserError(f"{where}: system_prompt must be a string (got {type(value).__name__})")
+            raise UserError(f"{where}: {key} must be a string (got {type(value).__name__})")
     elif key == "stop":
         value = [value] if isinstance(value, str) else value
         if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
@@ -212,6 +213,16 @@ def run_logprob_settings(cfg: DictConfig) -> dict[str, Any]:
     for key, value in settings.items():
         check_setting(f"batch.{key}", value)
     return settings
+
+
+def check_adapters(cfg: DictConfig, path: str, items: list[Item]) -> None:
+    """Every line's ``adapter`` is one ``model.lora`` loads (before the model loads)."""
+    loaded = set(OmegaConf.to_container(cfg.model).get("lora") or {})
+    for item in items:
+        name = item.settings.get("adapter")
+        if name is not None and name not in loaded:
+            named = ", ".join(sorted(loaded)) or "none: model.lora is empty"
+            raise UserError(f"{path} line {item.line}: adapter {name!r} is not in model.lora (loaded: {named})")
 
 
 def check_speculative(cfg: DictConfig, path: str, items: list[Item], run: dict[str, Any]) -> None:
@@ -369,13 +380,14 @@ def run_items(
             ready.append((item, request, pipe.tokenize(request).token_keys))
         except UserError as err:
             on_record(error_record(item, str(err)))
-    if ready:
+    for adapter in dict.fromkeys(r.adapter for _, r, _ in ready):  # no KV is shared across adapters
+        group = [entry for entry in ready if entry[1].adapter == adapter]
         run_shared_prefix(
             pipe,
-            [r for _, r, _ in ready],
-            on_result=lambda i, result: on_record(success_record(ready[i][0], result, text)),
-            on_error=lambda i, err: on_record(error_record(ready[i][0], str(err))),
-            keys=[k for _, _, k in ready],  # tokenized above: the shared length needs no second pass
+            [r for _, r, _ in group],
+            on_result=lambda i, result, group=group: on_record(success_record(group[i][0], result, text)),
+            on_error=lambda i, err, group=group: on_record(error_record(group[i][0], str(err))),
+            keys=[k for _, _, k in group],  # tokenized above: the shared length needs no second pass
         )
 
 
@@ -449,6 +461,7 @@ def main(cfg: DictConfig) -> None:
         cfg.input = None
     request_from_cfg(cfg, prompt=None)  # the run's own settings fail before the model loads
     check_speculative(cfg, source, items, run_logprob_settings(cfg))
+    check_adapters(cfg, source, items)
     shared_prefix = bool(opts.get("shared_prefix", False))
     value = opts.get("sync_timeout_s", 86400)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

@@ -27,7 +27,7 @@ from pipeline.metrics import format_table
 from pipeline.cli.outputs import run_dir
 from pipeline.structured.response_format import CLI_FIELDS
 
-COMMANDS = "/help /reset /undo /image PATH /video PATH /audio PATH /stats /exit"
+COMMANDS = "/help /reset /undo /image PATH /video PATH /audio PATH /adapter [NAME] /stats /exit"
 HELP = """\
 Type a message and press Enter. Commands:
   /image PATH   attach an image to your next message
@@ -35,6 +35,8 @@ Type a message and press Enter. Commands:
   /audio PATH   attach an audio file to your next message
   /undo         drop the last exchange (the cache rolls back, nothing is recomputed)
   /reset        clear the conversation and the cache
+  /adapter NAME answer with this LoRA adapter (model.lora) from now on; /adapter none: the base
+                model; /adapter alone: which one answers, and those loaded
   /stats        metrics of the last turn
   /help         this help
   /exit         quit (Ctrl-D too)
@@ -65,6 +67,7 @@ class Repl:
             "/image": lambda arg: self.cmd_attach("image", arg),
             "/video": lambda arg: self.cmd_attach("video", arg),
             "/audio": lambda arg: self.cmd_attach("audio", arg),
+            "/adapter": self.cmd_adapter,
             "/stats": self.cmd_stats,
             "/exit": lambda arg: False,
         }
@@ -174,6 +177,21 @@ class Repl:
         self.note(f"[{kind} {path}{detail} attached to your next message]")
         return True
 
+    def cmd_adapter(self, arg: str) -> bool:
+        name = arg.strip()
+        session = self.session
+        if not name:
+            loaded = ", ".join(a.name for a in session.pipe.lm.adapters.loaded()) or "none (model.lora)"
+            self.note(f"answering with: {session.adapter or 'the base model'}; adapters loaded: {loaded}")
+            return True
+        try:
+            session.use_adapter(None if name == "none" else name)
+        except UserError as err:
+            self.note(f"error: {err}")
+            return True
+        self.note(f"[answering with {session.adapter or 'the base model'} from the next message]")
+        return True
+
     def cmd_stats(self, arg: str) -> bool:
         last = self.session.last
         if last is None:
@@ -204,6 +222,7 @@ def main(cfg: DictConfig) -> None:
         video_fps=video_fps,
         video_max_frames=video_max_frames,
         constraint={name: getattr(settings, name) for name in CLI_FIELDS if getattr(settings, name) is not None},
+        adapter=settings.adapter,
     )
     for path in input_paths(cfg):  # input=PATH: media for the first message
         session.attach(path)

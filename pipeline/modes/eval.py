@@ -64,6 +64,16 @@ def check_tasks(manager: Any, names: list[str]) -> None:
             raise UserError(f"unknown lm-eval task {name!r}{hint}: eval.include_path adds your own task YAMLs")
 
 
+def eval_adapter(cfg: DictConfig) -> str | None:
+    """``eval.adapter`` (or ``adapter=``): a ``model.lora`` name, checked before the model loads."""
+    name = cfg.eval.get("adapter") or cfg.get("adapter")
+    if cfg.eval.get("adapter") and cfg.get("adapter") and cfg.eval.adapter != cfg.adapter:
+        raise UserError(f"eval.adapter={cfg.eval.adapter} and adapter={cfg.adapter} disagree: give one")
+    if name is not None and name not in (plain(cfg.model.lora) or {}):
+        raise UserError(f"eval.adapter={name}: not in model.lora (load it with model.lora={{{name}: DIR}})")
+    return name
+
+
 def main(cfg: DictConfig) -> None:
     try:
         from lm_eval import simple_evaluate
@@ -78,6 +88,7 @@ def main(cfg: DictConfig) -> None:
     max_length = None if settings.max_length is None else whole_number("eval.max_length", settings.max_length, 2)
     manager = task_manager(settings.include_path)
     check_tasks(manager, names)
+    adapter = eval_adapter(cfg)
     stages = stages_from_cfg(cfg)  # bad stage settings fail before the model loads too
     process = process_state()  # accelerate launch: lm-eval splits the documents over the processes
     out = shared_run_dir(process)
@@ -87,7 +98,12 @@ def main(cfg: DictConfig) -> None:
         print(weights_line(lm), file=sys.stderr)
     pipe = pipeline_from_cfg(cfg, lm, stages)
     model = EngineLM(
-        pipe, max_length=max_length, thinking=cfg.thinking, progress=process.is_main_process, process=process
+        pipe,
+        max_length=max_length,
+        thinking=cfg.thinking,
+        progress=process.is_main_process,
+        process=process,
+        adapter=adapter,
     )
     results = simple_evaluate(
         model=model,
@@ -107,7 +123,7 @@ def main(cfg: DictConfig) -> None:
         return
     for task, samples in (results.pop("samples", None) or {}).items():
         write_jsonl(out / f"samples_{task}.jsonl", json.loads(json.dumps(samples, default=handle_non_serializable)))
-    results["config"] = {**results.get("config", {}), "model": lm.path, "quant": lm.quant}
+    results["config"] = {**results.get("config", {}), "model": lm.path, "quant": lm.quant, "adapter": adapter}
     (out / "results.json").write_text(
         json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n", encoding="utf-8"
     )
