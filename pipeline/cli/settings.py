@@ -130,6 +130,7 @@ class ServeSettings:
     max_waiting: Optional[int] = 256
     cors_origins: List[str] = field(default_factory=list)
     max_stored_responses: int = 1000
+    runtime_lora: bool = True
 
 
 @dataclass

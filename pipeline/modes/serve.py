@@ -58,6 +58,7 @@ def settings_from_cfg(cfg: DictConfig) -> ServeSettings:
         max_waiting=None if s.max_waiting is None else whole_number("serve.max_waiting", s.max_waiting, minimum=0),
         cors_origins=[str(o) for o in s.cors_origins],
         max_stored_responses=whole_number("serve.max_stored_responses", s.get("max_stored_responses", 1000), minimum=0),
+        runtime_lora=bool(s.get("runtime_lora", True)),
         media=MediaPolicy(
             allowed_dir=None if media_dir is None else Path(str(media_dir)),
             allow_remote=bool(s.allow_remote_media),

@@ -24,7 +24,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
@@ -38,7 +38,9 @@ from pipeline.serve.protocol import (
     TokenizeRequest,
     error_response,
 )
+from pipeline.serve.calls import log, refuse_unsupported
 from pipeline.serve.embeddings import Embeddings, EmbeddingRequest
+from pipeline.serve.models import RUNTIME_OFF, LoadLoraRequest, Models, UnloadLoraRequest
 from pipeline.serve.rerank import Reranker, RerankRequest, ScoreRequest
 from pipeline.serve.response_input import ResponsesRequest
 from pipeline.serve.responses import Responses
@@ -194,18 +196,12 @@ def api_routes(api: Completions, draining: Callable[[], bool]) -> APIRouter:
     router.include_router(tokenizer_routes(api))
     router.include_router(answer_routes(api, draining))
     router.include_router(reranker_routes(Reranker(api, draining)))
+    router.include_router(adapter_routes(api.models) if settings.runtime_lora else adapter_routes_off())
 
     @router.get("/v1/models")
     async def models() -> JSONResponse:
-        model = {
-            "id": settings.model_name,
-            "object": "model",
-            "created": api.started,
-            "owned_by": "mm-pipeline",
-            "max_model_len": api.requests.context(),
-            "embedding": embeddings.describe(),
-        }
-        return JSONResponse({"object": "list", "data": [model]})
+        base = {"max_model_len": api.requests.context(), "embedding": embeddings.describe()}
+        return JSONResponse({"object": "list", "data": api.models.cards(base)})
 
     @router.post("/v1/embeddings")
     async def embed(body: EmbeddingRequest, http: HTTPRequest) -> Response:
@@ -281,4 +277,41 @@ def reranker_routes(reranker: Reranker) -> APIRouter:
     async def score(body: ScoreRequest, http: HTTPRequest) -> Response:
         return await reranker.score(body, http)
 
+    return router
+
+
+LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+def adapter_routes(models: Models) -> APIRouter:
+    """vLLM's runtime LoRA endpoints: load an adapter (read off the loop) and unload one, answered
+    with vLLM's texts; each change logged."""
+    router = APIRouter()
+
+    @router.post(LORA_ROUTES[0])
+    async def load(body: LoadLoraRequest) -> PlainTextResponse:
+        refuse_unsupported(body)
+        text = await asyncio.to_thread(models.load, body.lora_name, body.lora_path)
+        log(f"adapter {body.lora_name!r} loaded from {body.lora_path}")
+        return PlainTextResponse(text)
+
+    @router.post(LORA_ROUTES[1])
+    async def unload(body: UnloadLoraRequest) -> PlainTextResponse:
+        refuse_unsupported(body)
+        text = models.unload(body.lora_name)
+        log(f"adapter {body.lora_name!r} unloaded")
+        return PlainTextResponse(text)
+
+    return router
+
+
+def adapter_routes_off() -> APIRouter:
+    """``serve.runtime_lora=false``: both endpoints a 404 saying so, whatever the body."""
+    router = APIRouter()
+
+    async def off() -> JSONResponse:
+        return error_response(404, RUNTIME_OFF, code="not_found")
+
+    for path in LORA_ROUTES:
+        router.add_api_route(path, off, methods=["POST"])
     return router

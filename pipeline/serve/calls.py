@@ -1,5 +1,5 @@
 """What every endpoint does around the engine, in one place: a call refused before it starts
-(the server draining, a field it does not implement, another model); its sequences waited for,
+(the server draining, a field it does not implement, a model it does not serve); its sequences waited for,
 cancelled when the client hangs up; their outcome mapped to the API error a failure means; the
 call counted in ``/metrics`` and logged in one line."""
 
@@ -19,6 +19,7 @@ from pipeline.context import Result
 from pipeline.engine import Cancelled, Handle
 from pipeline.errors import UserError
 from pipeline.serve.bridge import Submission
+from pipeline.serve.models import Models, Target
 from pipeline.serve.prometheus import ServerMetrics
 from pipeline.serve.protocol import APIError, error_response
 
@@ -28,21 +29,24 @@ def log(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def admit(body: Any, model_name: str, draining: Callable[[], bool]) -> None:
+def admit(body: Any, models: Models, draining: Callable[[], bool]) -> Target:
     """Refuse a call before anything runs: 503 while draining, 400 naming the top-level fields the
-    server does not implement (``body.unsupported()``), 404 for another model than the one served."""
+    server does not implement (``body.unsupported()``), 404 for a model it does not serve; else
+    what ``body.model`` names (the base model or a loaded adapter: ``Models.resolve``)."""
     if draining():
         raise APIError(503, "the server is shutting down", "unavailable", "draining")
+    refuse_unsupported(body)
+    return models.resolve(body.model)
+
+
+def refuse_unsupported(body: Any) -> None:
+    """400 naming the top-level fields of ``body`` the server does not implement."""
     unsupported = body.unsupported()
     if unsupported:
         raise APIError(
             400,
             f"{', '.join(unsupported)}: not supported by this server (docs/serve.md lists the fields it implements)",
             code="unsupported_parameter",
-        )
-    if body.model and body.model != model_name:
-        raise APIError(
-            404, f"model {body.model!r} not found: this server serves {model_name!r}", code="model_not_found"
         )
 
 

@@ -26,6 +26,7 @@ from pipeline.errors import UserError
 from pipeline.memory import text_config
 from pipeline.serve.bridge import Submission
 from pipeline.serve.calls import admit, outcome, wait_all
+from pipeline.serve.models import Target
 from pipeline.serve.protocol import APIError, Body
 
 
@@ -52,7 +53,7 @@ class Embeddings:
 
     def __init__(self, api: Any, pooling: str, draining: Callable[[], bool]) -> None:
         self.pipe, self.settings, self.requests, self.ledger = api.pipe, api.settings, api.requests, api.ledger
-        self.gate = api.gate
+        self.gate, self.models = api.gate, api.models
         self.pooling, self.draining = pooling, draining
         self.dimensions = int(text_config(self.pipe.lm.config).hidden_size)
 
@@ -64,8 +65,8 @@ class Embeddings:
         rid = "embd-" + uuid.uuid4().hex[:24]
         sub = Submission()
         try:
-            prompts = await asyncio.to_thread(self._check, body)
-            await asyncio.to_thread(self._submit, sub, rid, prompts)
+            target, prompts = await asyncio.to_thread(self._check, body)
+            await asyncio.to_thread(self._submit, sub, rid, prompts, target)
         except UserError as err:
             sub.cancel()
             return self.ledger.refused(rid, "embeddings", APIError(400, str(err), code="invalid_value"))
@@ -77,22 +78,23 @@ class Embeddings:
             return self.ledger.refused(rid, "embeddings", err)
         tokens = sum(r.prompt_tokens for r in results)
         self.ledger.done(rid, "embeddings", results, f"inputs={len(results)} prompt={tokens}")
-        return JSONResponse(self._response(body, results, tokens))
+        return JSONResponse(self._response(body, results, tokens, target))
 
-    def _check(self, body: EmbeddingRequest) -> list[list[int]]:
-        """The inputs as token ids (tokenized here: run off the event loop)."""
-        admit(body, self.settings.model_name, self.draining)
+    def _check(self, body: EmbeddingRequest) -> tuple[Target, list[list[int]]]:
+        """The model asked for and the inputs as token ids (tokenized here: run off the event loop)."""
+        target = admit(body, self.models, self.draining)
         if body.dimensions is not None and body.dimensions > self.dimensions:
             raise UserError(f"dimensions must be at most the model's {self.dimensions} (got {body.dimensions})")
-        return [ids for ids, _ in self.requests.prompts(body.input, name="input")]
+        return target, [ids for ids, _ in self.requests.prompts(body.input, name="input")]
 
-    def _submit(self, sub: Submission, rid: str, prompts: list[list[int]]) -> None:
+    def _submit(self, sub: Submission, rid: str, prompts: list[list[int]], target: Target) -> None:
         """All inputs queued at once (off the event loop: a submission may touch the device)."""
         with self.gate.admitting(len(prompts)):
             for i, ids in enumerate(prompts):
-                sub.track(self.pipe.submit(Request(pooling=self.pooling, id=f"{rid}-{i}"), ids=ids))
+                request = Request(pooling=self.pooling, id=f"{rid}-{i}", adapter=target.adapter)
+                sub.track(self.pipe.submit(request, ids=ids))
 
-    def _response(self, body: EmbeddingRequest, results: list[Result], tokens: int) -> dict:
+    def _response(self, body: EmbeddingRequest, results: list[Result], tokens: int, target: Target) -> dict:
         data = []
         for i, r in enumerate(results):
             vector = encoded(r.embedding, body.dimensions, body.encoding_format)
@@ -100,6 +102,6 @@ class Embeddings:
         return {
             "object": "list",
             "data": data,
-            "model": self.settings.model_name,
+            "model": target.name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         }

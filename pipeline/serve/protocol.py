@@ -215,6 +215,7 @@ class ServeSettings:
     max_waiting: int | None = 256  # requests waiting for the engine beyond this: 503 (None: no bound)
     cors_origins: list[str] = field(default_factory=list)  # browser origins allowed (CORS); "*": any
     max_stored_responses: int = 1000  # /v1/responses kept for previous_response_id (LRU)
+    runtime_lora: bool = True  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter answer (False: 404)
 
 
 @dataclass
@@ -230,6 +231,7 @@ class Call:
     echo: bool = False
     top: int | None = None
     reading: Reading = field(default_factory=Reading)  # how to read the answers (tools, reasoning)
+    model: str = ""  # the name its answers carry: the model the client asked for (base or adapter)
 
 
 class APIError(Exception):

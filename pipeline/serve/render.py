@@ -14,6 +14,7 @@ from pipeline.runner.grammar import inside_think, think_ids
 from pipeline.serve.answer import Reading
 from pipeline.serve.calls import admit
 from pipeline.serve.media import audio_from_base64, audio_from_url, image_from_url, video_from_url
+from pipeline.serve.models import Models, Target
 from pipeline.serve.protocol import (
     RESERVED_TEMPLATE_KWARGS,
     APIError,
@@ -40,11 +41,13 @@ class Renderer:
 
     def __init__(self, pipe: Pipeline, settings: ServeSettings, draining: Callable[[], bool]) -> None:
         self.pipe, self.settings, self.draining = pipe, settings, draining
+        self.models = Models(pipe, settings)  # what a request's model names
         self.think_ids = think_ids(pipe.lm.tokenizer)
 
-    def check(self, body: Sampling, max_tokens: int | None) -> int:
+    def check(self, body: Sampling, max_tokens: int | None) -> tuple[Target, int]:
+        """The call's target (base model or adapter) and its max_tokens, or the refusal."""
         s = self.settings
-        admit(body, s.model_name, self.draining)
+        target = admit(body, self.models, self.draining)
         if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value")
         if isinstance(body, CompletionRequest) and max_tokens == 0 and not body.echo:
@@ -56,7 +59,7 @@ class Renderer:
         tokens = max_tokens if max_tokens is not None else s.default_max_tokens
         if tokens > s.max_tokens:
             raise APIError(400, f"max_tokens={tokens} is over serve.max_tokens ({s.max_tokens})", code="invalid_value")
-        return tokens
+        return target, tokens
 
     def sampler(self, body: Sampling, choice: int) -> Any:
         """The server's sampler settings, overridden by the request's temperature / top_p / seed
@@ -142,9 +145,9 @@ class Renderer:
             messages.append({"role": role, "content": content, **calls})
         return messages, images, audios, videos
 
-    def call(self, body: Sampling, chat: bool, tokens: int) -> Call:
-        """One Request per choice of each prompt (completions: with its raw prompt ids). Runs off
-        the loop: media decoding and tokenizing are CPU work."""
+    def call(self, body: Sampling, chat: bool, tokens: int, target: Target) -> Call:
+        """One Request per choice of each prompt (completions: with its raw prompt ids), run with
+        ``target``'s adapter. Runs off the loop: media decoding and tokenizing are CPU work."""
         common = dict(
             max_new_tokens=tokens,
             ignore_eos=body.ignore_eos,
@@ -152,6 +155,7 @@ class Renderer:
             stop_token_ids=list(body.stop_token_ids or []),
             min_new_tokens=body.min_tokens,
             priority=body.priority,
+            adapter=target.adapter,
         )
         if chat:
             assert isinstance(body, ChatCompletionRequest)
@@ -176,12 +180,12 @@ class Renderer:
             )
             top = (body.top_logprobs or 0) if body.logprobs else None
             requests = [Request(**common, sampler=self.sampler(body, i), logprobs=top) for i in range(body.n)]
-            return Call(requests, [None] * body.n, [""] * body.n, body.n, top=top, reading=reading)
+            return Call(requests, [None] * body.n, [""] * body.n, body.n, top=top, reading=reading, model=target.name)
         assert isinstance(body, CompletionRequest)
         common.update(self.constraint(body))
         prompts = self.prompts(body.prompt)
         top, echo = body.logprobs, body.echo
-        call = Call([], [], [], body.n, echo, top)
+        call = Call([], [], [], body.n, echo, top, model=target.name)
         for ids, text in prompts:
             for i in range(body.n):
                 call.requests.append(
@@ -275,6 +279,7 @@ class Renderer:
 
     # --- tokenizer endpoints (vLLM's shapes: lm-eval's remote tokenizer uses them) ----------------
     def tokenize(self, body: TokenizeRequest) -> dict:
+        self.models.resolve(body.model)  # an adapter tokenizes as its base does; another model is a 404
         tokenizer = self.pipe.lm.tokenizer
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", code="invalid_value")
@@ -298,6 +303,7 @@ class Renderer:
         return {"count": len(ids), "max_model_len": self.context(), "tokens": ids, "token_strs": strs}
 
     def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.models.resolve(body.model)
         tokenizer = self.pipe.lm.tokenizer
         bad = [t for t in body.tokens if not 0 <= t < len(tokenizer)]
         if bad:

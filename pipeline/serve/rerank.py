@@ -41,6 +41,7 @@ from pipeline.memory import text_config
 from pipeline.serve.bridge import Submission
 from pipeline.serve.protocol import APIError, Body
 from pipeline.serve.calls import admit, outcome, wait_all
+from pipeline.serve.models import Target
 
 # Qwen3-Reranker's judging prompt (its model card).
 JUDGE = (
@@ -186,13 +187,14 @@ class Reranker:
     def __init__(self, api: Any, draining: Callable[[], bool]) -> None:
         self.pipe, self.settings, self.scorer = api.pipe, api.settings, api.scorer
         self.ledger, self.gate, self.draining = api.ledger, api.gate, draining
+        self.models = api.models
         self._tokens: tuple[int, int] | None = None
         self._head: ScoreHead | None | bool = False  # False: not looked for yet
 
     async def rerank(self, body: RerankRequest, http: HTTPRequest) -> Response:
         rid = "rerank-" + uuid.uuid4().hex[:24]
         try:
-            self._check(body)
+            target = admit(body, self.models, self.draining)
             texts = [d if isinstance(d, str) else d.text for d in body.documents]
             if not texts:
                 raise APIError(400, "documents: empty", code="invalid_value")
@@ -200,7 +202,7 @@ class Reranker:
                 raise APIError(400, f"top_n must be >= 1 (got {body.top_n})", code="invalid_value")
             self._cap(len(texts), "documents")
             pairs = [(body.query, t) for t in texts]
-            scores, results = await self._judge(http, rid, body.instruction, pairs, lambda i: f"documents[{i}]")
+            scores, results = await self._judge(http, rid, target, body.instruction, pairs, lambda i: f"documents[{i}]")
         except APIError as err:
             return self._failed(rid, "rerank", err)
         order = sorted(range(len(texts)), key=lambda i: -scores[i])[: body.top_n]
@@ -211,15 +213,17 @@ class Reranker:
                 item["document"] = {"text": texts[i]}
             ranked.append(item)
         self._done(rid, "rerank", results)
-        return JSONResponse({"id": rid, "model": self.settings.model_name, "usage": usage(results), "results": ranked})
+        return JSONResponse({"id": rid, "model": target.name, "usage": usage(results), "results": ranked})
 
     async def score(self, body: ScoreRequest, http: HTTPRequest) -> Response:
         rid = "score-" + uuid.uuid4().hex[:24]
         try:
-            self._check(body)
+            target = admit(body, self.models, self.draining)
             pairs = score_pairs(body.text_1, body.text_2)
             self._cap(len(pairs), "text_2")
-            scores, results = await self._judge(http, rid, body.instruction, pairs, lambda i: f"text_1/text_2 pair {i}")
+            scores, results = await self._judge(
+                http, rid, target, body.instruction, pairs, lambda i: f"text_1/text_2 pair {i}"
+            )
         except APIError as err:
             return self._failed(rid, "score", err)
         self._done(rid, "score", results)
@@ -228,16 +232,13 @@ class Reranker:
                 "id": rid,
                 "object": "list",
                 "created": int(time.time()),
-                "model": self.settings.model_name,
+                "model": target.name,
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
                 "usage": {**usage(results), "completion_tokens": 0},
             }
         )
 
     # --- shared --------------------------------------------------------------------------------
-    def _check(self, body: _Body) -> None:
-        admit(body, self.settings.model_name, self.draining)
-
     @staticmethod
     def _cap(n: int, field: str) -> None:
         if n > MAX_PAIRS:
@@ -247,17 +248,18 @@ class Reranker:
         self,
         http: HTTPRequest,
         rid: str,
+        target: Target,
         instruction: str | None,
         pairs: list[tuple[str, str]],
         where: Callable[[int], str],
     ) -> tuple[list[float], list[Result]]:
-        """Each pair's score and result: rendered and tokenized (off the loop), all submitted, then
-        waited for together."""
+        """Each pair's score and result (run with ``target``'s adapter): rendered and tokenized (off
+        the loop), all submitted, then waited for together."""
         prompts = await asyncio.to_thread(self._prompts, instruction, pairs, where)
         sub = Submission()
         rows: list[torch.Tensor | None] = [None] * len(prompts)
         try:
-            await asyncio.to_thread(self._submit, sub, rid, prompts, rows)
+            await asyncio.to_thread(self._submit, sub, rid, prompts, rows, target.adapter)
         except UserError as err:
             sub.cancel()
             raise APIError(400, str(err), code="invalid_value") from None
@@ -295,7 +297,7 @@ class Reranker:
             out.append(ids)
         return out
 
-    def _submit(self, sub: Submission, rid: str, prompts: list[list[int]], rows: list) -> None:
+    def _submit(self, sub: Submission, rid: str, prompts: list[list[int]], rows: list, adapter: str | None) -> None:
         """Every pair prefilled only; as each ends (on the engine's thread) its two logits (no,
         yes) are copied out of the step's logits, or with a classification head the prompt's last
         hidden state (``Request.pooling``)."""
@@ -314,7 +316,7 @@ class Reranker:
 
         with self.gate.admitting(len(prompts)):
             for i, ids in enumerate(prompts):
-                request = Request(id=f"{rid}-{i}", max_new_tokens=0, pooling="last" if head else None)
+                request = Request(id=f"{rid}-{i}", max_new_tokens=0, pooling="last" if head else None, adapter=adapter)
                 handle = self.scorer.submit(request, ids=ids)
                 handle.add_done_callback(keep(i))
                 sub.track(handle)

@@ -38,10 +38,10 @@ class Completions:
     def __init__(self, pipe: Pipeline, settings: ServeSettings, draining: Callable[[], bool]) -> None:
         self.pipe, self.settings = pipe, settings
         self.requests = Renderer(pipe, settings, draining)  # it refuses new requests while draining
+        self.models = self.requests.models  # the base model and its adapters, by the names requests give
         self.metrics = ServerMetrics(pipe.engine, settings.model_name)
         self.ledger = Ledger(self.metrics)
         self.gate = Gate(pipe.engine, settings.max_waiting)
-        self.started = int(time.time())
         self.texts = lp.TokenTexts(pipe.lm.tokenizer)
         self._scorer: Pipeline | None = None  # prefill only: completions with max_tokens 0 (echo)
 
@@ -57,8 +57,8 @@ class Completions:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         try:
-            tokens = self.requests.check(body, max_tokens)
-            call = await asyncio.to_thread(self.requests.call, body, chat, tokens)
+            target, tokens = self.requests.check(body, max_tokens)
+            call = await asyncio.to_thread(self.requests.call, body, chat, tokens, target)
         except UserError as err:
             return self._failed(rid, endpoint, APIError(400, str(err), code="invalid_value"))
         except APIError as err:
@@ -71,7 +71,7 @@ class Completions:
             return self._failed(rid, endpoint, APIError(400, str(err), code="invalid_value"))
         except APIError as err:  # the queue is full (serve.max_waiting): nothing was submitted
             return self._failed(rid, endpoint, err)
-        meta = {"id": rid, "created": int(time.time()), "model": self.settings.model_name}
+        meta = {"id": rid, "created": int(time.time()), "model": call.model}
         if body.stream:
             return await self._stream(body, sub, meta, chat, endpoint, call)
         return await self._whole(http, sub, meta, chat, endpoint, call)

@@ -98,7 +98,7 @@ class Responses:
         rid = new_id("resp")
         sub = Submission()
         try:
-            admit(body, self.settings.model_name, self.draining)
+            admit(body, self.api.models, self.draining)
             history: list[dict] = []
             if body.previous_response_id is not None:
                 entry = self.store.get(body.previous_response_id)
@@ -106,8 +106,8 @@ class Responses:
                     raise not_found(body.previous_response_id, "previous_response_id", "previous_response_not_found")
                 history = entry[1]
             chat, conversation = chat_request(body, history)
-            tokens = self.api.requests.check(chat, chat.max_completion_tokens)
-            call = await asyncio.to_thread(self.api.requests.call, chat, True, tokens)
+            target, tokens = self.api.requests.check(chat, chat.max_completion_tokens)
+            call = await asyncio.to_thread(self.api.requests.call, chat, True, tokens, target)
             await asyncio.to_thread(self._submit, sub, rid, call, body.stream)
         except UserError as err:
             sub.cancel()
@@ -183,7 +183,7 @@ class Turn:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
-            "model": self.owner.settings.model_name,
+            "model": self.call.model,
             "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,

@@ -35,6 +35,7 @@ from pipeline.pipeline import Pipeline
 from pipeline.serve.bridge import Submission
 from pipeline.serve.calls import admit, outcome, wait_all
 from pipeline.serve.media import audio_from_bytes
+from pipeline.serve.models import Target
 from pipeline.serve.protocol import APIError, Body, Sampling
 from stages.tokenize import Tokenize
 
@@ -157,7 +158,7 @@ class Transcriptions:
 
     def __init__(self, api: Any, draining: Callable[[], bool]) -> None:
         self.pipe, self.settings, self.requests, self.ledger = api.pipe, api.settings, api.requests, api.ledger
-        self.gate, self.draining = api.gate, draining
+        self.gate, self.draining, self.models = api.gate, draining, api.models
 
     @functools.cached_property
     def raw_pipe(self) -> Pipeline:
@@ -175,9 +176,9 @@ class Transcriptions:
             except HTTPException as err:  # Starlette's multipart errors (too many parts, a malformed body)
                 raise APIError(400, f"the request body is not a valid multipart form: {err.detail}") from None
             form, upload = read_form(list(fields.multi_items()))
-            self._check(form, upload)
+            target = self._check(form, upload)
             data = await upload.read()
-            ask = await asyncio.to_thread(self._ask, form, data)
+            ask = await asyncio.to_thread(self._ask, form, data, target)
         except UserError as err:
             return self.ledger.refused(rid, "transcriptions", APIError(400, str(err), code="invalid_value"))
         except APIError as err:
@@ -205,9 +206,10 @@ class Transcriptions:
         self.ledger.done(rid, "transcriptions", results, line)
         return self._response(ask, r)
 
-    def _check(self, form: TranscriptionForm, upload: Any) -> None:
-        """Refusals before the audio is read: the call's fields, the format, the file, the model."""
-        admit(form, self.settings.model_name, self.draining)
+    def _check(self, form: TranscriptionForm, upload: Any) -> Target:
+        """Refusals before the audio is read: the call's fields, the format, the file, the model;
+        else the model asked for."""
+        target = admit(form, self.models, self.draining)
         if form.response_format not in FORMATS:
             raise APIError(
                 400,
@@ -222,9 +224,11 @@ class Transcriptions:
         lm = self.pipe.lm
         if "audio" not in lm.family.media:  # the words chat completions use for an audio part
             raise UserError(f"file: {lm.path} is a {lm.family.name} model without an audio encoder")
+        return target
 
-    def _ask(self, form: TranscriptionForm, data: bytes) -> Ask:
-        """The engine request for this clip (off the loop: decoding and tokenizing are CPU work)."""
+    def _ask(self, form: TranscriptionForm, data: bytes, target: Target) -> Ask:
+        """The engine request for this clip, run with ``target``'s adapter (off the loop: decoding
+        and tokenizing are CPU work)."""
         lm = self.pipe.lm
         card = asr_prompt(lm)
         use_raw = card.raw is not None and not renders_audio(lm)
@@ -253,6 +257,7 @@ class Transcriptions:
             max_new_tokens=self.settings.default_max_tokens,
             sampler=self.requests.sampler(Sampling(temperature=form.temperature), 0),
             logprobs=0 if form.response_format == "verbose_json" else None,
+            adapter=target.adapter,
         )
         return Ask(request, use_raw, form, wave.numel() / rate, code)
 
