@@ -200,13 +200,15 @@ def test_structured_output_with_an_adapter(qwen3):
     assert isinstance(json.loads(out.text)["n"], int)
 
 
-@pytest.mark.parametrize("scheme", ["int8wo", "nf4"])
-def test_quantised_weights_with_an_adapter_answer_as_peft_on_the_same_weights(made, scheme):
+@pytest.mark.parametrize(
+    "load", [dict(quant="int8wo"), dict(quant="nf4"), dict(dtype=torch.bfloat16)], ids=["int8wo", "nf4", "bfloat16"]
+)
+def test_quantised_or_16_bit_weights_with_an_adapter_answer_as_peft_on_the_same_weights(made, load):
     base_dir, path = made("qwen3", "b")
-    lm = loaded(base_dir, {"b": path}, quant=scheme)
-    assert lm.quant == scheme
+    lm = loaded(base_dir, {"b": path}, **load)
+    assert lm.quant == load.get("quant", "none")
     ids = chat_ids(lm)
-    want = greedy(peft_model(base_dir, path, quant=scheme), ids)
+    want = greedy(peft_model(base_dir, path, **load), ids)  # peft's own layers on the same weights
     assert want != greedy(lm.model, ids)
     assert pipe_for(lm).run(request("b")).token_ids == want
 

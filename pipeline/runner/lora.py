@@ -109,10 +109,10 @@ class Plan:
 
 
 def _hook(module: torch.nn.Module, args: tuple, out: Any) -> Any:
-    plan = getattr(_state, "plan", None)
-    if plan is None or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # a compiled step never runs adapter rows
         return None
-    return plan.add(module.__dict__["_mm_lora"], args[0], out)
+    plan = getattr(_state, "plan", None)
+    return None if plan is None else plan.add(module.__dict__["_mm_lora"], args[0], out)
 
 
 def attach(model: torch.nn.Module, adapter: Adapter) -> None:
