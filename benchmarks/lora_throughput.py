@@ -17,6 +17,7 @@ asks at most 1.3x on CPU); the median over repetitions is reported, and each ada
 
     python benchmarks/lora_throughput.py                                   # 187M Llama shape, CPU, quant=auto
     python benchmarks/lora_throughput.py --targets all-linear --rank 8 --reps 3
+    python benchmarks/lora_throughput.py --model DIR --quant none              # e.g. a tiny model: host work
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def adapters_for(base: Path, root: Path, args: argparse.Namespace) -> list[Path]
     targets = args.targets if args.targets == "all-linear" else args.targets.split(",")
     out = []
     for i in range(args.adapters):
-        folder = root / f"lora-r{args.rank}-{args.targets.replace(',', '+')}-{i}"
+        folder = root / f"lora-{base.name}-r{args.rank}-{args.targets.replace(',', '+')}-{i}"
         if not (folder / "adapter_config.json").is_file():
             make_adapter(base, folder, seed=100 + i, targets=targets, r=args.rank, alpha=2 * args.rank)
         out.append(folder)
@@ -76,6 +77,7 @@ def run_arm(pipe: Pipeline, prompts: list[list[int]], gen: int, names: list[str 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", choices=ARCHS, default="llama-187m", help="the model's shape (random weights)")
+    ap.add_argument("--model", help="a save_pretrained folder instead (e.g. a tiny model: host work shows most)")
     ap.add_argument("--quant", default="auto", help="weight scheme (auto: what a user gets: int8wo on CPU)")
     workload_args(ap)
     ap.set_defaults(new_tokens=32)
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     root = Path(args.cache)
-    base = build_arch(args.arch, root, "cpu", torch.float32)
+    base = Path(args.model) if args.model else build_arch(args.arch, root, "cpu", torch.float32)
     folders = adapters_for(base, root, args)
     lm = load_model(str(base), quant=args.quant)
     for i, folder in enumerate(folders):
@@ -101,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     arms = {"base": [None] * len(prompts), "adapters": [f"a{i % args.adapters}" for i in range(len(prompts))]}
     if args.one:
         arms["one adapter"] = ["a0"] * len(prompts)
-    with torch.inference_mode():
-        run_arm(pipe, prompts[:4], 4, arms["adapters"][:4])  # warm-up: the native kernels, the stacks
+    for names in arms.values():  # warm-up: the native kernels, the stacks, each arm's first steps
+        run_arm(pipe, prompts[:8], 4, names[:8])
     times: dict[str, list[float]] = {arm: [] for arm in arms}
     for rep in range(args.reps):
         order = list(arms) if rep % 2 == 0 else list(reversed(arms))
@@ -121,7 +123,7 @@ def report(lm, pipe: Pipeline, args: argparse.Namespace, times: dict[str, list[f
     base = statistics.median(times["base"])
     ratios = [a / b for a, b in zip(times["adapters"], times["base"])]
     print(
-        f"\n{args.arch}, quant={lm.quant}, {args.requests} requests x {args.new_tokens} tokens, "
+        f"\n{args.model or args.arch}, quant={lm.quant}, {args.requests} requests x {args.new_tokens} tokens, "
         f"engine.max_seqs={pipe.max_seqs}, {args.adapters} adapters of rank {args.rank} on {args.targets}"
     )
     print("| arm | wall s (median) | tokens/s | vs base |")

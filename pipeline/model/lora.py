@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from pipeline.errors import UserError
+from pipeline.model.quant import quiet_bitsandbytes
 
 PREFIX = "base_model.model."  # peft's name for the base model inside a PeftModel
 PARTS = (".lora_A.weight", ".lora_B.weight")
@@ -101,6 +102,7 @@ def check_adapter(name: str, source: str) -> None:
 
 
 def _config(where: str, source: str) -> Any:
+    quiet_bitsandbytes()  # peft imports bitsandbytes
     from peft import PeftConfig, PeftType
 
     try:

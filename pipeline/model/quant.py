@@ -13,6 +13,7 @@ really ran.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Any, Sequence
@@ -46,12 +47,15 @@ class _DropMessages(logging.Filter):
         return not str(record.msg).startswith(self.prefixes)
 
 
+@functools.cache
 def quiet_bitsandbytes() -> None:
     """Silence two bitsandbytes warnings that fire on every CPU run and change nothing.
 
     Why: the CPU backend logs that an optional ``kernels`` package is missing (it falls back
     to its own kernel), and LLM.int8 logs on *every matmul* that float32 inputs are cast to
-    float16 (that cast is how int8 works). Other bitsandbytes messages stay.
+    float16 (that cast is how int8 works). Other bitsandbytes messages stay. Called before
+    anything imports bitsandbytes (peft does, for its quantised LoRA layers): the first line
+    fires at import.
     """
     logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropMessages("Failed to load CPU gemm_4bit"))
     logging.getLogger("bitsandbytes.autograd._functions").addFilter(_DropMessages("MatMul8bitLt: inputs will be cast"))

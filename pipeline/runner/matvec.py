@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import logging
 import sys
 import threading
 import warnings
@@ -70,6 +71,9 @@ def load() -> str | None:
 def _build() -> str | None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return f"the CPU has no AVX2 ({torch.backends.cpu.get_cpu_capability()})"
+    # A CUDA build of torch logs at import that it finds no CUDA runtime: true on a CPU machine,
+    # and beside the point for a CPU kernel (the line alarmed every CPU run of a real model).
+    logging.getLogger("torch.utils.cpp_extension").addFilter(lambda r: "No CUDA runtime" not in str(r.msg))
     try:
         from torch.utils import cpp_extension
 
