@@ -217,6 +217,7 @@ def make_cfg(*overrides: str):
         ([], "mode=eval needs eval.tasks="),
         (["eval.tasks=[mm_mc]", "eval.limit=-3"], "eval.limit must be an integer >= 1"),
         (["eval.tasks=mm_mc", "eval.include_path=/nonexistent"], "eval.include_path '/nonexistent' is not a folder"),
+        (["eval.tasks=mm_mc", "eval.adapter=sql"], r"eval.adapter=sql: not in model.lora"),
     ],
 )
 def test_mode_eval_refuses_bad_settings_before_loading(args, message):

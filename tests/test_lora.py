@@ -314,6 +314,27 @@ def test_adapter_of_another_base_or_unsupported_layers_is_refused(made, held_out
 # --------------------------------------------------------------------------- the command line
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["adapter=a"], r"adapter=a: no such adapter \(model.lora is empty"),
+        (["model.lora={a: /x}", "adapter=b"], r"adapter=b: no such adapter \(model.lora names a;"),
+        (["model.lora={a: /x}", "adapter=a", "mode=serve"], "a request names its adapter as model"),
+        (["model.lora=/x"], "model.lora must map names to adapter folders"),
+    ],
+)
+def test_adapter_settings_are_refused_before_anything_loads(overrides, message):
+    from hydra import compose, initialize_config_dir
+
+    from conftest import ROOT
+    from pipeline.cli.settings import check_numbers
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose("config", overrides=["model.path=/x", *overrides])
+    with pytest.raises(UserError, match=message):
+        check_numbers(cfg)
+
+
 def test_cli_adapter_equals_merged_generate_and_broken_folder_is_one_line(made, tmp_path):
     base_dir, path = made("qwen3", "a")
     lm = load_model(str(base_dir), dtype=torch.float32, quant="none")

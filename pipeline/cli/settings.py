@@ -251,6 +251,24 @@ def check(cfg: DictConfig) -> None:
         raise UserError(f"unknown decode.draft_quant {d.draft_quant!r}: choose one of {', '.join(SCHEMES)}")
 
 
+ADAPTER_MODES = ("run", "chat", "batch", "eval")  # the modes adapter= sets the answering adapter of
+
+
+def check_adapter_settings(cfg: DictConfig) -> None:
+    """``model.lora`` a mapping of names to sources; ``adapter=`` one of them, in a mode that uses it."""
+    lora = plain(cfg.model.lora) or {}
+    if not isinstance(lora, dict) or not all(isinstance(v, str) for v in lora.values()):
+        raise UserError(f"model.lora must map names to adapter folders or hub ids: {{a: DIR}} (got {lora!r})")
+    if cfg.adapter is None:
+        return
+    if cfg.mode.name not in ADAPTER_MODES:
+        where = "a request names its adapter as model" if cfg.mode.name == "serve" else "give it in mode=run"
+        raise UserError(f"adapter= is for mode={', '.join(ADAPTER_MODES)} (mode={cfg.mode.name}: {where})")
+    if cfg.adapter not in lora:
+        named = f"model.lora names {', '.join(sorted(lora))}" if lora else "model.lora is empty"
+        raise UserError(f"adapter={cfg.adapter}: no such adapter ({named}; load one with model.lora={{NAME: DIR}})")
+
+
 def check_numbers(cfg: DictConfig) -> None:
     """The rules ``check`` needs no other module for: counts, the prompt, pixel bounds."""
     whole_number("max_new_tokens", cfg.max_new_tokens)
@@ -258,12 +276,7 @@ def check_numbers(cfg: DictConfig) -> None:
         raise UserError("the prompt is empty: give prompt=TEXT")
     if cfg.model.name and not cfg.model.path:
         raise UserError(f"model {cfg.model.name!r} has no model.path: set model.path=DIR_OR_HUB_ID")
-    lora = plain(cfg.model.lora) or {}
-    if not isinstance(lora, dict) or not all(isinstance(v, str) for v in lora.values()):
-        raise UserError(f"model.lora must map names to adapter folders or hub ids: {{a: DIR}} (got {lora!r})")
-    if cfg.adapter is not None and cfg.adapter not in lora:
-        named = f"model.lora names {', '.join(sorted(lora))}" if lora else "model.lora is empty"
-        raise UserError(f"adapter={cfg.adapter}: no such adapter ({named}; load one with model.lora={{NAME: DIR}})")
+    check_adapter_settings(cfg)
     processor = {k: v for k, v in plain(cfg.model.processor).items() if v is not None}
     for key in ("min_pixels", "max_pixels"):
         if key in processor:

@@ -86,9 +86,9 @@ def main(cfg: DictConfig) -> None:
     names, limit = task_names(settings.tasks), limit_of(settings.limit)
     fewshot = None if settings.num_fewshot is None else whole_number("eval.num_fewshot", settings.num_fewshot, 0)
     max_length = None if settings.max_length is None else whole_number("eval.max_length", settings.max_length, 2)
+    adapter = eval_adapter(cfg)
     manager = task_manager(settings.include_path)
     check_tasks(manager, names)
-    adapter = eval_adapter(cfg)
     stages = stages_from_cfg(cfg)  # bad stage settings fail before the model loads too
     process = process_state()  # accelerate launch: lm-eval splits the documents over the processes
     out = shared_run_dir(process)
