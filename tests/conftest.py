@@ -140,6 +140,23 @@ def generate_oracle(lm, input_ids: torch.Tensor, max_new_tokens: int, ignore_eos
     return out[0, input_ids.shape[1] :].tolist()
 
 
+def image_chat_inputs(lm, images: list, text: str) -> tuple[torch.Tensor, dict]:
+    """(input ids, the other model inputs) the model's own processor makes of one user message
+    with these images then ``text``: what generate() is given as the oracle's input."""
+    content = [{"type": "image", "image": im} for im in images] + [{"type": "text", "text": text}]
+    inputs = dict(
+        lm.processor.apply_chat_template(
+            [{"role": "user", "content": content}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+        )
+    )
+    inputs.pop("attention_mask")
+    return inputs.pop("input_ids"), inputs
+
+
 def logprob_oracle(lm, ids: list[int], **inputs) -> torch.Tensor:
     """log_softmax of a plain transformers forward over ``ids`` (float32, on the CPU): row p is
     the distribution of the token after position p. The log-probability oracle."""

@@ -24,7 +24,7 @@ import torch
 from openai import OpenAI
 from PIL import Image
 
-from conftest import clear_prefix_caches, generate_oracle, logprob_oracle, run_cli
+from conftest import clear_prefix_caches, generate_oracle, image_chat_inputs, logprob_oracle, run_cli
 from serving import serving
 from test_batch import prompt_ids, run_batch
 from test_speculative import REPEATING, Knowing, noisy_copy
@@ -143,18 +143,7 @@ def oracle(lm: LoadedModel, prompt_ids: list[int], n: int = N) -> list[int]:
 
 def vl_oracle(lm: LoadedModel, image: Image.Image, text: str, n: int = N) -> tuple[list[int], list[int]]:
     """(prompt ids, generate() tokens) from the processor's own template on the same message."""
-    content = [{"type": "image", "image": image}, {"type": "text", "text": text}]
-    inputs = dict(
-        lm.processor.apply_chat_template(
-            [{"role": "user", "content": content}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-            return_tensors="pt",
-        )
-    )
-    ids = inputs.pop("input_ids")
-    inputs.pop("attention_mask")
+    ids, inputs = image_chat_inputs(lm, [image], text)
     return ids[0].tolist(), generate_oracle(lm, ids, n, ignore_eos=True, **inputs)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import run_cli
+from conftest import image_chat_inputs, run_cli
 from pipeline import Pipeline, Request
 from pipeline.errors import UserError
 from pipeline.frontends.chat_session import ChatSession
@@ -225,18 +225,7 @@ def test_vision_language_adapter_on_the_tower_and_the_language_model(made):
     assert any(".visual." in name for name in adapter.layers)  # "qkv": the vision tower's attention
     assert any(".language_model." in name for name in adapter.layers)
     image = picture(1)
-    content = [{"type": "image", "image": image}, {"type": "text", "text": "What is this?"}]
-    inputs = dict(
-        lm.processor.apply_chat_template(
-            [{"role": "user", "content": content}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-            return_tensors="pt",
-        )
-    )
-    ids = inputs.pop("input_ids")
-    inputs.pop("attention_mask")
+    ids, inputs = image_chat_inputs(lm, [image], "What is this?")
     want = greedy(merged_model(base_dir, path), ids, **inputs)
     base = greedy(lm.model, ids, **inputs)
     assert want != base

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from conftest import generate_oracle, run_cli
+from conftest import generate_oracle, image_chat_inputs, run_cli
 from pipeline import Pipeline, Request, UserError, load_model
 from pipeline.memory import kv_bytes
 from pipeline.metrics import decode_weight_bytes
@@ -115,18 +115,7 @@ def test_nf4_vision_model_keeps_its_tower_unquantised_and_matches_generate(load_
         },
     )
     result = pipe.run(Request(prompt="What is it?", images=[image], max_new_tokens=N, ignore_eos=True))
-    content = [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]
-    inputs = dict(
-        lm.processor.apply_chat_template(
-            [{"role": "user", "content": content}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-            return_tensors="pt",
-        )
-    )
-    ids = inputs.pop("input_ids")
-    inputs.pop("attention_mask")
+    ids, inputs = image_chat_inputs(lm, [image], "What is it?")
     assert result.prompt_ids == ids[0].tolist()
     assert result.token_ids == generate_oracle(lm, ids, N, ignore_eos=True, **inputs)
 

@@ -7,7 +7,7 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from conftest import generate_oracle
+from conftest import generate_oracle, image_chat_inputs
 from pipeline import Pipeline, Request
 from pipeline.media import load_video
 from stages import DecodeLoop, Prefill, Tokenize, VisionEncoder
@@ -79,18 +79,7 @@ def test_nf4_keeps_the_tower_and_deepstack_mergers_unquantised_and_matches_gener
     assert any(".deepstack_merger_list." in n for n in plain)
     assert plain and all(n.startswith("model.visual.") or n == "lm_head" for n in plain)
     assert four_bit and all(n.startswith("model.language_model.") for n in four_bit)
-    content = [{"type": "image", "image": A}, {"type": "text", "text": PROMPT}]
-    inputs = dict(
-        lm.processor.apply_chat_template(
-            [{"role": "user", "content": content}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-            return_tensors="pt",
-        )
-    )
-    ids = inputs.pop("input_ids")
-    inputs.pop("attention_mask")
+    ids, inputs = image_chat_inputs(lm, [A], PROMPT)
     assert ask(make_pipe(lm), [A]).token_ids == generate_oracle(lm, ids, N, ignore_eos=True, **inputs)
 
 
