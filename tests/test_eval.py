@@ -318,5 +318,5 @@ def test_an_adapter_scores_as_lm_evals_hf_model_on_peft_merged_weights(held_out_
     assert [v for v, _ in responses(ours, "mm_mc")] == pytest.approx(
         [v for v, _ in responses(theirs, "mm_mc")], abs=1e-4
     )
-    assert responses(ours, "mm_mc") != pytest.approx(responses(base_scores, "mm_mc"), abs=1e-4)
+    assert [v for v, _ in responses(ours, "mm_mc")] != pytest.approx([v for v, _ in responses(base_scores, "mm_mc")])
     assert responses(ours, "mm_gen") == responses(theirs, "mm_gen")
