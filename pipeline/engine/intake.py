@@ -25,8 +25,10 @@ def prepare(seq: Sequence) -> None:
         check_media(seq.phases.front, ctx.request)
     if ctx.request.pooling is not None:
         pooling.check(ctx.request)
-    ctx.cache.key_by(None if seq.adapter is None else seq.adapter.root)  # no KV shared across adapters
-    with lora.applied(lora.plan_for(ctx.lm, [seq.adapter], [1], ctx.lm.device)):  # encoders an adapter targets
+    adapter = seq.adapter
+    ctx.cache.key_by(None if adapter is None else adapter.root)  # no KV shared across adapters
+    plan = None if adapter is None else lora.plan_for(ctx.lm, [adapter], [1], ctx.lm.device)
+    with lora.applied(plan):  # the encoders run under the adapter too (LoRA on a vision tower)
         reused = _run_front(seq)
     if ctx.input_ids is None or ctx.input_ids.shape[1] == 0:
         raise UserError("the prompt has no tokens: there is nothing to prefill")

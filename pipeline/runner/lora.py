@@ -110,7 +110,7 @@ class Plan:
 def _added(out: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     """``out + B(xa) * scale``: one fused product-and-add into ``out`` (the layer's fresh output)
     where the dtypes agree; else peft's way, the sum in the factors' float32, cast back."""
-    if out.dtype != xa.dtype:
+    if out.dtype != xa.dtype or not out.is_contiguous():
         return (out + F.linear(xa, b) * scale).to(out.dtype)
     out.view(-1, out.shape[-1]).addmm_(xa.view(-1, xa.shape[-1]), b.t(), alpha=scale)
     return out
