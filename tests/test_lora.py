@@ -113,6 +113,19 @@ def test_adapters_and_base_batched_together_each_get_their_own_answer(qwen3):
     assert [h.result().token_ids for h in handles] == [want["a"], want["b"]]
 
 
+def test_preempted_and_chunked_adapter_rows_recompute_under_their_adapter(qwen3):
+    from pipeline.memory import kv_bytes
+
+    lm, want = qwen3
+    tight = kv_bytes(lm.config, 16, lm.model.dtype) * 12  # 12 blocks for 16 sequences: preemptions
+    pipe = pipe_for(lm, kv_memory=tight, max_seqs=16, max_batch_tokens=48)  # prompts prefill in chunks
+    names = [None, "a", "b", "c"] * 4
+    before = pipe.engine.counters["preemptions"]
+    handles = [pipe.submit(request(name)) for name in names]
+    assert [h.result().token_ids for h in handles] == [want[name] for name in names]
+    assert pipe.engine.counters["preemptions"] > before, "the pool was meant to force preemption"
+
+
 def test_prefix_cache_is_keyed_by_adapter(qwen3):
     lm, want = qwen3
     pipe = pipe_for(lm)
