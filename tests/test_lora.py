@@ -251,6 +251,26 @@ def test_vision_language_adapter_on_the_tower_and_the_language_model(made):
     assert again.token_ids == want and again.metrics["kv_reused_tokens"] > 0
 
 
+def test_an_adapter_saved_against_transformers_4s_layout_is_renamed_as_from_pretrained_does(made, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    base_dir, path = made("qwen2-vl", "vision")
+    old = shutil.copytree(path, tmp_path / "old-layout")
+    weights = load_file(path / "adapter_model.safetensors")
+    renames = {
+        "base_model.model.model.language_model.": "base_model.model.model.",
+        "base_model.model.model.visual.": "base_model.model.visual.",
+    }
+    saved = {next((k.replace(a, b) for a, b in renames.items() if k.startswith(a)), k): v for k, v in weights.items()}
+    assert saved.keys() != weights.keys()  # as an adapter trained with transformers 4.x names Qwen2-VL's layers
+    save_file(saved, old / "adapter_model.safetensors")
+    lm = loaded(base_dir, {"new": path, "old": old})
+    assert lm.adapters.get("old").layers.keys() == lm.adapters.get("new").layers.keys()
+    pipe = pipe_for(lm)
+    asks = [pipe.submit(request(name, "What is this?", images=[picture(3)])) for name in ("new", "old")]
+    assert asks[0].result().token_ids == asks[1].result().token_ids
+
+
 def test_audio_model_adapter_on_the_language_model(made):
     base_dir, path = made("qwen2-audio", "a")
     lm = loaded(base_dir, {"a": path})

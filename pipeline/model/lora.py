@@ -88,7 +88,9 @@ def read_adapter(name: str, source: str, model: torch.nn.Module, tp: int = 1) ->
     config = _config(where, source)
     weights = _weights(where, source)
     layers = {}
-    for module_name, (a, b) in _pairs(where, weights).items():
+    current = current_names(model)
+    for saved_name, (a, b) in _pairs(where, weights).items():
+        module_name = current(saved_name)
         layers[module_name] = _layer(where, config, model, module_name, a, b)
     if not layers:
         raise UserError(f"{where}: its weights hold no LoRA layers")
@@ -138,6 +140,28 @@ def _pairs(where: str, weights: dict[str, torch.Tensor]) -> dict[str, tuple[torc
         if len(parts) != 2:
             raise UserError(f"{where}: {module_name} has only one of its two LoRA factors")
     return {m: (p[PARTS[0]], p[PARTS[1]]) for m, p in found.items()}
+
+
+def current_names(model: torch.nn.Module) -> Any:
+    """Saved module name -> this model's: adapters saved against an older layout of the model
+    (transformers 4's Qwen2-VL ``model.layers``, now ``model.language_model.layers``) renamed by
+    transformers' own conversion mapping, the one ``from_pretrained`` applies to old checkpoints."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+
+        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    except (ImportError, AttributeError, TypeError):  # another transformers: names as saved
+        renamings = []
+    names = {name for name, _ in model.named_modules()}
+
+    def current(saved: str) -> str:
+        if saved in names or not renamings:
+            return saved
+        renamed = apply_renamings(saved, renamings)
+        return renamed if renamed in names else saved
+
+    return current
 
 
 def _layer(

@@ -9,6 +9,10 @@ from typing import Any, Sequence
 
 import torch
 
+from pipeline.model.quant import quiet_bitsandbytes
+
+quiet_bitsandbytes()  # peft imports bitsandbytes, whose CPU backend alarms at import
+
 
 def base_model(base_dir: str | Path, **load: Any) -> torch.nn.Module:
     """The model class mm-pipeline loads for this checkpoint, as loaded by ``load_model`` (float32
