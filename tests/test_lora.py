@@ -126,6 +126,18 @@ def test_preempted_and_chunked_adapter_rows_recompute_under_their_adapter(qwen3)
     assert pipe.engine.counters["preemptions"] > before, "the pool was meant to force preemption"
 
 
+def test_the_engine_names_the_adapters_running_and_waiting(qwen3):
+    lm, want = qwen3
+    pipe = pipe_for(lm, max_seqs=1)
+    handles = [pipe.submit(request(name)) for name in ("b", None, "a")]
+    assert pipe.engine.adapters_in_flight() == ([], ["a", "b"])
+    with torch.inference_mode():
+        pipe.engine.step()  # admits the first (one at a time)
+    assert pipe.engine.adapters_in_flight() == (["b"], ["a"])
+    assert [h.result().token_ids for h in handles] == [want["b"], want[None], want["a"]]
+    assert pipe.engine.adapters_in_flight() == ([], [])
+
+
 def test_prefix_cache_is_keyed_by_adapter(qwen3):
     lm, want = qwen3
     pipe = pipe_for(lm)

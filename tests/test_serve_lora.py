@@ -155,6 +155,8 @@ def test_models_lists_each_adapter_with_its_parent(server, dirs):
     a = cards["a"]
     assert a["object"] == "model" and a["parent"] == BASE and a["root"] == str(dirs["a"])
     assert a["owned_by"] == cards[BASE]["owned_by"] and isinstance(a["created"], int)
+    metrics = httpx.get(server.url + "/metrics").text  # vLLM's gauge: adapters loaded, none in flight now
+    assert f'vllm:lora_requests_info{{max_lora="{len(cards) - 1}",running_lora_adapters="",' in metrics
 
 
 def test_an_adapter_loaded_at_run_time_serves_until_it_is_unloaded(server, oracle, dirs):

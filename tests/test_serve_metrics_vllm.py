@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -228,9 +229,14 @@ class _Pool:
 
 
 class _Engine:
-    """The figures ServerMetrics reads at scrape time, without a model."""
+    """The figures ServerMetrics reads at scrape time, without a model (two adapters loaded, one
+    request running with "a" and one waiting with "b")."""
 
     pool = _Pool()
+    runner = SimpleNamespace(lm=SimpleNamespace(adapters=["a", "b"]))
+
+    def adapters_in_flight(self) -> tuple[list[str], list[str]]:
+        return ["a"], ["b"]
 
     def stats(self) -> dict:
         return {
@@ -278,3 +284,6 @@ def test_gaps_count_once_per_token_and_cancelled_calls_are_aborts():
     assert preemptions.value == 5
     les = [s.labels["le"] for s in samples(families["vllm:request_prompt_tokens"], "_bucket")]
     assert les == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "+Inf"]
+    (lora,) = samples(families["vllm:lora_requests_info"])
+    assert lora.labels == {"max_lora": "2", "running_lora_adapters": "a", "waiting_lora_adapters": "b"}
+    assert lora.value > 1.7e9  # the scrape time, as vLLM sets it

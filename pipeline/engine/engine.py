@@ -180,6 +180,19 @@ class Engine:
             "busy_s": self.busy_s,
         }
 
+    def adapters_in_flight(self) -> tuple[list[str], list[str]]:
+        """The LoRA adapters of the running sequences and of the waiting ones, by name (a copy:
+        any thread may ask while another steps)."""
+        with self._cond:
+            waiting = list(self._inbox)
+        sched = self.scheduler
+        waiting += list(sched.waiting)
+
+        def names(seqs: list[Sequence]) -> list[str]:
+            return sorted({s.adapter.name for s in seqs if s.adapter is not None})
+
+        return names(list(sched.running)), names(waiting)
+
     def _grammar_stats(self) -> dict:
         g = self._grammars
         if g is None:

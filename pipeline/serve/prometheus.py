@@ -10,6 +10,7 @@ Request outcomes, tokens and latencies are recorded as requests end; the engine'
 from __future__ import annotations
 
 import threading
+import time
 from bisect import bisect_left
 from typing import Any, Callable, Iterator, Sequence
 
@@ -101,6 +102,24 @@ class _EngineCollector:
         yield from _tier_metrics(stats)
         if self.vllm is not None:
             yield from self.vllm.collect(stats)
+            yield from lora_info(self.engine)
+
+
+def lora_info(engine: Engine) -> Iterator[Metric]:
+    """vLLM's ``vllm:lora_requests_info``: the adapters running and waiting as labels, the scrape
+    time as value; only while adapters are loaded or in flight (vLLM: only with LoRA enabled).
+    ``max_lora``: the adapters loaded, all of which may share a step here."""
+    running, waiting = engine.adapters_in_flight()
+    loaded = len(engine.runner.lm.adapters)
+    if not (loaded or running or waiting):
+        return
+    family = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Running stats on lora requests.",
+        labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+    )
+    family.add_metric([str(loaded), ",".join(waiting), ",".join(running)], time.time())
+    yield family
 
 
 TIER_METRICS = (  # kv.offload's second tier: (stats key, metric, help, counter?)
