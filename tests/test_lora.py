@@ -331,6 +331,18 @@ def test_broken_adapter_folder_is_refused_in_one_line(made, tmp_path, case, mess
     assert "x" not in lm.adapters
 
 
+def test_a_missing_folder_or_an_unreachable_hub_id_is_one_line_at_once(made, monkeypatch, tmp_path):
+    import pipeline.model.loading as loading
+
+    lm = loaded(made("qwen3", "a")[0], {})
+    with pytest.raises(UserError, match=r"adapter 'x' \(/no/such\): no such folder$"):
+        lm.adapters.load("x", "/no/such", lm.model)
+    monkeypatch.setattr(loading, "hub_unreachable", lambda repo: "Name or service not known")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    with pytest.raises(UserError, match="cannot reach the Hugging Face hub to fetch it .no network. Name or service"):
+        lm.adapters.load("x", "someone/some-lora", lm.model)
+
+
 def test_adapter_of_another_base_or_unsupported_layers_is_refused(made, held_out_dir, tmp_path):
     base_dir, _ = made("qwen3", "a")
     lm = loaded(base_dir, {})

@@ -178,7 +178,7 @@ def test_an_adapter_loaded_at_run_time_serves_until_it_is_unloaded(server, oracl
     [
         ("x", "no_weights", {}, "its weights could not be read"),
         ("x", "other_base", {}, "trained on another base model"),
-        ("x", "missing", {}, "not a peft adapter"),
+        ("x", "missing", {}, "no such folder"),
         ("a", "b", {}, "The lora adapter 'a' has already been loaded."),
         (BASE, "b", {}, "is the base model's name"),
         ("x", "b", {"load_inplace": True}, "load_inplace: not supported"),

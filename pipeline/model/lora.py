@@ -22,6 +22,7 @@ import itertools
 import math
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,7 +104,31 @@ def check_adapter(name: str, source: str) -> None:
     _config(f"adapter {name!r} ({source})", source)
 
 
+def _check_source(where: str, source: str) -> None:
+    """A folder that exists, or a hub id the hub answers for (or the local cache holds): one line
+    at once, not peft's search through both and huggingface_hub's retries."""
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"{where}: a file; give the folder peft's save_pretrained wrote")
+        return
+    if source.startswith((".", "/", "~")) or source.count("/") != 1:
+        raise UserError(f"{where}: no such folder")
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    from pipeline.model.loading import hub_unreachable
+
+    cached = isinstance(try_to_load_from_cache(source, "adapter_config.json"), str)
+    reason = None if constants.HF_HUB_OFFLINE or cached else hub_unreachable(source)
+    if reason is not None:
+        raise UserError(
+            f"{where}: cannot reach the Hugging Face hub to fetch it (no network? {reason}): download it "
+            "elsewhere and give its folder"
+        )
+
+
 def _config(where: str, source: str) -> Any:
+    _check_source(where, source)
     quiet_bitsandbytes()  # peft imports bitsandbytes
     from peft import PeftConfig, PeftType
 
