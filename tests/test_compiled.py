@@ -209,7 +209,7 @@ def test_warmup_is_reported_apart_and_requests_compile_nothing(lm, prompt):
     ]
     for h in batch:
         pipe.wait(h)
-    # More requests than max_seqs: some wait, so decode steps run one at a time (no bursts).
+    # More requests than max_seqs: some wait; decode steps burst while every place is taken, else run one at a time.
     queued = pipe_of(lm, compile=True, compile_backend="aot_eager")
     queued.max_seqs, queued.stages["decode"] = 2, pipe.stages["decode"]
     for h in [

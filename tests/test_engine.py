@@ -354,3 +354,30 @@ def test_decode_bursts_end_rows_mid_burst_exactly(load_tiny):
     pipe = text_pipe(lm)
     cut = pipe.run(Request(prompt=prompts[1], max_new_tokens=20, ignore_eos=True, stop=[stop]), on_text=pieces.append)
     assert cut.finish_reason == "stop" and cut.text == free[1].text[: free[1].text.find(stop)] == "".join(pieces)
+
+
+def test_greedy_rows_burst_while_every_seat_is_taken_and_answer_as_alone(load_tiny, monkeypatch):
+    """More requests than places: the running rows run bursts while nobody waiting could take a
+    place (every seat taken, none outranked); a waiting request that outranks one still
+    preempts at the next step. Each answer equals its solo run."""
+    lm = load_tiny("qwen3")
+    prompts = [f"Tell me about the number {i}." for i in range(5)]
+    alone = [text_pipe(lm).run(Request(prompt=p, max_new_tokens=17, ignore_eos=True)).token_ids for p in prompts]
+    pipe = text_pipe(lm, max_seqs=2)
+    waiting = []  # how many waited at each burst
+    burst = pipe.engine.runner.burst
+    monkeypatch.setattr(
+        pipe.engine.runner,
+        "burst",
+        lambda *a, **k: waiting.append(len(pipe.engine.scheduler.waiting)) or burst(*a, **k),
+    )
+    handles = [pipe.submit(Request(prompt=p, max_new_tokens=17, ignore_eos=True)) for p in prompts]
+    assert [h.result().token_ids for h in handles] == alone
+    assert max(waiting) == 3 and pipe.engine.counters["preemptions"] == 0  # bursts ran while three waited
+    urgent = [pipe.submit(Request(prompt=p, max_new_tokens=17, ignore_eos=True)) for p in prompts[:2]]
+    with torch.inference_mode():
+        while not pipe.engine.scheduler.running or pipe.engine.scheduler.running[0].output is None:
+            pipe.engine.step()
+    first = pipe.submit(Request(prompt=prompts[2], max_new_tokens=17, ignore_eos=True, priority=-1))
+    assert first.result().token_ids == alone[2] and pipe.engine.counters["preemptions"] == 1
+    assert [h.result().token_ids for h in urgent] == alone[:2]

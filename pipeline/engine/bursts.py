@@ -16,8 +16,10 @@ def length(plan: list[Scheduled], limit: int, quiet: bool) -> int:
 
     A burst needs a decode-only step of argmax-only sequences (no logits processors, no drafts,
     no log-probabilities asked); it is as long as the sequence with the fewest tokens left allows,
-    at most ``limit``. ``quiet``: nobody waits and the pool holds no recurrent states (those are
-    read and written per step, not inside a burst).
+    at most ``limit``. ``quiet``: no waiting request could be admitted now (none waits, or every
+    place is taken by sequences none of them outranks: a burst delays no admission but one freed
+    by an early end) and the pool holds no recurrent states (those are read and written per
+    step, not inside a burst).
     """
     if limit < 2 or not quiet:
         return 1

@@ -48,8 +48,8 @@ from pipeline.transfer import blocking_count
 class Engine:
     """Scheduler + model runner + the step. ``max_seqs``: sequences in flight;
     ``max_batch_tokens``: tokens per forward (decode tokens first, prefill chunks fill the rest);
-    ``burst``: greedy decode steps run back to back when nobody waits (1: every step reads its
-    tokens)."""
+    ``burst``: greedy decode steps run back to back while no waiting request could take a place
+    (1: every step reads its tokens)."""
 
     def __init__(self, runner: ModelRunner, *, max_seqs: int = 8, max_batch_tokens: int = 2048, burst: int = 8) -> None:
         self.runner = runner
@@ -278,7 +278,7 @@ class Engine:
 
     def _run(self, plan: list[Scheduled]) -> StepOutput:
         """The model step: one packed forward, or a greedy decode burst."""
-        quiet = not (self.scheduler.waiting or self._inbox) and self.pool.states is None
+        quiet = not self._inbox and self.scheduler.none_admissible() and self.pool.states is None
         steps = bursts.length(plan, self.burst, quiet)
         if steps > 1:
             return bursts.run(self.runner, plan, steps)

@@ -107,6 +107,16 @@ class Scheduler:
             if seq.cache.length < seq.prompt_len:
                 computing.update(seq.cache.future_digests(seq.keys[: seq.prompt_len]))
 
+    def none_admissible(self) -> bool:
+        """No waiting sequence could be admitted before a running one ends: none waits, or every
+        place is taken by sequences none of the waiting outranks (``Request.priority``)."""
+        if not self.waiting:
+            return True
+        if self._seat_free():
+            return False
+        best = min(s.priority for s in self.waiting)
+        return not any(s.priority > best for s in self.running)
+
     def _seat_free(self) -> bool:
         return len(self.running) < self.max_seqs
 
