@@ -7,7 +7,9 @@ row's low-rank product ``B(A(x)) * scale`` in its forwards (``pipeline.runner.lo
 adapters share one copy of the base model and rows of different adapters share a step.
 
 What is honoured: the target modules, each layer's rank and alpha (``rank_pattern`` and
-``alpha_pattern``), ``lora_alpha / r`` scaling or ``lora_alpha / sqrt(r)`` with rsLoRA. What is
+``alpha_pattern``), ``lora_alpha / r`` scaling or ``lora_alpha / sqrt(r)`` with rsLoRA; module
+names saved against an older layout of the model are renamed as ``from_pretrained`` renames old
+checkpoints (``current_names``). What is
 refused, in one line, before the adapter serves anything: another kind of adapter than LoRA,
 options that change the layer's arithmetic (DoRA, LoRA biases, trained copies of whole modules,
 trainable tokens, LoRA on parameters), layers the base does not have or of another shape (an
