@@ -329,3 +329,17 @@ def test_stage_level_compile_is_warmed_up_like_decode_compile(lm):
     assert cfg.decode.compile is False
     pipe = pipeline_from_cfg(cfg, lm)
     assert pipe.stages["decode"].compiled is not None and pipe.warmup_s is not None
+
+
+def test_inductors_caches_go_to_the_projects_folder_unless_one_is_named(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from pipeline.runner.compiled import CACHE_ENV, use_project_cache
+
+    monkeypatch.setenv(CACHE_ENV, default_cache_dir())  # what importing torch._dynamo writes there
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tmp_path / "cache" / "mm-pipeline" / "torchinductor"
+    assert use_project_cache() == str(folder) and folder.is_dir()
+    assert os.environ[CACHE_ENV] == str(folder)  # what Inductor reads when it first compiles
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+    assert use_project_cache() == str(tmp_path / "mine")  # a folder the user names is kept
