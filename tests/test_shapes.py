@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from conftest import ROOT, generate_oracle, run_cli
+from conftest import ROOT, generate_oracle, image_chat_inputs, run_cli
 from pipeline import Pipeline, Request, load_model
 from pipeline.tiny import default_model_dir, model_card, shapes
 from stages import DecodeLoop, Prefill, Sampler, Tokenize, VisionEncoder
@@ -345,18 +345,7 @@ def test_greedy_equals_generate_and_training_saw_the_same_prompts(shapes_lm, hel
             assert (trained["labels"][0, :n] == -100).all()
             answer = trained["labels"][0, n:]
             assert shapes_lm.tokenizer.decode(answer[answer != -100]) == shapes.answer(q, drawn) + "<|im_end|>"
-            content = [{"type": "image", "image": image}, {"type": "text", "text": q}]
-            inputs = dict(
-                shapes_lm.processor.apply_chat_template(
-                    [{"role": "user", "content": content}],
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=True,
-                    return_tensors="pt",
-                )
-            )
-            ids = inputs.pop("input_ids")
-            inputs.pop("attention_mask")
+            ids, inputs = image_chat_inputs(shapes_lm, [image], q)
             assert result.prompt_ids == ids[0].tolist()
             assert result.token_ids == generate_oracle(shapes_lm, ids, MAX_NEW, **inputs)
             assert result.token_ids[-1] in shapes_lm.eos_token_ids

@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import generate_oracle, run_cli
+from conftest import generate_oracle, image_chat_inputs, run_cli
 from pipeline import Pipeline, Request, UserError, load_model
 from pipeline.frontends.chat_session import ChatSession
 from pipeline.spec import NgramDrafter, Speculative, check_same_tokenizer, check_settings, verify
@@ -92,17 +92,9 @@ def oracle(lm, prompt: str = REPEATING, n: int = N) -> tuple[list[int], list[int
     """(prompt ids, generate() tokens) for what ``request_for`` asks, built by the model's own
     processor or tokenizer from the same message."""
     if "image" in lm.family.media:
-        content = [{"type": "image", "image": picture(1)}, {"type": "text", "text": prompt}]
-        inputs = dict(
-            lm.processor.apply_chat_template(
-                [{"role": "user", "content": content}],
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-                return_tensors="pt",
-            )
-        )
-    elif "audio" in lm.family.media:
+        ids, inputs = image_chat_inputs(lm, [picture(1)], prompt)
+        return ids[0].tolist(), generate_oracle(lm, ids, n, ignore_eos=True, **inputs)
+    if "audio" in lm.family.media:
         content = [{"type": "audio", "audio": "clip.wav"}, {"type": "text", "text": prompt}]
         text = lm.processor.apply_chat_template(
             [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
