@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     folders = adapters_for(base, root, args)
     lm = load_model(str(base), quant=args.quant)
     for i, folder in enumerate(folders):
-        lm.adapters.load(f"a{i}", str(folder), lm.model)
+        lm.load_adapter(f"a{i}", str(folder))
     engine = {"max_seqs": args.max_seqs} if args.max_seqs else {}
     pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, **engine)
     prompts = workload(lm, args)

@@ -290,7 +290,7 @@ class Pipeline:
         """Load a peft LoRA adapter (a folder or a hub id) beside the model, for requests that
         name it (``Request.adapter``); a bad one is refused with a ``UserError`` before it serves
         anything. Every pipeline on this model sees it."""
-        return self.lm.adapters.load(name, path, self.lm.model, tp=getattr(self.lm, "tp", 1))
+        return self.lm.load_adapter(name, path)
 
     def unload_adapter(self, name: str) -> None:
         """Forget an adapter: new requests cannot name it; those already running finish with it."""

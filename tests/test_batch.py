@@ -524,7 +524,7 @@ def test_each_line_answers_with_its_adapter(tmp_path, held_out_dir, monkeypatch)
     p.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     lm = load_model(str(base), quant="none")
     for name, path in adapters.items():
-        lm.adapters.load(name, str(path), lm.model)
+        lm.load_adapter(name, str(path))
     expected = one_by_one(lm, [Request(prompt=PROMPTS[0], max_new_tokens=N, adapter=r.get("adapter")) for r in rows])
     assert len({tuple(e.token_ids) for e in expected}) == 3
     for shared in ("false", "true"):  # shared prefixes only within one adapter

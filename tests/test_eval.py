@@ -309,7 +309,7 @@ def test_an_adapter_scores_as_lm_evals_hf_model_on_peft_merged_weights(held_out_
     base = held_out_dir("qwen3")
     path = make_adapter(base, tmp_path / "a", seed=1)
     lm = load_model(str(base), quant="none")
-    lm.adapters.load("a", str(path), lm.model)
+    lm.load_adapter("a", str(path))
     pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop()}, kv_memory=32 << 20)
     names = ["mm_mc", "mm_gen"]
     ours = evaluate(EngineLM(pipe, progress=False, adapter="a"), tasks, names)

@@ -60,7 +60,7 @@ def pipe_for(lm, spec=None, **engine) -> Pipeline:
 def loaded(base_dir, adapters: dict, **load):
     lm = load_model(str(base_dir), **{"dtype": torch.float32, "quant": "none", **load})
     for name, path in adapters.items():
-        lm.adapters.load(name, str(path), lm.model)
+        lm.load_adapter(name, str(path))
     return lm
 
 
@@ -326,7 +326,7 @@ def test_broken_adapter_folder_is_refused_in_one_line(made, tmp_path, case, mess
     base_dir, good = made("qwen3", "a")
     lm = loaded(base_dir, {})
     with pytest.raises(UserError, match=message) as err:
-        lm.adapters.load("x", str(broken(tmp_path, good, case)), lm.model)
+        lm.load_adapter("x", str(broken(tmp_path, good, case)))
     assert "\n" not in str(err.value) and "adapter 'x'" in str(err.value)
     assert "x" not in lm.adapters
 
@@ -336,11 +336,11 @@ def test_a_missing_folder_or_an_unreachable_hub_id_is_one_line_at_once(made, mon
 
     lm = loaded(made("qwen3", "a")[0], {})
     with pytest.raises(UserError, match=r"adapter 'x' \(/no/such\): no such folder$"):
-        lm.adapters.load("x", "/no/such", lm.model)
+        lm.load_adapter("x", "/no/such")
     monkeypatch.setattr(loading, "hub_unreachable", lambda repo: "Name or service not known")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
     with pytest.raises(UserError, match="cannot reach the Hugging Face hub to fetch it .no network. Name or service"):
-        lm.adapters.load("x", "someone/some-lora", lm.model)
+        lm.load_adapter("x", "someone/some-lora")
 
 
 def test_adapter_of_another_base_or_unsupported_layers_is_refused(made, held_out_dir, tmp_path):
@@ -348,13 +348,13 @@ def test_adapter_of_another_base_or_unsupported_layers_is_refused(made, held_out
     lm = loaded(base_dir, {})
     other = make_adapter(held_out_dir("qwen2-vl"), tmp_path / "other", seed=5)  # another model's names
     with pytest.raises(UserError, match="which this model does not have"):
-        lm.adapters.load("o", str(other), lm.model)
+        lm.load_adapter("o", str(other))
     embed = make_adapter(base_dir, tmp_path / "embed", seed=6, targets=["embed_tokens"])
     with pytest.raises(UserError, match="not a LoRA linear layer's factor"):
-        lm.adapters.load("e", str(embed), lm.model)
-    lm.adapters.load("a", str(made("qwen3", "a")[1]), lm.model)
+        lm.load_adapter("e", str(embed))
+    lm.load_adapter("a", str(made("qwen3", "a")[1]))
     with pytest.raises(UserError, match="already loaded"):
-        lm.adapters.load("a", str(made("qwen3", "a")[1]), lm.model)
+        lm.load_adapter("a", str(made("qwen3", "a")[1]))
 
 
 # --------------------------------------------------------------------------- the command line

@@ -123,7 +123,7 @@ def load_from_cfg(cfg: DictConfig) -> LoadedModel:
         auto_keeps=auto_keeps(cfg),
     )
     for name, source in lora.items():
-        lm.adapters.load(name, source, lm.model, tp=lm.tp, base=served_base(cfg))
+        lm.load_adapter(name, source, base=served_base(cfg))
     return lm
 
 

@@ -18,7 +18,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
 from pipeline.model import quant as q, tensor_parallel
-from pipeline.model.lora import Adapters
+from pipeline.model.lora import Adapter, Adapters
 from pipeline.errors import UserError
 from pipeline.families import Family, family_for_config
 from pipeline.kv import state_shape
@@ -63,6 +63,12 @@ class LoadedModel:
         """Has linear-attention layers (per-sequence recurrent states, ``pipeline.kv.states``):
         such models decode step by step, eagerly, without speculation."""
         return state_shape(self.config, torch.float32) is not None
+
+    def load_adapter(self, name: str, source: str, base: str | None = None) -> Adapter:
+        """Read a peft LoRA adapter (a folder or a hub id) and keep it beside this model by name
+        (``base``: the base model's served name, which it may not take); ``UserError`` in one line
+        when it cannot serve."""
+        return self.adapters.load(name, source, self.model, tp=self.tp, base=base)
 
     @property
     def weights_bytes(self) -> int:

@@ -91,9 +91,8 @@ class Models:
         A name taken, or an adapter that cannot be read or does not fit, is a 400 with its one line."""
         if name in self.adapters:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", code="invalid_value")
-        lm = self.pipe.lm
         try:
-            lm.adapters.load(name, path, lm.model, tp=getattr(lm, "tp", 1), base=self.base)
+            self.pipe.lm.load_adapter(name, path, base=self.base)
         except UserError as err:
             raise APIError(400, str(err), code="invalid_value") from None
         return f"Success: LoRA adapter '{name}' added successfully."
