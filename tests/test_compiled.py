@@ -222,6 +222,21 @@ def test_warmup_is_reported_apart_and_requests_compile_nothing(lm, prompt):
     assert ctx.generated == oracle(lm, prompt)
 
 
+def test_a_one_sequence_warmup_builds_the_batch_of_one_graph_that_a_run_then_uses(lm, prompt):
+    """``warmup(rows=1)`` (mode=run, mode=chat) builds only what one sequence decodes on: a run
+    after it compiles nothing more and equals ``generate()``."""
+    from torch._dynamo.utils import counters
+
+    pipe = pipe_of(lm, compile=True, compile_backend="aot_eager")
+    before = counters["stats"]["unique_graphs"]
+    pipe.warmup(rows=1)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs - before == 1  # the batch of one (a batch of two or more is its own graph)
+    ctx = run_ids(pipe, prompt)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert ctx.generated == oracle(lm, prompt) and pipe.result(ctx).metrics["decode_compiled"] is True
+
+
 # --- chunked prefill -------------------------------------------------------------------------
 
 
@@ -334,7 +349,7 @@ def test_stage_level_compile_is_warmed_up_like_decode_compile(lm):
 def test_inductors_caches_go_to_the_projects_folder_unless_one_is_named(monkeypatch, tmp_path):
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    from pipeline.runner.compiled import CACHE_ENV, use_project_cache
+    from pipeline.runner.inductor_cache import CACHE_ENV, use_project_cache
 
     monkeypatch.setenv(CACHE_ENV, default_cache_dir())  # what importing torch._dynamo writes there
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -343,3 +358,30 @@ def test_inductors_caches_go_to_the_projects_folder_unless_one_is_named(monkeypa
     assert os.environ[CACHE_ENV] == str(folder)  # what Inductor reads when it first compiles
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
     assert use_project_cache() == str(tmp_path / "mine")  # a folder the user names is kept
+
+
+def test_inductors_compiler_checks_are_asked_once_across_processes(monkeypatch, tmp_path):
+    """Inductor checks in every process that the compiler builds each vector instruction set
+    (a fresh ``python -c "import torch"`` each, 1.5 s): a check passed once is answered from the
+    cache folder, as in a new process (a new wrapper); one that failed is asked again."""
+    from torch._inductor import cpu_vec_isa
+
+    from pipeline.runner.inductor_cache import ISA_FILE, remember_isa_checks
+
+    asked = []
+
+    def check_build(self, code):  # stands for torch's: compile a probe, load it in a subprocess
+        asked.append(code)
+        return "good" in code
+
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", check_build)
+    isa = cpu_vec_isa.VecAVX2()
+    assert remember_isa_checks(tmp_path)
+    assert isa.check_build("good probe") and asked == ["good probe"]
+    assert not isa.check_build("bad probe") and asked == ["good probe", "bad probe"]
+    assert (tmp_path / ISA_FILE).is_file()
+    assert remember_isa_checks(tmp_path)  # the next process: wraps torch's check again, not the wrapper
+    assert isa.check_build("good probe") and not isa.check_build("bad probe")
+    assert asked == ["good probe", "bad probe", "bad probe"]
+    assert cpu_vec_isa.VecAVX512().check_build("good probe")  # other flags: another check
+    assert asked[-1] == "good probe" and len(asked) == 4

@@ -316,12 +316,15 @@ def engine_settings(cfg: DictConfig) -> dict:
     )
 
 
-def pipeline_from_cfg(cfg: DictConfig, lm: LoadedModel, stages: dict[str, Any] | None = None) -> Pipeline:
+def pipeline_from_cfg(
+    cfg: DictConfig, lm: LoadedModel, stages: dict[str, Any] | None = None, rows: int | None = None
+) -> Pipeline:
     """The stage chain (``stages``, or built from cfg.stages) on the configured pool and engine.
     When its decode stage compiles (``decode.compile``, or ``stages.decode.compile`` set
     directly: the stage decides, so the two cannot disagree), or its draft model does
     (``decode.draft_compile``), or it replays CUDA graphs on a GPU (``decode.cuda_graphs``), it is
-    warmed up here, before the first request, so TTFT never includes compiling or capturing."""
+    warmed up here, before the first request, so TTFT never includes compiling or capturing.
+    ``rows=1``: the caller decodes one sequence at a time (``Pipeline.warmup``)."""
     stages = stages if stages is not None else stages_from_cfg(cfg)
     decode = stages.get("decode")
     if decode is not None and getattr(decode, "speculative", False) is None:  # a DecodeLoop not given one in Python
@@ -330,7 +333,7 @@ def pipeline_from_cfg(cfg: DictConfig, lm: LoadedModel, stages: dict[str, Any] |
     spec = getattr(decode, "speculative", None)
     if getattr(decode, "compiled", None) is not None or getattr(spec, "compiled", None) is not None:
         print("mm-pipeline: warming up (compiling the decode step)...", file=sys.stderr)
-        seconds = pipe.warmup()
+        seconds = pipe.warmup(rows=rows)
         print(f"mm-pipeline: warm-up took {seconds:.1f} s (metrics warmup_s, not part of ttft_s)", file=sys.stderr)
     elif getattr(decode, "graphed", None) is not None and lm.device.type == "cuda":
         seconds = pipe.warmup()  # the first buckets' CUDA graphs, captured before the first request

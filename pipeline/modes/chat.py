@@ -211,7 +211,7 @@ def main(cfg: DictConfig) -> None:
     lm = load_from_cfg(cfg)
     print(weights_line(lm), file=sys.stderr)
     session = ChatSession(
-        pipeline_from_cfg(cfg, lm),
+        pipeline_from_cfg(cfg, lm, rows=1),  # one conversation: the batch-of-one warm-up
         system_prompt=settings.system_prompt,
         max_new_tokens=settings.max_new_tokens,
         ignore_eos=settings.ignore_eos,

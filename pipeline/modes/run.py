@@ -24,7 +24,7 @@ def main(cfg: DictConfig) -> None:
     check_media(stages, request)
     lm = load_from_cfg(cfg)
     print(weights_line(lm), file=sys.stderr)
-    pipe = pipeline_from_cfg(cfg, lm, stages)  # kv.static / decode.compile: warm-up happens here
+    pipe = pipeline_from_cfg(cfg, lm, stages, rows=1)  # decode.compile: warm-up (one sequence) happens here
     print(pipe.pools.describe(), file=sys.stderr)  # the pool's size, and what kv.memory=auto kept free
     result = pipe.run(request, on_text=stdout_writer if cfg.stream else None)
     if not cfg.stream:

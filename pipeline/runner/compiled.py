@@ -24,11 +24,9 @@ eager: the tokens are the same either way.
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 import weakref
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -37,6 +35,7 @@ from pipeline.kv import BlockPool
 from pipeline.runner import flex
 from pipeline.runner.paged_batch import Chunk
 from pipeline.runner.forward import chunks_state, decode_logits, decode_step, greedy_steps
+from pipeline.runner.inductor_cache import use_project_cache
 
 
 class FastPathFallback(UserWarning):
@@ -53,32 +52,6 @@ def say_fallback(message: str) -> None:
     ``FastPathFallback`` warning (filters and ``catch_warnings`` see it; Python does not print it)."""
     warnings.warn(message, FastPathFallback, stacklevel=3)
     print(f"mm-pipeline: {message}", file=sys.stderr)
-
-
-CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
-
-
-def use_project_cache() -> str | None:
-    """Inductor's on-disk caches (compiled graphs, autotuning) in mm-pipeline's own folder,
-    ``$XDG_CACHE_HOME/mm-pipeline/torchinductor`` (``~/.cache/...``), unless the user named one
-    (``TORCHINDUCTOR_CACHE_DIR``). Why: torch's default lies in /tmp, emptied at reboot, and a
-    warm-up that finds its graphs there is a third of one that compiles them (a 187M Llama on
-    2 cores: 20.8 s against 60.0 s). Importing ``torch._dynamo`` writes torch's default into the
-    variable, so a value equal to the default is taken as unset. Inductor reads the variable
-    each time it looks for a graph. Returns the folder in use (None: torch's default, the
-    folder could not be made)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    named = os.environ.get(CACHE_ENV)
-    if named and named != default_cache_dir():
-        return named
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mm-pipeline" / "torchinductor"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None
-    os.environ[CACHE_ENV] = str(folder)
-    return str(folder)
 
 
 class CompiledStep:
