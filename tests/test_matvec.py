@@ -102,6 +102,30 @@ def test_int8_row_scales_round_like_torchao(shape, isa):
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=8e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rows_of_a_batch_equal_their_solo_rows_and_many_rows_equal_torchao(dtype, isa):
+    """torchao widens the whole int8 weight for any call of more than one row (a batched decode
+    step: 3-14x the one-row kernel's time). Up to 16 rows each row goes through the one-row
+    kernel, bit for bit what it gives alone; beyond that, torchao's own arithmetic, bit for bit."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(512, 256, bias=True)).to(dtype)
+    quantize_(layer, Int8WeightOnlyConfig())
+    matvec.attach(layer)
+    for rows in (2, 5, 16):
+        x = torch.randn(1, rows, 512, dtype=dtype)  # [batch, tokens, features], as a decode step has it
+        with matvec.active():
+            together = layer(x)
+            alone = torch.cat([layer(x[:, r : r + 1]) for r in range(rows)], dim=1)
+        assert together.shape == (1, rows, 256) and torch.equal(together, alone)
+        torch.testing.assert_close(together, layer(x), atol=2e-2, rtol=8e-3)  # torchao's, not active
+    x = torch.randn(17, 512, dtype=dtype)
+    with matvec.active():
+        many = layer(x)
+    assert torch.equal(many, layer(x))
+
+
 def test_only_active_one_row_calls_take_the_kernel(monkeypatch):
     layer = torch.nn.Linear(64, 32)
     matvec.attach(layer)
