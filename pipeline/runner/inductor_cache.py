@@ -5,7 +5,7 @@ A second process compiling the same model finds its graphs in Inductor's caches,
 still checks, once per vector instruction set, that the compiler builds it: Inductor compiles a
 probe (cached) and then loads it in a fresh ``python -c "import torch ..."`` (not cached), about
 1.5 s each, six on an AVX-512 BF16 CPU. That was 9 of a 30 s warm-up on the 187M Llama, 2 cores
-(measured: 30.1 s -> 21.0 s with the answers kept). ``remember_isa_checks`` keeps the passed
+(measured: 30.1 s -> 17.7 s with the answers kept). ``remember_isa_checks`` keeps the passed
 checks in the cache folder, keyed by Inductor's own fingerprint of the check (compiler version,
 flags, probe source) plus torch's version and the interpreter; a failed check is asked again.
 """
