@@ -84,16 +84,40 @@ class LoadedModel:
         return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device_map: Any) -> torch.dtype | str:
-    """ "auto" means float32 on CPU (exact and fast enough for small models) and bfloat16 on GPU."""
+def resolve_dtype(dtype: str | torch.dtype | None, device_map: Any, config: Any = None) -> torch.dtype | str:
+    """ "auto" follows the checkpoint, as transformers 5 does, where that computes fast: bfloat16 on
+    a GPU; on CPU a bfloat16 checkpoint (``config``'s dtype) in bfloat16 where the CPU has it
+    natively (AVX512-BF16 or AMX: ``cpu_has_bf16``), float32 otherwise (exact, and faster than
+    bf16 emulated). Without ``config``: float32 on CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return torch.bfloat16 if q.on_gpu(device_map) else torch.float32
+        if q.on_gpu(device_map):
+            return torch.bfloat16
+        return torch.bfloat16 if checkpoint_dtype(config) == torch.bfloat16 and cpu_has_bf16() else torch.float32
     value = getattr(torch, str(dtype), None)
     if not isinstance(value, torch.dtype):
         raise UserError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
     return value
+
+
+def checkpoint_dtype(config: Any) -> torch.dtype | None:
+    """The dtype a checkpoint's weights were saved in (``config.json``'s ``dtype``, ``torch_dtype``
+    before transformers 5; a multimodal model's text model's where the top level has none)."""
+    for part in (config, getattr(config, "text_config", None)):
+        named = getattr(part, "dtype", None) or getattr(part, "torch_dtype", None)
+        if not isinstance(named, torch.dtype):
+            named = getattr(torch, str(named or "").removeprefix("torch."), None)
+        if isinstance(named, torch.dtype):
+            return named
+    return None
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU has bfloat16 instructions (AVX512-BF16 or AMX tiles); oneDNN's bfloat16
+    path (``runner.packed.native_bf16``) also runs, emulated, on AVX-512 CPUs without them."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # (torch.cpu's, private)
+    return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in checks)
 
 
 _HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
@@ -606,7 +630,7 @@ def load_model(
     offload_folder = check_offload_folder(offload_folder)
     config = config if config is not None else read_config(path, trust_remote_code)
     family = family_for_config(config)
-    torch_dtype = resolve_dtype(dtype, device_map)
+    torch_dtype = resolve_dtype(dtype, device_map, config)
     quant_note = ""
     if tp > 1:
         _check_tensor_parallel(config, tp, quant, device_map)

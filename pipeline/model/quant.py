@@ -123,7 +123,7 @@ def skip_patterns(names: Any, *, keep_lm_head: bool = False, always: Sequence[st
 
 
 def compute_dtype(value: Any, model_dtype: torch.dtype) -> torch.dtype:
-    """``auto`` = the model's dtype (float32 on CPU, bfloat16 on GPU): activations stay in it."""
+    """``auto`` = the model's dtype (``model.dtype``): activations stay in it."""
     if value in (None, "auto"):
         return model_dtype
     if isinstance(value, torch.dtype):
