@@ -60,18 +60,29 @@ def llama_cpp_decode(path: Path, ids: list[int], n: int, threads: int) -> tuple[
 _LLAMAS: dict = {}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    ap.add_argument("--prompt-tokens", type=int, default=55)
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """The options every run against llama.cpp takes (``default_run.py`` too)."""
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()) / "mm-pipeline-bench")
-    args = ap.parse_args(argv)
+
+
+def llama_cpp_missing() -> bool:
+    """Whether llama-cpp-python or gguf is missing, said in one line (the benchmark is skipped)."""
     missing = [m for m in ("llama_cpp", "gguf") if importlib.util.find_spec(m) is None]
     if missing:
         print(f"skipped: {' and '.join(missing)} not installed (pip install llama-cpp-python gguf)", file=sys.stderr)
+    return bool(missing)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--prompt-tokens", type=int, default=55)
+    add_common_args(ap)
+    args = ap.parse_args(argv)
+    if llama_cpp_missing():
         return 0
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

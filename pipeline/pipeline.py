@@ -173,6 +173,9 @@ class Pipeline:
         self._pools: Pools | None = None  # the pool, a draft model's sized with it, and their budget
         self._engine: Engine | None = None
         self._decode_weights: int | None = None  # bytes a decode step reads (metrics.decode_weight_bytes)
+        self._ahead: threading.Thread | None = None  # decode compile="auto": the build beside the engine
+        self._ahead_asked = False
+        self.compile_on_submit = True  # compile="auto": the first request starts compile_ahead()
 
     # --- the shared pool and engine -----------------------------------------------------------
     @property
@@ -245,7 +248,8 @@ class Pipeline:
         """The engine for this pool and these batch limits (shared like the pool)."""
         if self._engine is None:
             decode = self.stages.get("decode")
-            step = decode.fixed_step() if hasattr(decode, "fixed_step") else getattr(decode, "compiled", None)
+            fixed = getattr(decode, "fixed_step", None)
+            step = fixed(self.lm.device) if fixed is not None else getattr(decode, "compiled", None)
             self._engine = shared_engine(
                 self.lm,
                 self.pool,
@@ -319,6 +323,8 @@ class Pipeline:
         """
         if cache is not None and cache.pool is not self.pool:
             raise ValueError("this KVCache belongs to another KV pool: make it with this pipeline's new_cache()")
+        if self.compile_on_submit:
+            self.compile_ahead()  # decode compile="auto": started by the first request, if not before
         ctx = self.context(request, cache, on_text)
         if ids is not None:
             ctx.input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.engine.device)
@@ -396,6 +402,45 @@ class Pipeline:
         seconds = time.perf_counter() - t0
         self.warmup_s = (self.warmup_s or 0.0) + seconds
         return seconds
+
+    def compile_ahead(
+        self, rows: int | None = None, wait: bool = False, said: Callable[[str], None] | None = None
+    ) -> float | None:
+        """``DecodeLoop(compile="auto")``: build the compiled decode step (its graphs for ``rows``
+        sequences at a time; None: any) on a thread beside the engine, which decodes eagerly
+        meanwhile and takes the compiled step from the first step after it is ready: the same
+        tokens either way (``pipeline.runner.compiled``). Unless called before, the first request
+        starts it (``compile_on_submit``). ``wait``: block until it is built; the seconds waited
+        are returned and reported as ``warmup_s``. ``said``: told one line when a build beside
+        the engine ends."""
+        if not self._ahead_asked:
+            self._ahead_asked = True
+            self._ahead = self.engine.runner.compile_ahead(rows, said)
+        if not wait or self._ahead is None:
+            return None
+        t0 = time.perf_counter()
+        self._ahead.join()
+        seconds = time.perf_counter() - t0
+        self.warmup_s = (self.warmup_s or 0.0) + seconds
+        return seconds
+
+    def compile_cached(self, rows: int | None = None) -> bool:
+        """Whether a ``compile_ahead(rows)`` would find its graphs in Inductor's on-disk caches (a
+        process built them before: ``inductor_cache.compiled_before``), so waiting for it costs
+        seconds, not a first compile's minute."""
+        return self.engine.runner.compile_cached(rows)
+
+    @property
+    def compile_pending(self) -> bool:
+        """A ``compile="auto"`` step is not built yet (running beside the engine, or not started)."""
+        step = self.engine.runner.compiled
+        return isinstance(step, CompiledStep) and step.auto and not step.ready.is_set()
+
+    @property
+    def compile_failed(self) -> str | None:
+        """Why the compiled step could not be built, once a build failed (the engine stays eager)."""
+        step = self.engine.runner.compiled
+        return step.broken if isinstance(step, CompiledStep) else None
 
     def run(
         self,

@@ -28,6 +28,7 @@ from pipeline.engine import Drafting, Phases, Sequence, TextStream
 from pipeline.errors import UserError
 from pipeline.pipeline import shared_engine
 from pipeline.runner import CompiledStep, FastPathFallback, GraphedStep
+from pipeline.runner.compiled import compile_choice
 from pipeline.sampling import fork_sampler
 from pipeline.spec import Speculative
 from stages.sampler import Sampler
@@ -46,6 +47,8 @@ class DecodeLoop:
 
     ``sampler``: the settings every request starts from (each request draws with its own copy,
     seeded afresh). ``compile``: decode steps run the compiled forward (``pipeline.runner.compiled``);
+    ``"auto"`` (the command line's default): compiled ahead beside the eager steps on CPU with the
+    native kernels, which switch to it once built (``Pipeline.compile_ahead``), CUDA graphs on a GPU;
     ``compile_backend`` (``inductor``, or e.g. ``aot_eager`` to check graph capture without code
     generation) and ``compile_mode`` go to ``torch.compile``. ``cuda_graphs`` (without ``compile``):
     on CUDA the eager decode step is captured per shape bucket and replayed as CUDA graphs
@@ -59,7 +62,7 @@ class DecodeLoop:
     def __init__(
         self,
         sampler: Callable | None = None,
-        compile: bool = False,
+        compile: bool | str = False,
         compile_mode: str | None = None,
         compile_backend: str = "inductor",
         speculative: Speculative | None = None,
@@ -67,12 +70,14 @@ class DecodeLoop:
         cuda_graphs: bool = True,
     ) -> None:
         self.sampler = sampler if sampler is not None else Sampler()
-        self.compile = bool(compile)
+        self.compile = compile_choice(compile)
         self.matvec = bool(matvec)
         self.cuda_graphs = bool(cuda_graphs)
-        self.compiled = CompiledStep(compile_backend, compile_mode) if self.compile else None
-        # Without compile: CUDA graphs of the eager step (a runner on CPU leaves them out).
-        self.graphed = GraphedStep() if self.cuda_graphs and not self.compile else None
+        auto = self.compile == "auto"
+        self.compiled = CompiledStep(compile_backend, compile_mode, auto=auto) if self.compile else None
+        # Without compile (or auto, which compiles on CPU only): CUDA graphs of the eager step (a
+        # runner on CPU leaves them out).
+        self.graphed = GraphedStep() if self.cuda_graphs and self.compile is not True else None
         if speculative is not None and not isinstance(speculative, Speculative):
             raise TypeError(f"speculative must be a stages.Speculative, got {type(speculative).__name__}")
         self.speculative = speculative if speculative is not None and speculative.enabled else None
@@ -89,9 +94,12 @@ class DecodeLoop:
         to stop the sequence here."""
         return False
 
-    def fixed_step(self) -> CompiledStep | GraphedStep | None:
-        """The fixed-shape decode step the model runner takes: compiled, CUDA graphs, or None."""
-        return self.compiled if self.compiled is not None else self.graphed
+    def fixed_step(self, device: torch.device | None = None) -> CompiledStep | GraphedStep | None:
+        """The fixed-shape decode step the model runner takes on ``device``: compiled, CUDA graphs,
+        or None (``compile="auto"``: compiled on CPU, CUDA graphs on a GPU)."""
+        if self.compiled is not None and (device is None or self.compiled.applies(device)):
+            return self.compiled
+        return self.graphed
 
     def logits_processors(self) -> list:
         """The processors the engine runs on this stage's rows: ``process_logits`` if overridden."""
@@ -133,5 +141,5 @@ class DecodeLoop:
             ctx, sampler, Phases(decode=self, processors=self.logits_processors()), spec=self.drafting(sampler)
         )
         seq.pending = ctx.logits
-        shared_engine(ctx.lm, ctx.cache.pool, self.fixed_step(), matvec=self.matvec).run([seq])
+        shared_engine(ctx.lm, ctx.cache.pool, self.fixed_step(ctx.lm.device), matvec=self.matvec).run([seq])
         return ctx

@@ -287,7 +287,8 @@ def test_chunked_prefill_with_3d_positions(load_tiny):
 # --- config --------------------------------------------------------------------------------------
 
 
-def test_config_keys_reach_the_stages_and_the_engine():
+def test_config_keys_reach_the_stages_and_the_engine(monkeypatch):
+    monkeypatch.delenv("MM_PIPELINE_COMPILE", raising=False)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         default = compose(config_name="config")
         fast = compose(
@@ -300,13 +301,14 @@ def test_config_keys_reach_the_stages_and_the_engine():
                 "engine.burst=1",
             ],
         )
-    assert default.decode.compile is False and kv_memory(default) == "auto" and max_seqs(default) is None
+    assert default.decode.compile == "auto" and kv_memory(default) == "auto" and max_seqs(default) is None
     stages = stages_from_cfg(fast)
     assert stages["decode"].compile is True and stages["decode"].compiled is not None
     assert stages["prefill"].chunk_size == 64
     assert kv_memory(fast) == 0.5 and max_seqs(fast) == 3
     assert engine_settings(fast)["burst"] == 1 and engine_settings(default)["burst"] == 8
-    assert stages_from_cfg(default)["decode"].compiled is None
+    auto = stages_from_cfg(default)["decode"]
+    assert auto.compile == "auto" and auto.compiled.auto and not auto.compiled.ready.is_set()
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ Hydra composed, rules in ``check`` before the mode started), so this module only
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from pipeline.memory import fmt_bytes, kv_bytes
 from pipeline.media import Inputs, load_inputs
 from pipeline.pipeline import Pipeline, check_stages, follow
 from pipeline.structured.response_format import cli_constraint
+from pipeline.runner.compiled import compile_choice
 from pipeline.runner.grammar import constraint_of
 from pipeline.spec import Speculative, check_same_tokenizer
 from pipeline.cli.settings import KVSettings, plain as _plain
@@ -155,7 +157,7 @@ def check_settings_for_model(cfg: DictConfig, config: Any, path: str) -> None:
             int(cfg.kv.block_size),
             int(cfg.kv.state_checkpoint_every),
             config,
-            kv_dtypes(cfg),
+            kv_dtypes(cfg, config),
             model,
             str(cfg.kv.dtype),
         )
@@ -177,14 +179,14 @@ def model_label(cfg: DictConfig, path: str) -> str:
     return local.name if local.is_dir() else path
 
 
-def kv_dtypes(cfg: DictConfig) -> list[torch.dtype]:
+def kv_dtypes(cfg: DictConfig, config: Any = None) -> list[torch.dtype]:
     """The dtypes the KV cache may come out in, known before loading: the model's (``model.dtype``
     as ``load_model`` resolves it) and an explicit ``quant.compute_dtype`` (4-bit weights compute,
     and so cache, in it)."""
     device_map = _plain(cfg.model.device_map)
     if device_map is None and parse_max_memory(_plain(cfg.model.max_memory)):
         device_map = "auto"
-    dtypes = [resolve_dtype(cfg.model.dtype, device_map)]
+    dtypes = [resolve_dtype(cfg.model.dtype, device_map, config)]
     compute = (_plain(cfg.get("quant")) or {}).get("compute_dtype")
     if isinstance(getattr(torch, str(compute), None), torch.dtype) and compute != "auto":
         dtypes.append(getattr(torch, str(compute)))
@@ -272,7 +274,8 @@ def speculative_from_cfg(cfg: DictConfig, lm: LoadedModel, method: str | None = 
             trust_remote_code=bool(cfg.model.trust_remote_code),
         )
         check_same_tokenizer(lm.tokenizer, draft.tokenizer)
-    return Speculative(method, d.num_draft, d.ngram_max, d.ngram_min, draft=draft, compile=bool(d.draft_compile))
+    compile = compile_choice(d.draft_compile) is True  # auto: the draft decodes eagerly
+    return Speculative(method, d.num_draft, d.ngram_max, d.ngram_min, draft=draft, compile=compile)
 
 
 def stages_from_cfg(cfg: DictConfig) -> dict[str, Any]:
@@ -317,21 +320,34 @@ def engine_settings(cfg: DictConfig) -> dict:
 
 
 def pipeline_from_cfg(
-    cfg: DictConfig, lm: LoadedModel, stages: dict[str, Any] | None = None, rows: int | None = None
+    cfg: DictConfig,
+    lm: LoadedModel,
+    stages: dict[str, Any] | None = None,
+    rows: int | None = None,
+    wait: str = "never",
+    said: bool = True,
 ) -> Pipeline:
     """The stage chain (``stages``, or built from cfg.stages) on the configured pool and engine.
-    When its decode stage compiles (``decode.compile``, or ``stages.decode.compile`` set
+    When its decode stage compiles (``decode.compile=true``, or ``stages.decode.compile`` set
     directly: the stage decides, so the two cannot disagree), or its draft model does
     (``decode.draft_compile``), or it replays CUDA graphs on a GPU (``decode.cuda_graphs``), it is
     warmed up here, before the first request, so TTFT never includes compiling or capturing.
-    ``rows=1``: the caller decodes one sequence at a time (``Pipeline.warmup``)."""
+    ``rows=1``: the caller decodes one sequence at a time (``Pipeline.warmup``).
+
+    ``decode.compile=auto`` (the default) compiles beside the engine instead (``compile_ahead``):
+    ``wait`` says when a caller waits for it: ``never``; ``cached``, when Inductor's caches hold
+    it (a one-shot run); ``always`` (bench). ``said``: a line on stderr when a build beside the
+    engine ends (not while a run streams its answer or a chat waits for input)."""
     stages = stages if stages is not None else stages_from_cfg(cfg)
     decode = stages.get("decode")
     if decode is not None and getattr(decode, "speculative", False) is None:  # a DecodeLoop not given one in Python
         decode.speculative = speculative_from_cfg(cfg, lm)
     pipe = Pipeline(lm, stages, **engine_settings(cfg))
     spec = getattr(decode, "speculative", None)
-    if getattr(decode, "compiled", None) is not None or getattr(spec, "compiled", None) is not None:
+    compiled = getattr(decode, "compiled", None)
+    if compiled is not None and getattr(compiled, "auto", False):
+        compile_ahead(pipe, rows, wait, said)
+    if (compiled is not None and not getattr(compiled, "auto", False)) or getattr(spec, "compiled", None) is not None:
         print("mm-pipeline: warming up (compiling the decode step)...", file=sys.stderr)
         seconds = pipe.warmup(rows=rows)
         print(f"mm-pipeline: warm-up took {seconds:.1f} s (metrics warmup_s, not part of ttft_s)", file=sys.stderr)
@@ -339,6 +355,47 @@ def pipeline_from_cfg(
         seconds = pipe.warmup()  # the first buckets' CUDA graphs, captured before the first request
         print(f"mm-pipeline: decode step captured as CUDA graphs in {seconds:.1f} s (warmup_s)", file=sys.stderr)
     return pipe
+
+
+def compile_ahead(pipe: Pipeline, rows: int | None, wait: str, said: bool) -> None:
+    """``decode.compile=auto``: the compiled step built beside the engine, or here when ``wait``
+    says so (``pipeline_from_cfg``). A one-shot run (``cached``) whose compile is not cached
+    answers eagerly at full speed and builds it afterwards (``finish_compile``): beside the
+    answer, on 2 cores, the compile's Python slowed a 187M model's eager decode sevenfold."""
+    if wait == "always" or (wait == "cached" and pipe.compile_cached(rows)):
+        seconds = pipe.compile_ahead(rows, wait=True)
+        if seconds is not None:
+            print(f"mm-pipeline: {compiled_line(pipe, seconds)} (warmup_s, not in ttft_s)", file=sys.stderr)
+    elif wait == "cached":
+        pipe.compile_on_submit = False
+    else:
+        pipe.compile_ahead(rows, said=(lambda line: print(f"mm-pipeline: {line}", file=sys.stderr)) if said else None)
+
+
+def finish_compile(pipe: Pipeline, rows: int | None = None) -> None:
+    """After a job's last answer: a ``decode.compile=auto`` step not built yet is built now, so
+    that the next run of this model finds it in Inductor's caches and starts compiled; Ctrl-C
+    skips it (the answers are already out)."""
+    if not pipe.compile_pending:
+        return
+    print(
+        "mm-pipeline: compiling the decode step, so that the next run starts compiled "
+        "(once per model; Ctrl-C skips it; decode.compile=false turns it off)...",
+        file=sys.stderr,
+    )
+    t0 = time.perf_counter()
+    try:
+        pipe.compile_ahead(rows, wait=True)
+    except KeyboardInterrupt:
+        print("mm-pipeline: compile skipped", file=sys.stderr)
+        return
+    print(f"mm-pipeline: {compiled_line(pipe, time.perf_counter() - t0)}", file=sys.stderr)
+
+
+def compiled_line(pipe: Pipeline, seconds: float) -> str:
+    """What a build that was waited for came to, in words."""
+    failed = pipe.compile_failed
+    return f"decode step compiled in {seconds:.1f} s" if failed is None else f"decode step not compiled ({failed})"
 
 
 def input_paths(cfg: DictConfig) -> list[str]:

@@ -54,7 +54,7 @@ class MediaSettings:
 
 @dataclass
 class DecodeSettings:
-    compile: bool = False
+    compile: Any = "auto"  # true | false | auto (pipeline.runner.compiled.compile_choice)
     cuda_graphs: bool = True  # CUDA: the eager decode step replayed as CUDA graphs (pipeline.runner.graphs)
     matvec: bool = True  # CPU: the native kernels (one-row linear layers, decode attention; pipeline.runner.matvec)
     speculative: str = "none"  # none | ngram | draft
@@ -63,7 +63,7 @@ class DecodeSettings:
     ngram_min: int = 1
     draft_model: Optional[str] = None
     draft_quant: str = "auto"
-    draft_compile: bool = False
+    draft_compile: Any = False  # true | false | auto (auto: the draft decodes eagerly)
     json_schema: Any = None  # output constraints (one at most): a .json file, inline JSON or a mapping
     regex: Optional[str] = None
     choice: Any = None  # a list of strings
@@ -232,6 +232,7 @@ def check(cfg: DictConfig) -> None:
     from pipeline.media.video import check_sampling
     from pipeline.model.quant import SCHEMES, scheme_name
     from pipeline.spec import check_settings
+    from pipeline.runner.compiled import compile_choice
 
     check_device_map(plain(cfg.model.device_map))  # devices that exist here, before any file is read
     parse_max_memory(plain(cfg.model.max_memory))
@@ -246,6 +247,8 @@ def check(cfg: DictConfig) -> None:
     Offload.checked(cfg.kv.offload, plain(cfg.kv.offload_bytes), cfg.kv.offload_dir)
     scheme_name(plain(cfg.quant))
     d = cfg.decode
+    compile_choice(d.compile)
+    compile_choice(d.draft_compile)
     check_settings(d.speculative, d.num_draft, d.ngram_max, d.ngram_min, has_draft=bool(d.draft_model))
     if d.draft_quant not in SCHEMES:
         raise UserError(f"unknown decode.draft_quant {d.draft_quant!r}: choose one of {', '.join(SCHEMES)}")

@@ -49,7 +49,7 @@ from typing import Any, Callable
 from omegaconf import DictConfig, OmegaConf, open_dict
 from tqdm import tqdm
 
-from pipeline.cli.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg
+from pipeline.cli.assemble import finish_compile, load_from_cfg, pipeline_from_cfg, request_from_cfg
 from pipeline.context import Request, Result, TokenLogprob
 from pipeline.engine.output import TokenTexts
 from pipeline.errors import UserError, whole_number
@@ -486,7 +486,7 @@ def main(cfg: DictConfig) -> None:
         lm = load_from_cfg(cfg)
         if state.is_main_process:
             print(weights_line(lm), file=sys.stderr)
-        pipe = pipeline_from_cfg(cfg, lm)
+        pipe = pipeline_from_cfg(cfg, lm, said=False)  # (a line would break the progress bar)
         exit_after, written, generated = _exit_after(), 0, 0
         desc = "batch" if n == 1 else f"batch (rank 0 of {n})"
         show = bool(opts.get("progress", True)) and state.is_main_process
@@ -520,6 +520,7 @@ def main(cfg: DictConfig) -> None:
 
             wall = time.perf_counter() - t0
             throughput = generated / wall if wall > 0 else None
+        finish_compile(pipe)  # decode.compile=auto: for the next run
     else:
         throughput = None
 

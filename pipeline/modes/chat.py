@@ -16,6 +16,7 @@ from pipeline.cli.assemble import (
     input_paths,
     load_from_cfg,
     max_image_pixels,
+    finish_compile,
     pipeline_from_cfg,
     request_from_cfg,
     video_sampling,
@@ -211,7 +212,7 @@ def main(cfg: DictConfig) -> None:
     lm = load_from_cfg(cfg)
     print(weights_line(lm), file=sys.stderr)
     session = ChatSession(
-        pipeline_from_cfg(cfg, lm, rows=1),  # one conversation: the batch-of-one warm-up
+        pipeline_from_cfg(cfg, lm, rows=1, said=False),  # one conversation: the batch-of-one warm-up
         system_prompt=settings.system_prompt,
         max_new_tokens=settings.max_new_tokens,
         ignore_eos=settings.ignore_eos,
@@ -231,3 +232,4 @@ def main(cfg: DictConfig) -> None:
     if cfg.prompt is not None:
         repl.send(str(cfg.prompt))
     repl.loop()
+    finish_compile(session.pipe, rows=1)  # decode.compile=auto: a build still running, for the next chat

@@ -96,7 +96,7 @@ def main(cfg: DictConfig) -> None:
     lm = load_from_cfg(cfg)  # quant=auto keeps the checkpoint's weights here (assemble.MEASURING_MODES)
     if process.is_main_process:
         print(weights_line(lm), file=sys.stderr)
-    pipe = pipeline_from_cfg(cfg, lm, stages)
+    pipe = pipeline_from_cfg(cfg, lm, stages, wait="cached")  # decode.compile=auto: compiled only if cached
     model = EngineLM(
         pipe,
         max_length=max_length,

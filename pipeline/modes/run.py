@@ -6,7 +6,7 @@ import sys
 
 from omegaconf import DictConfig
 
-from pipeline.cli.assemble import load_from_cfg, pipeline_from_cfg, request_from_cfg, stages_from_cfg
+from pipeline.cli.assemble import finish_compile, load_from_cfg, pipeline_from_cfg, request_from_cfg, stages_from_cfg
 from pipeline.engine.intake import check_media
 from pipeline.model.loading import weights_line
 from pipeline.metrics import format_table
@@ -24,7 +24,8 @@ def main(cfg: DictConfig) -> None:
     check_media(stages, request)
     lm = load_from_cfg(cfg)
     print(weights_line(lm), file=sys.stderr)
-    pipe = pipeline_from_cfg(cfg, lm, stages, rows=1)  # decode.compile: warm-up (one sequence) happens here
+    # decode.compile: the warm-up (one sequence) happens here; auto waits only for a cached compile
+    pipe = pipeline_from_cfg(cfg, lm, stages, rows=1, wait="cached", said=False)
     print(pipe.pools.describe(), file=sys.stderr)  # the pool's size, and what kv.memory=auto kept free
     result = pipe.run(request, on_text=stdout_writer if cfg.stream else None)
     if not cfg.stream:
@@ -35,3 +36,4 @@ def main(cfg: DictConfig) -> None:
     if cfg.metrics_table:
         print(f"\n[{lm.path}] finish={result.finish_reason}  result: {path}", file=sys.stderr)
         print(format_table(result.metrics), file=sys.stderr)
+    finish_compile(pipe, rows=1)

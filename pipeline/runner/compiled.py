@@ -14,6 +14,13 @@ static graph (see ``_compile``). Masks and write slots are built inside the grap
 ``Pipeline.warmup`` builds both graphs before the first request;
 after it no batch size or context length recompiles (tests/test_compiled.py counts).
 
+``decode.compile=auto`` (the command line's default, ``auto=True`` here): the graphs are built
+ahead, on a thread beside the engine (``build``, on padding rows that write only the null block),
+while the engine decodes eagerly; the runner takes the compiled step once they are ready
+(``ready``), so no request waits for a first compile. Only on CPU with the native kernels
+(``ModelRunner``): on CUDA the eager step replayed as CUDA graphs is the default's fast path, and
+a model that cannot compile stays eager without a word.
+
 On CUDA the default mode is ``reduce-overhead``: every bucket is captured as a CUDA graph, the
 pool's tensors marked static (their address never changes: ``BlockPool`` allocates once), so a
 replay writes the keys in place. A replay reuses its outputs' memory, so they are cloned before
@@ -24,18 +31,26 @@ eager: the tokens are the same either way.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import sys
+import threading
+import time
 import warnings
 import weakref
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+import transformers
 
-from pipeline.kv import BlockPool
+from pipeline.errors import UserError
+from pipeline.kv import NULL_BLOCK, BlockPool
 from pipeline.runner import flex
 from pipeline.runner.paged_batch import Chunk
-from pipeline.runner.forward import chunks_state, decode_logits, decode_step, greedy_steps
-from pipeline.runner.inductor_cache import use_project_cache
+from pipeline.runner.forward import burst_state, chunks_state, decode_logits, decode_step, greedy_steps
+from pipeline.runner.inductor_cache import remember_compiled, use_project_cache
 
 
 class FastPathFallback(UserWarning):
@@ -54,12 +69,23 @@ def say_fallback(message: str) -> None:
     print(f"mm-pipeline: {message}", file=sys.stderr)
 
 
+def compile_choice(value: Any) -> bool | str:
+    """``decode.compile`` as given (a bool, or text from the command line or the
+    ``MM_PIPELINE_COMPILE`` variable) as True, False or "auto"; ``UserError`` otherwise."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("auto", "true", "false"):
+        return "auto" if text == "auto" else text == "true"
+    raise UserError(f"decode.compile must be true, false or auto (got {value!r})")
+
+
 class CompiledStep:
     """A compiled ``forward.forward`` for decode-only steps, falling back to eager on failure."""
 
     kind = "compiled"
 
-    def __init__(self, backend: str = "inductor", mode: str | None = None) -> None:
+    def __init__(self, backend: str = "inductor", mode: str | None = None, auto: bool = False) -> None:
         if not torch.cuda.is_available() and hasattr(torch._C, "_ensureCUDADeviceGuardSet"):
             # What dynamo's fake tensors do on first use where CUDA is absent, done here on the
             # creating thread: done first on a driving thread, a later compile on another
@@ -67,6 +93,11 @@ class CompiledStep:
             torch._C._ensureCUDADeviceGuardSet()
         self.backend = backend
         self.mode = mode if backend == "inductor" else None  # modes are inductor options
+        self.auto = auto  # decode.compile=auto: built ahead (``build``), used once ready, quiet where impossible
+        self.ready = threading.Event()  # the runner takes this step only once set: at once unless auto
+        self.building = False  # auto: a ``build`` has started (``ModelRunner.compile_ahead``)
+        if not auto:
+            self.ready.set()
         use_project_cache()  # now: building the native kernel settles torch's default folder
         self.broken: str | None = None  # why compiling failed, once it did
         self._step: Any = None  # compiled decode_step
@@ -75,8 +106,9 @@ class CompiledStep:
         self._static: weakref.WeakSet = weakref.WeakSet()  # pools whose tensors CUDA graphs may keep
 
     def applies(self, device: torch.device) -> bool:
-        """Whether the runner uses this step on ``device``: anywhere (Inductor has CPU and CUDA code)."""
-        return True
+        """Whether the runner uses this step on ``device``: anywhere (Inductor has CPU and CUDA
+        code); ``auto``, on CPU only (CUDA graphs are the default's fast path on a GPU)."""
+        return not self.auto or device.type == "cpu"
 
     def why_not(self, lm: Any) -> str | None:
         """Why this model cannot take the compiled step (None: it can)."""
@@ -113,7 +145,7 @@ class CompiledStep:
         """Say once, in one line on stderr, why decoding stays eager; also raised as a
         ``FastPathFallback`` warning, which Python does not print (its two-line file:line form
         would repeat the line) but filters and ``catch_warnings`` still see."""
-        if not self._warned:
+        if not self._warned and not self.auto:  # auto asked for nothing: it stays eager quietly
             self._warned = True
             say_fallback(f"decode.compile: {reason}; decoding uncompiled")
 
@@ -148,6 +180,50 @@ class CompiledStep:
             lm,
             pool,
         )
+
+    def build(self, lm: Any, pool: BlockPool, rows: int | None = None) -> float:
+        """Compile now the graphs a step of ``rows`` sequences takes (None: any number; batch 1 has
+        a graph of its own, 2 and up share one), then set ``ready``; returns the seconds taken.
+
+        Safe beside an engine decoding eagerly on the same pool: the steps run on padding rows
+        (token 0 at position 0, all-null block tables), which write only the null block that
+        every real row masks out. Each graph runs two steps, the second fed the first's
+        outputs, as a burst does. Call under ``torch.inference_mode()`` and ``matvec.active``
+        as the engine's steps are (their guards must match). A failure leaves the step
+        ``broken`` (the engine stays eager) and still sets ``ready``."""
+        t0 = time.perf_counter()
+        try:
+            if self.why_not(lm) is None:
+                for batch in (1,) if rows == 1 else (1, 3):
+                    state = padding_state(pool, batch, lm.family.position_rows, lm.device)
+                    pool.prepare_write()
+                    self._run(lambda step: greedy_steps(lm.model, pool, state, 2, step=step), lambda: None, lm, pool)
+            seconds = time.perf_counter() - t0
+            if self.why_not(lm) is None:
+                remember_compiled(self.key(lm, pool, rows), seconds)
+            return seconds
+        except BaseException:  # cut short (``compile_ahead.CompileCancelled``): no half-built step
+            self.broken = self.broken or "the compile was cut short"
+            raise
+        finally:
+            self.ready.set()
+
+    def key(self, lm: Any, pool: BlockPool, rows: int | None) -> str:
+        """What the graphs ``build`` makes depend on (the model's shapes and dtype, its weight
+        scheme, the pool's layout, the batch sizes, torch and mm-pipeline), hashed: the key under
+        which ``inductor_cache.compiled_before`` says whether Inductor's caches hold them."""
+        # (not the path it was loaded from, nor what attaching the paged attention notes in it)
+        config = {k: v for k, v in lm.model.config.to_dict().items() if not k.startswith(("_", "transformers"))}
+        parts = {
+            "config": config,
+            "dtype": str(pool.dtype),
+            "quant": str(getattr(lm, "quant", None)),
+            "pool": [pool.block_size, pool.kv_dtype, str(pool.attention), pool.window],
+            "rows": rows == 1,
+            "step": [self.backend, self.mode, lm.device.type],
+            "code": [torch.__version__, transformers.__version__, _runner_code()],
+        }
+        return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
     def _run(self, compiled_call: Any, eager_call: Any, lm: Any, pool: BlockPool) -> Any:
         """``compiled_call(compiled decode_step)``; ``eager_call()`` where compiling is impossible or
@@ -201,6 +277,23 @@ class CompiledStep:
             return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
         return step
+
+
+@functools.cache
+def _runner_code() -> str:
+    """A digest of the code the compiled graphs are traced from (``pipeline.runner``): an edit
+    there means a new graph, so a compile recorded before it is not taken as cached."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def padding_state(pool: BlockPool, rows: int, position_rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A decode step's inputs (``burst_state``, bucketed) for ``rows`` padding rows alone."""
+    return burst_state(
+        pool, [0] * rows, [[0] * rows] * position_rows, [0] * rows, [[NULL_BLOCK]] * rows, 1, device, bucketed=True
+    )
 
 
 def _mark_dynamic(

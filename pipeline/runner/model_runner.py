@@ -13,6 +13,7 @@ chosen tokens (``burst``).
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -21,9 +22,11 @@ import torch
 
 from pipeline.model import tensor_parallel
 from pipeline.kv import BlockPool
-from pipeline.runner import lora, matvec
+from pipeline.runner import compile_ahead, lora, matvec
+from pipeline.runner.attention import attach
 from pipeline.runner.paged_batch import Chunk
 from pipeline.runner.compiled import CompiledStep
+from pipeline.runner.inductor_cache import compiled_before
 from pipeline.runner.forward import burst_state, forward, forward_pooled, run_burst, single_row_step
 from pipeline.runner.graphs import GraphedStep
 from pipeline.runner.mirror import Mirror
@@ -69,12 +72,41 @@ class ModelRunner:
         # Tensor parallel, on rank 0: every step is sent to the other ranks first (``mirror``).
         group = tensor_parallel.current() if getattr(lm, "tp", 1) > 1 else None
         # (Ranks decode a CUDA-graphed step eagerly: ``GraphedStep.why_not``.)
+        if isinstance(self.compiled, CompiledStep) and self.compiled.auto and not self._compile_pays(group):
+            self.compiled = None
         compiled_tp = self.compiled if isinstance(self.compiled, CompiledStep) else None
         self.mirror = Mirror(group, pool, compiled_tp, native) if group is not None and group.driver else None
 
+    def _compile_pays(self, group: Any) -> bool:
+        """``decode.compile=auto``: whether to build the compiled step here: on one CPU process with
+        the native kernels (their one-row linear layers are what Inductor's graph calls; without
+        them a compiled step reads every weight as PyTorch does) and a model that compiles."""
+        return self.native and group is None and self.compiled.why_not(self.lm) is None
+
+    def compile_ahead(self, rows: int | None = None, said: Any = None) -> threading.Thread | None:
+        """``decode.compile=auto``: build the compiled step's graphs beside the engine
+        (``pipeline.runner.compile_ahead``) while steps run eagerly here; the runner takes the
+        compiled step from the first step after they are ready. None: nothing runs beside
+        (no auto step, built already, or built here). ``said``: told one line when it ends."""
+        step = self.compiled
+        if not isinstance(step, CompiledStep) or not step.auto or step.ready.is_set() or step.building:
+            return None
+        step.building = True
+        if not self.lm.model.__dict__.get("_mm_paged_attached"):
+            attach(self.lm.model)  # here, once: never on two threads at once
+        return compile_ahead.start(step, self.lm, self.pool, rows, self.native, said)
+
+    def compile_cached(self, rows: int | None = None) -> bool:
+        """Whether this runner's auto compile for ``rows`` is in Inductor's caches already."""
+        step = self.compiled
+        if not isinstance(step, CompiledStep) or not step.auto:
+            return False
+        return compiled_before(step.key(self.lm, self.pool, rows)) is not None
+
     def _fixed(self) -> CompiledStep | GraphedStep | None:
-        """The fixed-shape step where this model takes it; else None, having said once why not."""
-        if self.compiled is None:
+        """The fixed-shape step where this model takes it (an auto compile: once built); else
+        None, having said once why not."""
+        if self.compiled is None or (isinstance(self.compiled, CompiledStep) and not self.compiled.ready.is_set()):
             return None
         reason = self.compiled.why_not(self.lm)
         if reason is not None:

@@ -1,0 +1,221 @@
+"""``decode.compile=auto``, the default: the decode step is compiled beside the engine, which
+answers eagerly meanwhile and switches once the graphs are ready, with the same tokens; a one-shot
+run waits only for a compile Inductor has cached and otherwise leaves one for the next run.
+
+Auto compiles only where it pays: on CPU with the native kernels. The suite's tiny models have no
+layer large enough for them, so here a held-out Llama (``save_pretrained``, no project marker:
+``quant=auto`` loads it in int8wo, the CPU default) is built with layers the kernels take.
+Compiling tests run Inductor (the only backend auto builds beside the engine) in processes and
+cache folders of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import ROOT, generate_oracle, run_cli
+from pipeline import Pipeline, Request, load_model
+from pipeline.runner import matvec
+from stages import DecodeLoop, Prefill
+from stages.decode import FastPathFallback
+
+pytestmark = pytest.mark.skipif(matvec.load() is not None, reason=f"no native kernels: {matvec.load()}")
+
+N = 12
+POOL = 1 << 22
+
+
+@pytest.fixture(scope="module")
+def kernel_sized(tiny_dir, tmp_path_factory) -> Path:
+    """A Llama saved as a user's checkpoint: the tiny Llama's tokenizer, layers of 256 x 512 (the
+    native kernels' size), random weights, no project marker."""
+    source = tiny_dir("llama")
+    config = LlamaConfig.from_pretrained(source)
+    config.update(dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2))
+    config.head_dim = 64
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("kernel-sized")
+    LlamaForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def lm(kernel_sized):
+    lm = load_model(str(kernel_sized), quant="auto")  # the command line's default: int8wo on a CPU
+    assert lm.quant == "int8wo"
+    return lm
+
+
+def prompts(lm) -> list[list[int]]:
+    text = "The sea and the sky meet where the light of the morning falls on the water"
+    ids = lm.tokenizer(text)["input_ids"]
+    return [ids[: 6 + 3 * i] for i in range(5)]
+
+
+def oracle(lm, ids: list[int], n: int = N) -> list[int]:
+    return generate_oracle(lm, torch.tensor([ids], device=lm.device), n, ignore_eos=True)
+
+
+def submit(pipe: Pipeline, ids: list[int], n: int = N, **request):
+    return pipe.submit(Request(max_new_tokens=n, ignore_eos=True, **request), ids=ids, result=False)
+
+
+def in_own_process(script: str, model_dir: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """``script`` run on ``model_dir`` by a Python of its own, Inductor's caches in ``tmp_path``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    command = [sys.executable, "-c", script, str(model_dir)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+
+
+SWITCH_SCRIPT = """
+import json, sys, warnings, torch
+sys.path.insert(0, "tests")
+from torch._dynamo.utils import counters
+from conftest import generate_oracle
+from pipeline import Pipeline, Request, load_model
+from stages import DecodeLoop, Prefill, Sampler
+from stages.decode import FastPathFallback
+warnings.simplefilter("error", FastPathFallback)
+lm = load_model(sys.argv[1], quant="auto")
+text = "The sea and the sky meet where the light of the morning falls on the water"
+ids = lm.tokenizer(text)["input_ids"]
+prompts = [ids[: 6 + 3 * i] for i in range(5)]
+def submit(pipe, p, n=12, **request):
+    return pipe.submit(Request(max_new_tokens=n, ignore_eos=True, **request), ids=p, result=False)
+def oracle(ctx):
+    return generate_oracle(lm, ctx.input_ids, len(ctx.generated), ignore_eos=True)
+pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile="auto")}, kv_memory=1 << 22)
+step = pipe.engine.runner.compiled
+# The first requests start the build and decode eagerly beside it.
+during = [pipe.wait(submit(pipe, p, n=40)) for p in prompts[:2]]
+building = not step.ready.is_set()
+waited = pipe.compile_ahead(wait=True)
+graphs = counters["stats"]["unique_graphs"]
+greedy = [submit(pipe, p) for p in prompts]  # a batch of 5: decode bursts
+solo = pipe.wait(submit(pipe, prompts[0]))  # a batch of 1
+sampled = [submit(pipe, p, sampler=Sampler(temperature=0.8, seed=7)) for p in prompts[:3]]
+greedy, sampled = [pipe.wait(h) for h in greedy], [pipe.wait(h) for h in sampled]
+eager = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=False)}, kv_memory=1 << 22)
+again = [eager.wait(submit(eager, p, sampler=Sampler(temperature=0.8, seed=7))) for p in prompts[:3]]
+print(json.dumps({
+    "building": building, "waited": waited, "broken": step.broken,
+    "graphs_after": counters["stats"]["unique_graphs"] - graphs,
+    "during": [c.generated == oracle(c) for c in during],
+    "during_eager": [c.metrics.info["decode_compiled"] for c in during],
+    "greedy": [c.generated == oracle(c) for c in [*greedy, solo]],
+    "solo_compiled": pipe.result(solo).metrics["decode_compiled"],
+    "sampled": [c.generated for c in sampled] == [c.generated for c in again],
+}))
+"""
+
+
+def test_the_engine_answers_while_the_step_compiles_beside_it_then_switches(kernel_sized, tmp_path):
+    """With Inductor, in a process of its own (the CLI's path; test_compiled.py says why apart)
+    and a cache folder of its own (a first compile, so the build outlasts the first answers)."""
+    proc = in_own_process(SWITCH_SCRIPT, kernel_sized, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["building"] and got["waited"] > 0 and got["broken"] is None
+    assert got["during"] == [True, True] and got["during_eager"] == [False, False]
+    assert got["greedy"] == [True] * 6 and got["solo_compiled"] is True and got["sampled"]
+    assert got["graphs_after"] == 0  # the engine's own steps compiled nothing
+
+
+def test_a_process_that_exits_while_the_step_compiles_exits_cleanly(kernel_sized, tmp_path):
+    """A first compile cut short by the process ending (a one-shot run interrupted, a server
+    stopped) neither crashes the interpreter nor leaves a compiler process behind."""
+    script = (
+        "import sys, time\n"
+        "from pipeline import Pipeline, load_model\n"
+        "from stages import DecodeLoop, Prefill\n"
+        "lm = load_model(sys.argv[1], quant='auto')\n"
+        "pipe = Pipeline(lm, {'prefill': Prefill(), 'decode': DecodeLoop(compile='auto')}, kv_memory=1 << 22)\n"
+        "pipe.compile_ahead()\n"
+        "time.sleep(3)\n"
+        "print('pending', pipe.compile_pending)\n"
+    )
+    proc = in_own_process(script, kernel_sized, tmp_path)
+    assert proc.returncode == 0 and "pending True" in proc.stdout, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "terminate called" not in proc.stderr
+
+
+def test_auto_stays_eager_without_a_word_where_compiling_does_not_pay(lm, load_tiny):
+    cases = {
+        "no native kernels": (lm, DecodeLoop(compile="auto", matvec=False)),
+        "layers too small for them": (load_tiny("qwen3"), DecodeLoop(compile="auto")),
+    }
+    for why, (model, decode) in cases.items():
+        pipe = Pipeline(model, {"prefill": Prefill(), "decode": decode}, kv_memory=POOL)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            ctx = pipe.run_ids(prompts(model)[0], Request(max_new_tokens=N, ignore_eos=True))
+        assert pipe.engine.runner.compiled is None and pipe._ahead is None, why
+        assert not [w for w in record if issubclass(w.category, FastPathFallback)], why
+        assert ctx.generated == oracle(model, ctx.input_ids[0].tolist()), why
+
+
+def test_a_one_shot_run_answers_eagerly_and_leaves_the_compile_for_the_next_run(kernel_sized, tmp_path):
+    """The command line's defaults, run twice: the first answers at once on the eager step and
+    compiles after its answer; the second waits only for Inductor's cached graphs and decodes on
+    them, with the same tokens."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # a first compile, then its cache
+    runs = []
+    for i in range(2):
+        args = [f"model.path={kernel_sized}", "prompt=Tell me about the sea", "max_new_tokens=16", "ignore_eos=true"]
+        out = run_cli(*args, f"hydra.run.dir={tmp_path / str(i)}", env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs.append((out.stderr, json.loads((tmp_path / str(i) / "result.json").read_text())))
+    (first_err, first), (second_err, second) = runs
+    assert first["metrics"]["decode_compiled"] is False and "warmup_s" not in first["metrics"]
+    assert "compiling the decode step, so that the next run starts compiled" in first_err
+    assert second["metrics"]["decode_compiled"] is True and second["metrics"]["warmup_s"] > 0
+    assert "decode step compiled in" in second_err and "so that the next run" not in second_err
+    assert second["token_ids"] == first["token_ids"]
+
+
+@pytest.mark.parametrize(
+    "setting, env, expected",
+    [
+        ("decode.compile=maybe", {}, "decode.compile must be true, false or auto (got 'maybe')"),
+        (None, {"MM_PIPELINE_COMPILE": "sometimes"}, "decode.compile must be true, false or auto (got 'sometimes')"),
+    ],
+)
+def test_a_bad_compile_setting_is_refused_in_one_line(setting, env, expected):
+    out = run_cli(*([setting] if setting else []), "model.path=/nonexistent", env=env)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert expected in out.stderr.strip().splitlines()[-1]
+
+
+def test_ctrl_c_skips_the_compile_after_a_runs_answer_and_the_run_still_ends_well(kernel_sized, tmp_path):
+    """The first run's compile after its answer is skipped with Ctrl-C: the answer is kept, the
+    process ends with status 0 (a join interrupted by Ctrl-C once hid the build from the exit's
+    cancel, and the interpreter aborted under it)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    command = [sys.executable, "-m", "pipeline", f"model.path={kernel_sized}", "prompt=Hi", "max_new_tokens=8"]
+    proc = subprocess.Popen(
+        [*command, f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True
+    )
+    for line in proc.stderr:
+        if "compiling the decode step" in line:
+            time.sleep(2)
+            proc.send_signal(signal.SIGINT)
+            break
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, rest[-3000:]
+    assert "compile skipped" in rest and "terminate called" not in rest
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["token_ids"]
