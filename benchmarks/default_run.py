@@ -4,8 +4,10 @@ A held-out checkpoint (the 187M-parameter Llama shape, random weights, ``save_pr
 CPU ``quant=auto`` loads it in int8wo) is run by the command line with no settings but the model
 path, the prompt and the answer's length (EOS ignored), in a fresh Inductor cache folder: the
 first run answers eagerly and compiles after its answer (``decode.compile=auto``), the second
-starts compiled from the cache. The second run is then repeated, alternating with llama.cpp's
-Q8_0 of the same weights, a process each, medians. Printed: each run's decode tok/s, warmup_s,
+starts compiled from the cache, and the third, knowing now what the cached compile's wait costs,
+waits for it only if the answer would take longer eagerly. The second run is then repeated (the
+cache's record put back as the first run left it), alternating with llama.cpp's Q8_0 of the same
+weights, a process each, medians. Printed: each run's decode tok/s, warmup_s,
 decode_compiled and wall seconds, the ratio to llama.cpp, and whether the answer's tokens equal
 ``generate()`` on the same int8wo weights.
 
@@ -124,12 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "inductor"  # a user's first time: nothing compiled yet
         first = cli_run(model_dir, n, cache, Path(tmp) / "first")
+        record = cache / "mm-pipeline-compiled.json"
+        after_first = record.read_bytes()  # each "second run" below starts from it
         second = cli_run(model_dir, n, cache, Path(tmp) / "second")
+        third = cli_run(model_dir, n, cache, Path(tmp) / "third")
         ids = first["prompt_ids"]
         ours, theirs = [], []
         for rep in range(args.reps):
             for name in ("ours", "llama.cpp") if rep % 2 == 0 else ("llama.cpp", "ours"):
                 if name == "ours":
+                    record.write_bytes(after_first)
                     ours.append(cli_run(model_dir, n, cache, Path(tmp) / f"again-{rep}"))
                 else:
                     theirs.append(llama_cpp_tok_s(gguf, ids, n, args.threads))
@@ -145,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     print(line("first (fresh cache)", first))
     print(line("second", second))
     print(line(f"second, again (median of {args.reps})", again))
+    print(line("third (knows the cached compile's wait)", third))
     ratio = again["metrics"]["decode_tok_s"] / ref
-    same = first["token_ids"] == second["token_ids"] == again["token_ids"]
+    same = first["token_ids"] == second["token_ids"] == again["token_ids"] == third["token_ids"]
     print(
         f"second run vs llama.cpp Q8_0: {ratio:.2f}x; runs' tokens equal: {same}; "
         f"= generate(): {equals_generate(model_dir, second)}"

@@ -426,9 +426,29 @@ class Pipeline:
 
     def compile_cached(self, rows: int | None = None) -> bool:
         """Whether a ``compile_ahead(rows)`` would find its graphs in Inductor's on-disk caches (a
-        process built them before: ``inductor_cache.compiled_before``), so waiting for it costs
+        process built them before: ``inductor_cache.compile_record``), so waiting for it costs
         seconds, not a first compile's minute."""
-        return self.engine.runner.compile_cached(rows)
+        return "first_s" in self.compile_record(rows)
+
+    def compile_record(self, rows: int | None = None) -> dict[str, float]:
+        """What Inductor's cache folder knows of the ``compile="auto"`` step for ``rows``: its
+        first and last cached build's seconds, an eager step's (``inductor_cache.compile_record``)."""
+        return self.engine.runner.compile_record(rows)
+
+    def compile_pays(self, tokens: int, rows: int | None = None) -> bool:
+        """Whether waiting for ``compile_ahead(rows)`` before an answer of up to ``tokens`` tokens
+        is worth it: only for a cached compile, and only where its last cached build took no
+        longer than the answer would eagerly (the eager step's recorded seconds; a figure not
+        recorded yet counts as worth it, so that it is measured)."""
+        record = self.compile_record(rows)
+        if "first_s" not in record:
+            return False
+        cached, eager = record.get("cached_s"), record.get("eager_token_s")
+        return cached is None or eager is None or cached <= tokens * eager
+
+    def note_eager_step(self, seconds: float, rows: int | None = None) -> None:
+        """Record what an eager decode step took (``compile_pays`` weighs a later run's wait by it)."""
+        self.engine.runner.note_eager_step(seconds, rows)
 
     @property
     def compile_pending(self) -> bool:

@@ -170,22 +170,40 @@ def test_auto_stays_eager_without_a_word_where_compiling_does_not_pay(lm, load_t
 
 
 def test_a_one_shot_run_answers_eagerly_and_leaves_the_compile_for_the_next_run(kernel_sized, tmp_path):
-    """The command line's defaults, run twice: the first answers at once on the eager step and
-    compiles after its answer; the second waits only for Inductor's cached graphs and decodes on
-    them, with the same tokens."""
+    """The command line's defaults, run three times: the first answers at once on the eager step
+    and compiles after its answer; the second waits for Inductor's cached graphs (how long that
+    takes is not known yet) and decodes on them; the third knows the wait is longer than its
+    short answer takes eagerly, and answers eagerly without compiling. The same tokens each time."""
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # a first compile, then its cache
     runs = []
-    for i in range(2):
+    for i in range(3):
         args = [f"model.path={kernel_sized}", "prompt=Tell me about the sea", "max_new_tokens=16", "ignore_eos=true"]
         out = run_cli(*args, f"hydra.run.dir={tmp_path / str(i)}", env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         runs.append((out.stderr, json.loads((tmp_path / str(i) / "result.json").read_text())))
-    (first_err, first), (second_err, second) = runs
+    (first_err, first), (second_err, second), (third_err, third) = runs
     assert first["metrics"]["decode_compiled"] is False and "warmup_s" not in first["metrics"]
     assert "compiling the decode step, so that the next run starts compiled" in first_err
     assert second["metrics"]["decode_compiled"] is True and second["metrics"]["warmup_s"] > 0
     assert "decode step compiled in" in second_err and "so that the next run" not in second_err
-    assert second["token_ids"] == first["token_ids"]
+    assert third["metrics"]["decode_compiled"] is False and "warmup_s" not in third["metrics"]
+    assert "decoding eagerly: the cached compile" in third_err and "compiling the decode step" not in third_err
+    assert first["token_ids"] == second["token_ids"] == third["token_ids"]
+    record = json.loads((tmp_path / "inductor" / "mm-pipeline-compiled.json").read_text())
+    assert [sorted(entry) for entry in record.values()] == [["cached_s", "eager_token_s", "first_s"]]
+
+
+def test_a_cached_compile_is_waited_for_only_where_it_pays(lm, monkeypatch):
+    """A one-shot run's rule (``Pipeline.compile_pays``): never a first compile; a cached one
+    once to measure its wait, then only where the wait is shorter than the answer eagerly."""
+    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile="auto")}, kv_memory=POOL)
+    record: dict[str, float] = {}
+    monkeypatch.setattr(pipe, "compile_record", lambda rows=None: record)
+    assert not pipe.compile_pays(64)
+    record.update(first_s=30.0, eager_token_s=0.008)
+    assert pipe.compile_pays(64)  # the cached wait is not known yet
+    record.update(cached_s=3.5)
+    assert not pipe.compile_pays(64) and not pipe.compile_pays(437) and pipe.compile_pays(438)
 
 
 @pytest.mark.parametrize(

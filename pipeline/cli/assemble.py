@@ -346,7 +346,7 @@ def pipeline_from_cfg(
     spec = getattr(decode, "speculative", None)
     compiled = getattr(decode, "compiled", None)
     if compiled is not None and getattr(compiled, "auto", False):
-        compile_ahead(pipe, rows, wait, said)
+        compile_ahead(pipe, rows, wait, said, int(cfg.max_new_tokens))
     if (compiled is not None and not getattr(compiled, "auto", False)) or getattr(spec, "compiled", None) is not None:
         print("mm-pipeline: warming up (compiling the decode step)...", file=sys.stderr)
         seconds = pipe.warmup(rows=rows)
@@ -357,17 +357,26 @@ def pipeline_from_cfg(
     return pipe
 
 
-def compile_ahead(pipe: Pipeline, rows: int | None, wait: str, said: bool) -> None:
+def compile_ahead(pipe: Pipeline, rows: int | None, wait: str, said: bool, tokens: int) -> None:
     """``decode.compile=auto``: the compiled step built beside the engine, or here when ``wait``
-    says so (``pipeline_from_cfg``). A one-shot run (``cached``) whose compile is not cached
-    answers eagerly at full speed and builds it afterwards (``finish_compile``): beside the
-    answer, on 2 cores, the compile's Python slowed a 187M model's eager decode sevenfold."""
-    if wait == "always" or (wait == "cached" and pipe.compile_cached(rows)):
+    says so (``pipeline_from_cfg``). A one-shot run (``cached``) waits for a cached compile
+    where that is shorter than its answer of up to ``tokens`` would take eagerly
+    (``Pipeline.compile_pays``); otherwise it answers eagerly at full speed, and a compile not
+    cached yet is built after the answer (``finish_compile``): beside the answer, on 2 cores,
+    the compile's Python slowed a 187M model's eager decode sevenfold."""
+    if wait == "always" or (wait == "cached" and pipe.compile_pays(tokens, rows)):
         seconds = pipe.compile_ahead(rows, wait=True)
         if seconds is not None:
             print(f"mm-pipeline: {compiled_line(pipe, seconds)} (warmup_s, not in ttft_s)", file=sys.stderr)
     elif wait == "cached":
         pipe.compile_on_submit = False
+        if pipe.compile_cached(rows):
+            cached = pipe.compile_record(rows)["cached_s"]
+            print(
+                f"mm-pipeline: decoding eagerly: the cached compile ({cached:.1f} s) takes longer than "
+                f"{tokens} tokens eagerly (decode.compile=true compiles anyway)",
+                file=sys.stderr,
+            )
     else:
         pipe.compile_ahead(rows, said=(lambda line: print(f"mm-pipeline: {line}", file=sys.stderr)) if said else None)
 
@@ -375,8 +384,8 @@ def compile_ahead(pipe: Pipeline, rows: int | None, wait: str, said: bool) -> No
 def finish_compile(pipe: Pipeline, rows: int | None = None) -> None:
     """After a job's last answer: a ``decode.compile=auto`` step not built yet is built now, so
     that the next run of this model finds it in Inductor's caches and starts compiled; Ctrl-C
-    skips it (the answers are already out)."""
-    if not pipe.compile_pending:
+    skips it (the answers are already out). One that is cached already is left alone."""
+    if not pipe.compile_pending or pipe.compile_cached(rows):
         return
     print(
         "mm-pipeline: compiling the decode step, so that the next run starts compiled "

@@ -36,4 +36,6 @@ def main(cfg: DictConfig) -> None:
     if cfg.metrics_table:
         print(f"\n[{lm.path}] finish={result.finish_reason}  result: {path}", file=sys.stderr)
         print(format_table(result.metrics), file=sys.stderr)
+    if result.metrics.get("decode_compiled") is False and result.metrics.get("tpot_s"):
+        pipe.note_eager_step(result.metrics["tpot_s"], rows=1)  # what a later run's wait is weighed against
     finish_compile(pipe, rows=1)

@@ -50,7 +50,7 @@ from pipeline.kv import NULL_BLOCK, BlockPool
 from pipeline.runner import flex
 from pipeline.runner.paged_batch import Chunk
 from pipeline.runner.forward import burst_state, chunks_state, decode_logits, decode_step, greedy_steps
-from pipeline.runner.inductor_cache import remember_compiled, use_project_cache
+from pipeline.runner.inductor_cache import compile_record, remember, use_project_cache
 
 
 class FastPathFallback(UserWarning):
@@ -192,6 +192,8 @@ class CompiledStep:
         as the engine's steps are (their guards must match). A failure leaves the step
         ``broken`` (the engine stays eager) and still sets ``ready``."""
         t0 = time.perf_counter()
+        key = self.key(lm, pool, rows)
+        cached = "first_s" in compile_record(key)  # Inductor will find the graphs in its caches
         try:
             if self.why_not(lm) is None:
                 for batch in (1,) if rows == 1 else (1, 3):
@@ -200,7 +202,7 @@ class CompiledStep:
                     self._run(lambda step: greedy_steps(lm.model, pool, state, 2, step=step), lambda: None, lm, pool)
             seconds = time.perf_counter() - t0
             if self.why_not(lm) is None:
-                remember_compiled(self.key(lm, pool, rows), seconds)
+                remember(key, **{"cached_s" if cached else "first_s": seconds})
             return seconds
         except BaseException:  # cut short (``compile_ahead.CompileCancelled``): no half-built step
             self.broken = self.broken or "the compile was cut short"
@@ -211,7 +213,7 @@ class CompiledStep:
     def key(self, lm: Any, pool: BlockPool, rows: int | None) -> str:
         """What the graphs ``build`` makes depend on (the model's shapes and dtype, its weight
         scheme, the pool's layout, the batch sizes, torch and mm-pipeline), hashed: the key under
-        which ``inductor_cache.compiled_before`` says whether Inductor's caches hold them."""
+        which ``inductor_cache.compile_record`` says whether Inductor's caches hold them."""
         # (not the path it was loaded from, nor what attaching the paged attention notes in it)
         config = {k: v for k, v in lm.model.config.to_dict().items() if not k.startswith(("_", "transformers"))}
         parts = {

@@ -9,9 +9,10 @@ probe (cached) and then loads it in a fresh ``python -c "import torch ..."`` (no
 checks in the cache folder, keyed by Inductor's own fingerprint of the check (compiler version,
 flags, probe source) plus torch's version and the interpreter; a failed check is asked again.
 
-The folder also records which compiled steps were built with it (``remember_compiled``): a
-one-shot run with ``decode.compile=auto`` waits for a compile only when Inductor will find it
-there (``compiled_before``; 3.6 s for the 187M Llama's batch-of-one graph), never for a first one.
+The folder also records which compiled steps were built with it and what they cost
+(``remember``): a one-shot run with ``decode.compile=auto`` waits for a compile only when
+Inductor will find it there (``compile_record``; 3.4-3.6 s for the 187M Llama's batch-of-one
+graph) and the wait is shorter than its answer would take eagerly, never for a first compile.
 The record lives beside the graphs, so emptying the folder forgets both.
 """
 
@@ -89,21 +90,26 @@ def remember_isa_checks(folder: Path) -> bool:
     return True
 
 
-def compiled_before(key: str) -> float | None:
-    """Seconds the compile of ``key`` (``CompiledStep.key``: model shapes, dtypes, scheme, torch)
-    took when a process last built it with the caches in this folder; None: never, or no folder
-    is named (``use_project_cache`` could not make one). Why: a one-shot run waits only for a compile Inductor
-    will find in its caches (a few seconds), never for a first one (a minute on a 187M model)."""
+def compile_record(key: str) -> dict[str, float]:
+    """What this cache folder knows of the compiled step ``key`` (``CompiledStep.key``: model
+    shapes, dtypes, scheme, torch): ``first_s``, the seconds its first compile took (present once
+    Inductor's caches hold its graphs); ``cached_s``, the last build that found them there;
+    ``eager_token_s``, the seconds an eager decode step of it took. Empty: nothing, or no folder
+    is named (``use_project_cache`` could not make one). Why: a one-shot run waits only for a
+    cached compile, and only where that wait is shorter than its answer would take eagerly."""
     folder = os.environ.get(CACHE_ENV)
-    return _read(Path(folder) / COMPILED_FILE).get(key) if folder else None
+    entry = _read(Path(folder) / COMPILED_FILE).get(key) if folder else None
+    return entry if isinstance(entry, dict) else {}
 
 
-def remember_compiled(key: str, seconds: float) -> None:
-    """Note that ``key``'s graphs are in Inductor's caches now (``compiled_before``)."""
+def remember(key: str, **figures: float) -> None:
+    """Add ``figures`` (``compile_record``'s names) to what is known of ``key``."""
     folder = os.environ.get(CACHE_ENV)
     if folder:
         path = Path(folder) / COMPILED_FILE
-        _write(path, {**_read(path), key: round(seconds, 2)})
+        known = _read(path)
+        entry = known.get(key) if isinstance(known.get(key), dict) else {}
+        _write(path, {**known, key: {**entry, **{k: round(v, 4) for k, v in figures.items()}}})
 
 
 def _read(path: Path) -> dict:

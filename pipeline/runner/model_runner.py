@@ -22,11 +22,10 @@ import torch
 
 from pipeline.model import tensor_parallel
 from pipeline.kv import BlockPool
-from pipeline.runner import compile_ahead, lora, matvec
+from pipeline.runner import compile_ahead, inductor_cache, lora, matvec
 from pipeline.runner.attention import attach
 from pipeline.runner.paged_batch import Chunk
 from pipeline.runner.compiled import CompiledStep
-from pipeline.runner.inductor_cache import compiled_before
 from pipeline.runner.forward import burst_state, forward, forward_pooled, run_burst, single_row_step
 from pipeline.runner.graphs import GraphedStep
 from pipeline.runner.mirror import Mirror
@@ -96,12 +95,20 @@ class ModelRunner:
             attach(self.lm.model)  # here, once: never on two threads at once
         return compile_ahead.start(step, self.lm, self.pool, rows, self.native, said)
 
-    def compile_cached(self, rows: int | None = None) -> bool:
-        """Whether this runner's auto compile for ``rows`` is in Inductor's caches already."""
+    def compile_record(self, rows: int | None = None) -> dict[str, float]:
+        """What Inductor's cache folder knows of this runner's auto compile for ``rows``
+        (``inductor_cache.compile_record``); empty without an auto step."""
         step = self.compiled
         if not isinstance(step, CompiledStep) or not step.auto:
-            return False
-        return compiled_before(step.key(self.lm, self.pool, rows)) is not None
+            return {}
+        return inductor_cache.compile_record(step.key(self.lm, self.pool, rows))
+
+    def note_eager_step(self, seconds: float, rows: int | None = None) -> None:
+        """Record what an eager decode step of this model took (``compile_record``'s
+        ``eager_token_s``): what a later run weighs a cached compile's wait against."""
+        step = self.compiled
+        if isinstance(step, CompiledStep) and step.auto:
+            inductor_cache.remember(step.key(self.lm, self.pool, rows), eager_token_s=seconds)
 
     def _fixed(self) -> CompiledStep | GraphedStep | None:
         """The fixed-shape step where this model takes it (an auto compile: once built); else
