@@ -173,8 +173,6 @@ class Pipeline:
         self._pools: Pools | None = None  # the pool, a draft model's sized with it, and their budget
         self._engine: Engine | None = None
         self._decode_weights: int | None = None  # bytes a decode step reads (metrics.decode_weight_bytes)
-        self._ahead: threading.Thread | None = None  # decode compile="auto": the build beside the engine
-        self._ahead_asked = False
         self.compile_on_submit = True  # compile="auto": the first request starts compile_ahead()
 
     # --- the shared pool and engine -----------------------------------------------------------
@@ -413,13 +411,11 @@ class Pipeline:
         starts it (``compile_on_submit``). ``wait``: block until it is built; the seconds waited
         are returned and reported as ``warmup_s``. ``said``: told one line when a build beside
         the engine ends."""
-        if not self._ahead_asked:
-            self._ahead_asked = True
-            self._ahead = self.engine.runner.compile_ahead(rows, said)
-        if not wait or self._ahead is None:
+        builder = self.engine.runner.compile_ahead(rows, said)
+        if not wait or builder is None:
             return None
         t0 = time.perf_counter()
-        self._ahead.join()
+        builder.join()
         seconds = time.perf_counter() - t0
         self.warmup_s = (self.warmup_s or 0.0) + seconds
         return seconds

@@ -17,8 +17,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,7 +29,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import ROOT, generate_oracle, run_cli
 from pipeline import Pipeline, Request, load_model
-from pipeline.runner import matvec
+from pipeline.runner import compile_ahead, matvec
 from stages import DecodeLoop, Prefill
 from stages.decode import FastPathFallback
 
@@ -164,7 +166,8 @@ def test_auto_stays_eager_without_a_word_where_compiling_does_not_pay(lm, load_t
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             ctx = pipe.run_ids(prompts(model)[0], Request(max_new_tokens=N, ignore_eos=True))
-        assert pipe.engine.runner.compiled is None and pipe._ahead is None, why
+        assert pipe.engine.runner.compiled is None, why
+        assert not [t for t in threading.enumerate() if t.name == compile_ahead.THREAD_NAME], why
         assert not [w for w in record if issubclass(w.category, FastPathFallback)], why
         assert ctx.generated == oracle(model, ctx.input_ids[0].tolist()), why
 
@@ -191,6 +194,22 @@ def test_a_one_shot_run_answers_eagerly_and_leaves_the_compile_for_the_next_run(
     assert first["token_ids"] == second["token_ids"] == third["token_ids"]
     record = json.loads((tmp_path / "inductor" / "mm-pipeline-compiled.json").read_text())
     assert [sorted(entry) for entry in record.values()] == [["cached_s", "eager_token_s", "first_s"]]
+
+
+def test_first_requests_from_many_threads_start_one_build(lm, monkeypatch):
+    """Eight threads asking at once for the build (their first submits) share one build."""
+    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile="auto")}, kv_memory=POOL)
+    started = []
+
+    def start(step, *args):  # compile_ahead.start without the compile: slow enough to race
+        time.sleep(0.05)
+        started.append(step)
+        return threading.Thread(target=lambda: None)
+
+    monkeypatch.setattr(compile_ahead, "start", start)
+    with ThreadPoolExecutor(8) as pool:
+        builders = list(pool.map(lambda _: pipe.engine.runner.compile_ahead(), range(8)))
+    assert len(started) == 1 and len({id(b) for b in builders}) == 1 and builders[0] is not None
 
 
 def test_a_cached_compile_is_waited_for_only_where_it_pays(lm, monkeypatch):

@@ -95,7 +95,7 @@ class CompiledStep:
         self.mode = mode if backend == "inductor" else None  # modes are inductor options
         self.auto = auto  # decode.compile=auto: built ahead (``build``), used once ready, quiet where impossible
         self.ready = threading.Event()  # the runner takes this step only once set: at once unless auto
-        self.building = False  # auto: a ``build`` has started (``ModelRunner.compile_ahead``)
+        self.builder: threading.Thread | None = None  # auto: the build beside the engine, once started
         if not auto:
             self.ready.set()
         use_project_cache()  # now: building the native kernel settles torch's default folder

@@ -71,12 +71,13 @@ class ModelRunner:
         # Tensor parallel, on rank 0: every step is sent to the other ranks first (``mirror``).
         group = tensor_parallel.current() if getattr(lm, "tp", 1) > 1 else None
         # (Ranks decode a CUDA-graphed step eagerly: ``GraphedStep.why_not``.)
-        if isinstance(self.compiled, CompiledStep) and self.compiled.auto and not self._compile_pays(group):
+        if isinstance(self.compiled, CompiledStep) and self.compiled.auto and not self._auto_compiles(group):
             self.compiled = None
+        self._starting = threading.Lock()  # compile_ahead
         compiled_tp = self.compiled if isinstance(self.compiled, CompiledStep) else None
         self.mirror = Mirror(group, pool, compiled_tp, native) if group is not None and group.driver else None
 
-    def _compile_pays(self, group: Any) -> bool:
+    def _auto_compiles(self, group: Any) -> bool:
         """``decode.compile=auto``: whether to build the compiled step here: on one CPU process with
         the native kernels (their one-row linear layers are what Inductor's graph calls; without
         them a compiled step reads every weight as PyTorch does) and a model that compiles."""
@@ -85,15 +86,18 @@ class ModelRunner:
     def compile_ahead(self, rows: int | None = None, said: Any = None) -> threading.Thread | None:
         """``decode.compile=auto``: build the compiled step's graphs beside the engine
         (``pipeline.runner.compile_ahead``) while steps run eagerly here; the runner takes the
-        compiled step from the first step after they are ready. None: nothing runs beside
-        (no auto step, built already, or built here). ``said``: told one line when it ends."""
+        compiled step from the first step after they are ready. Returns the build's thread, the
+        one started before if any (``rows`` and ``said`` then unused); None: nothing runs beside
+        (no auto step, or it was built here). ``said``: told one line when it ends."""
         step = self.compiled
-        if not isinstance(step, CompiledStep) or not step.auto or step.ready.is_set() or step.building:
+        if not isinstance(step, CompiledStep):
             return None
-        step.building = True
-        if not self.lm.model.__dict__.get("_mm_paged_attached"):
-            attach(self.lm.model)  # here, once: never on two threads at once
-        return compile_ahead.start(step, self.lm, self.pool, rows, self.native, said)
+        with self._starting:  # first requests submitted at once from many threads start one build
+            if step.auto and step.builder is None and not step.ready.is_set():
+                if not self.lm.model.__dict__.get("_mm_paged_attached"):
+                    attach(self.lm.model)  # here, once: never on two threads at once
+                step.builder = compile_ahead.start(step, self.lm, self.pool, rows, self.native, said)
+        return step.builder
 
     def compile_record(self, rows: int | None = None) -> dict[str, float]:
         """What Inductor's cache folder knows of this runner's auto compile for ``rows``
