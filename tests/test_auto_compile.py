@@ -22,6 +22,7 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -154,6 +155,42 @@ def test_a_process_that_exits_while_the_step_compiles_exits_cleanly(kernel_sized
     proc = in_own_process(script, kernel_sized, tmp_path)
     assert proc.returncode == 0 and "pending True" in proc.stdout, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "terminate called" not in proc.stderr
+
+
+def test_an_exit_cancel_that_a_callback_swallows_is_raised_again_and_kept_off_stderr(monkeypatch):
+    """The cancel lands at whatever line of Python the build runs: in a weakref callback or a
+    ``__del__`` CPython reports it as unraisable and the build runs on (seen in CI). It is raised
+    again until the build ends, and its unraisable report is not printed."""
+    done, swallowed = threading.Event(), []
+
+    def build() -> None:
+        try:
+            while not swallowed:
+                try:
+                    while True:
+                        time.sleep(0.001)
+                except compile_ahead.CompileCancelled as exc:  # what a callback's caller does
+                    swallowed.append(exc)
+            while True:
+                time.sleep(0.001)
+        except compile_ahead.CompileCancelled:
+            pass
+        finally:
+            done.set()
+
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+    thread = threading.Thread(target=build, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    compile_ahead._cancel(thread, done)
+    assert done.is_set() and len(swallowed) == 1 and time.monotonic() - start < 5
+    thread.join(5)
+    assert not thread.is_alive()
+    sys.unraisablehook(SimpleNamespace(exc_value=compile_ahead.CompileCancelled()))
+    other = SimpleNamespace(exc_value=ValueError("a real error"))
+    sys.unraisablehook(other)
+    assert reported == [other]
 
 
 def test_auto_stays_eager_without_a_word_where_compiling_does_not_pay(lm, load_tiny):

@@ -10,14 +10,19 @@ build sets ``CompiledStep.ready``. Two things make that safe:
 - A process that exits while the build runs (a one-shot run interrupted, ``serve`` stopped)
   would tear the interpreter down under a thread deep in torch's C++ (a crash, not an exit):
   at exit the build is cancelled (``CompileCancelled``, raised in its thread at its next line of
-  Python) and waited for, up to ``EXIT_WAIT_S``.
+  Python) and waited for, up to ``EXIT_WAIT_S``. A line of Python that swallows what it raises
+  (a weakref callback, a ``__del__``: CPython reports those as "unraisable" and goes on) lets the
+  build run on, so the cancel is raised again until the build ends, and unraisable reports of it
+  are kept off stderr.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import sys
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -27,6 +32,7 @@ from pipeline.runner import matvec
 from pipeline.runner.compiled import CompiledStep
 
 EXIT_WAIT_S = 30.0  # a cancelled build stops at its next line of Python: a C++ compile is seconds
+RETRY_S = 0.2  # how long a raised cancel has to end the build before it is raised again
 THREAD_NAME = "mm-pipeline-compile"
 
 
@@ -75,5 +81,27 @@ def _cancel(thread: threading.Thread, done: threading.Event) -> None:
     a running thread stopped (Python 3.11, seen here), so ``is_alive`` and ``join`` are not trusted."""
     if done.is_set() or thread.ident is None:
         return
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(CompileCancelled))
-    done.wait(EXIT_WAIT_S)
+    _quiet_unraisable_cancels()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while True:
+        _raise_in(thread, CompileCancelled)
+        if done.wait(RETRY_S) or time.monotonic() > deadline:
+            break
+    _raise_in(thread, None)  # a cancel raised as the build ended must not reach what runs next
+
+
+def _raise_in(thread: threading.Thread, exc: type[BaseException] | None) -> None:
+    """Raise ``exc`` in ``thread`` at its next line of Python (None: drop one not yet raised)."""
+    ident = ctypes.c_ulong(thread.ident)
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ident, ctypes.py_object(exc) if exc else None)
+
+
+def _quiet_unraisable_cancels() -> None:
+    """Keep a cancel that a callback swallowed off stderr; other unraisable errors are reported."""
+    report = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, CompileCancelled):
+            report(unraisable)
+
+    sys.unraisablehook = hook
