@@ -16,6 +16,7 @@ natively, about 8 minutes on 2 cores); without them it prints a note and exits 0
 
     python benchmarks/default_run.py --reps 3
     python benchmarks/default_run.py --reps 3 --dtype bfloat16   # a bfloat16 checkpoint
+    python benchmarks/default_run.py --reps 3 --model DIR        # a Llama checkpoint of your own
 """
 
 from __future__ import annotations
@@ -116,11 +117,13 @@ def line(name: str, r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the checkpoint's dtype")
+    ap.add_argument("--model", type=Path, help="a Llama checkpoint of your own (save_pretrained, with its tokenizer)")
     add_common_args(ap)
     args = ap.parse_args(argv)
     if llama_cpp_missing():
         return 0
-    model_dir = build_arch("llama-187m", args.cache_dir, "cpu", getattr(torch, args.dtype))
+    model_dir = args.model or build_arch("llama-187m", args.cache_dir, "cpu", getattr(torch, args.dtype))
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
     gguf = q8_0(model_dir, args.cache_dir / f"{model_dir.name}-q8_0.gguf")
     n = args.new_tokens
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = statistics.median(theirs)
     again = sorted(ours, key=lambda r: r["metrics"]["decode_tok_s"])[len(ours) // 2]
     print(
-        f"llama-187m {args.dtype} checkpoint, {first['metrics']['quant']}, {len(ids)}-token prompt, {n} new, "
+        f"{model_dir.name}, {first['metrics']['quant']}, {len(ids)}-token prompt, {n} new, "
         f"{args.threads} threads; llama.cpp Q8_0 {ref:.1f} tok/s (median of {args.reps}: "
         f"{', '.join(f'{t:.1f}' for t in theirs)})"
     )
