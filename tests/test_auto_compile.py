@@ -30,7 +30,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import ROOT, generate_oracle, run_cli
 from pipeline import Pipeline, Request, load_model
-from pipeline.runner import compile_ahead, matvec
+from pipeline.runner import compile_ahead, compiled, inductor_cache, matvec
+from pipeline.runner.compiled import CompiledStep
 from stages import DecodeLoop, Prefill
 from stages.decode import FastPathFallback
 
@@ -260,6 +261,41 @@ def test_a_cached_compile_is_waited_for_only_where_it_pays(lm, monkeypatch):
     assert pipe.compile_pays(64)  # the cached wait is not known yet
     record.update(cached_s=3.5)
     assert not pipe.compile_pays(64) and not pipe.compile_pays(437) and pipe.compile_pays(438)
+
+
+def test_a_compile_that_failed_here_is_not_tried_again_by_auto(lm, monkeypatch, tmp_path):
+    """Where the step's compile failed, later processes with ``auto`` stay eager without trying
+    again (each would spend its CPU beside the engine to fail again, or hold a one-shot run's exit
+    for it); ``decode.compile=true`` tries again."""
+    monkeypatch.setenv(inductor_cache.CACHE_ENV, str(tmp_path))  # this test's own record
+    tries: list[bool] = []
+
+    def failing(self, fn, model):  # torch.compile's errors come at the first call
+        def step(*args):
+            tries.append(self.auto)
+            raise RuntimeError("the C++ compiler failed on this graph")
+
+        return step
+
+    monkeypatch.setattr(CompiledStep, "_compile", failing)
+
+    def pipe(mode):
+        return Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=mode)}, kv_memory=POOL)
+
+    first = pipe("auto")
+    first.compile_ahead(1, wait=True)
+    assert tries and set(tries) == {True} and "the C++ compiler failed" in first.compile_failed
+    assert "failed_s" in first.compile_record(1) and "first_s" not in first.compile_record(1)
+    tried = len(tries)
+    again = pipe("auto")
+    again.compile_ahead(1, wait=True)
+    assert len(tries) == tried and again.compile_failed == compiled.FAILED_BEFORE
+    ids = prompts(lm)[0]
+    assert again.run_ids(ids, Request(max_new_tokens=N, ignore_eos=True)).generated == oracle(lm, ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FastPathFallback)
+        asked = pipe(True).run_ids(ids, Request(max_new_tokens=N, ignore_eos=True))
+    assert False in tries[tried:] and asked.generated == oracle(lm, ids)
 
 
 @pytest.mark.parametrize(

@@ -384,8 +384,9 @@ def compile_ahead(pipe: Pipeline, rows: int | None, wait: str, said: bool, token
 def finish_compile(pipe: Pipeline, rows: int | None = None) -> None:
     """After a job's last answer: a ``decode.compile=auto`` step not built yet is built now, so
     that the next run of this model finds it in Inductor's caches and starts compiled; Ctrl-C
-    skips it (the answers are already out). One that is cached already is left alone."""
-    if not pipe.compile_pending or pipe.compile_cached(rows):
+    skips it (the answers are already out). One that is cached already, or that failed here
+    before (``inductor_cache.compile_record``), is left alone."""
+    if not pipe.compile_pending or pipe.compile_cached(rows) or "failed_s" in pipe.compile_record(rows):
         return
     print(
         "mm-pipeline: compiling the decode step, so that the next run starts compiled "

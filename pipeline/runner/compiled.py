@@ -53,6 +53,11 @@ from pipeline.runner.forward import burst_state, chunks_state, decode_logits, de
 from pipeline.runner.inductor_cache import compile_record, remember, use_project_cache
 
 
+# Why an auto step stays eager where its compile failed before (``compile_record``'s ``failed_s``,
+# same model, torch and code): each run would spend that CPU beside the engine to fail again.
+FAILED_BEFORE = "its compile failed here before (decode.compile=true tries again)"
+
+
 class FastPathFallback(UserWarning):
     """``decode.compile`` was asked for but this model cannot use it: decoding is eager."""
 
@@ -193,9 +198,13 @@ class CompiledStep:
         ``broken`` (the engine stays eager) and still sets ``ready``."""
         t0 = time.perf_counter()
         key = self.key(lm, pool, rows)
-        cached = "first_s" in compile_record(key)  # Inductor will find the graphs in its caches
+        record = compile_record(key)
+        cached = "first_s" in record  # Inductor will find the graphs in its caches
+        if self.auto and not cached and "failed_s" in record:
+            self.broken = FAILED_BEFORE
         try:
-            if self.why_not(lm) is None:
+            able = self.why_not(lm) is None
+            if able:
                 for batch in (1,) if rows == 1 else (1, 3):
                     state = padding_state(pool, batch, lm.family.position_rows, lm.device)
                     pool.prepare_write()
@@ -203,6 +212,8 @@ class CompiledStep:
             seconds = time.perf_counter() - t0
             if self.why_not(lm) is None:
                 remember(key, **{"cached_s" if cached else "first_s": seconds})
+            elif able:  # it failed compiling: auto does not try again (``FAILED_BEFORE``)
+                remember(key, failed_s=seconds)
             return seconds
         except BaseException:  # cut short (``compile_ahead.CompileCancelled``): no half-built step
             self.broken = self.broken or "the compile was cut short"

@@ -94,7 +94,8 @@ def compile_record(key: str) -> dict[str, float]:
     """What this cache folder knows of the compiled step ``key`` (``CompiledStep.key``: model
     shapes, dtypes, scheme, torch): ``first_s``, the seconds its first compile took (present once
     Inductor's caches hold its graphs); ``cached_s``, the last build that found them there;
-    ``eager_token_s``, the seconds an eager decode step of it took. Empty: nothing, or no folder
+    ``eager_token_s``, the seconds an eager decode step of it took; ``failed_s``, how long a
+    compile of it ran before it failed (``decode.compile=auto`` then stays eager). Empty: nothing, or no folder
     is named (``use_project_cache`` could not make one). Why: a one-shot run waits only for a
     cached compile, and only where that wait is shorter than its answer would take eagerly."""
     folder = os.environ.get(CACHE_ENV)
