@@ -108,7 +108,12 @@ step = pipe.engine.runner.compiled
 # The first requests start the build and decode eagerly beside it.
 during = [pipe.wait(submit(pipe, p, n=40)) for p in prompts[:2]]
 building = not step.ready.is_set()
+before = pipe.engine.stats()
 waited = pipe.compile_ahead(wait=True)
+after = pipe.engine.stats()
+from prometheus_client import generate_latest
+from pipeline.serve.prometheus import ServerMetrics
+exposition = generate_latest(ServerMetrics(pipe.engine).registry).decode()
 graphs = counters["stats"]["unique_graphs"]
 greedy = [submit(pipe, p) for p in prompts]  # a batch of 5: decode bursts
 solo = pipe.wait(submit(pipe, prompts[0]))  # a batch of 1
@@ -118,6 +123,8 @@ eager = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=False)}
 again = [eager.wait(submit(eager, p, sampler=Sampler(temperature=0.8, seed=7))) for p in prompts[:3]]
 print(json.dumps({
     "building": building, "waited": waited, "broken": step.broken,
+    "stats": [s[k] for s in (before, after) for k in ("decode_compiled", "decode_compile_s")],
+    "gauge": "mm_decode_compiled 1.0" in exposition and "mm_decode_compile_seconds" in exposition,
     "graphs_after": counters["stats"]["unique_graphs"] - graphs,
     "during": [c.generated == oracle(c) for c in during],
     "during_eager": [c.metrics.info["decode_compiled"] for c in during],
@@ -135,6 +142,7 @@ def test_the_engine_answers_while_the_step_compiles_beside_it_then_switches(kern
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["building"] and got["waited"] > 0 and got["broken"] is None
+    assert got["stats"][:3] == [False, None, True] and got["stats"][3] > 0 and got["gauge"]  # /metrics says so
     assert got["during"] == [True, True] and got["during_eager"] == [False, False]
     assert got["greedy"] == [True] * 6 and got["solo_compiled"] is True and got["sampled"]
     assert got["graphs_after"] == 0  # the engine's own steps compiled nothing

@@ -248,6 +248,8 @@ class _Engine:
             "kv_bytes_per_token": 64,
             "tp_ranks": 1,
             "preemptions": 5,
+            "decode_compiled": False,
+            "decode_compile_s": None,
         }
 
 

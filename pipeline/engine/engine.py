@@ -154,7 +154,8 @@ class Engine:
 
     def stats(self) -> dict:
         """Engine figures: sequences, blocks (and recurrent-state slots), prefix-cache hit rate,
-        the second tier's blocks, hits and loads (``kv_tier_*``), preemptions, tokens in/out."""
+        the second tier's blocks, hits and loads (``kv_tier_*``), preemptions, tokens in/out,
+        what a decode step runs (``ModelRunner.decode_kind``)."""
         pool, sched = self.pool, self.scheduler
         states = (
             {}
@@ -173,6 +174,7 @@ class Engine:
             "kv_dtype": pool.kv_dtype,
             "tp_ranks": pool.shards,
             "tp_collective_share": self.runner.collective_share,  # sampled steps, rank 0 (None: one process)
+            **self.runner.decode_kind(),  # compiled or CUDA-graphed decode steps, once ready
             **states,
             **tier,
             **self.counters,

@@ -105,6 +105,7 @@ class CompiledStep:
             self.ready.set()
         use_project_cache()  # now: building the native kernel settles torch's default folder
         self.broken: str | None = None  # why compiling failed, once it did
+        self.built_s: float | None = None  # what ``build`` took, once it built the graphs
         self._step: Any = None  # compiled decode_step
         self._warned = False
         self.shapes: set[tuple[int, int]] = set()  # (batch, keys) the compiled step has run at
@@ -211,6 +212,7 @@ class CompiledStep:
                     self._run(lambda step: greedy_steps(lm.model, pool, state, 2, step=step), lambda: None, lm, pool)
             seconds = time.perf_counter() - t0
             if self.why_not(lm) is None:
+                self.built_s = seconds
                 remember(key, **{"cached_s" if cached else "first_s": seconds})
             elif able:  # it failed compiling: auto does not try again (``FAILED_BEFORE``)
                 remember(key, failed_s=seconds)

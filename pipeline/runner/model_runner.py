@@ -125,6 +125,17 @@ class ModelRunner:
             return None
         return self.compiled
 
+    def decode_kind(self) -> dict:
+        """What the next decode step runs, for the engine's figures: ``decode_compiled`` /
+        ``decode_cuda_graphs`` (the fixed-shape step is built and usable) and ``decode_compile_s``
+        (what its build took, None until built). Nothing is said or started here."""
+        fixed = self.compiled
+        if isinstance(fixed, CompiledStep) and not fixed.ready.is_set():
+            fixed = None
+        ran = self._ran(fixed)
+        built = fixed.built_s if isinstance(fixed, CompiledStep) and ran["compiled"] else None
+        return {"decode_compiled": ran["compiled"], "decode_cuda_graphs": ran["graphed"], "decode_compile_s": built}
+
     def _ran(self, fixed: CompiledStep | GraphedStep | None) -> dict:
         """StepOutput's ``compiled`` and ``graphed``: the fixed-shape step taken, if it did not fail
         during the step (a failed compile or capture ran eagerly)."""

@@ -88,6 +88,17 @@ class _EngineCollector:
             value=stats["kv_bytes_per_token"],
         )
         yield GaugeMetricFamily("mm_tp_ranks", "tensor-parallel ranks (1: one process)", value=stats["tp_ranks"])
+        yield GaugeMetricFamily(
+            "mm_decode_compiled",
+            "1 once decode steps run compiled (decode.compile; auto: built beside the engine), else 0",
+            value=float(stats["decode_compiled"]),
+        )
+        if stats["decode_compile_s"] is not None:
+            yield GaugeMetricFamily(
+                "mm_decode_compile_seconds",
+                "what building the compiled decode step took",
+                value=stats["decode_compile_s"],
+            )
         if stats.get("tp_collective_share") is not None:
             yield GaugeMetricFamily(
                 "mm_tp_collective_share",
