@@ -202,6 +202,23 @@ def test_an_exit_cancel_that_a_callback_swallows_is_raised_again_and_kept_off_st
     assert reported == [other]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread CPU priority is Linux's")
+def test_the_build_beside_the_engine_runs_below_its_cpu_priority():
+    """The engine's steps come first where they compete for cores with the build; a build run on
+    the calling thread (another backend) leaves that thread's priority alone."""
+
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen: list[int] = []
+    step = SimpleNamespace(backend="inductor", build=lambda *a: seen.append(priority()) or 0.0, why_not=lambda lm: None)
+    mine = priority()
+    compile_ahead.start(step, None, None, 1, False, None).join(10)
+    step.backend = "aot_eager"
+    assert compile_ahead.start(step, None, None, 1, False, None) is None
+    assert seen == [min(19, mine + compile_ahead.NICE), mine] and priority() == mine
+
+
 def test_auto_stays_eager_without_a_word_where_compiling_does_not_pay(lm, load_tiny):
     cases = {
         "no native kernels": (lm, DecodeLoop(compile="auto", matvec=False)),
