@@ -81,7 +81,7 @@ def _yield_to_engine() -> None:
     """Lower the calling thread's CPU priority by ``NICE`` (Linux sets it per thread; the compiler
     processes it starts inherit it), so that the engine's steps come first where they compete
     for cores. Measured (187M Llama, 2 cores, 32-token answers back to back while the first
-    compile ran): 95 answers in its 92 s, median 0.77 s, against 20 in 53 s, median 1.85 s; an
+    compile ran): 131 answers in its 110 s, median 0.64 s, against 20 in 53 s, median 1.85 s; an
     idle machine builds as fast either way. Elsewhere (no per-thread priority) nothing changes."""
     try:
         tid = threading.get_native_id()

@@ -96,7 +96,7 @@ class _EngineCollector:
         if stats["decode_compile_s"] is not None:
             yield GaugeMetricFamily(
                 "mm_decode_compile_seconds",
-                "what building the compiled decode step took",
+                "what building the compiled decode step beside the engine took (decode.compile=auto)",
                 value=stats["decode_compile_s"],
             )
         if stats.get("tp_collective_share") is not None:
