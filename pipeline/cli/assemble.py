@@ -39,6 +39,7 @@ from pipeline.pipeline import Pipeline, check_stages, follow
 from pipeline.structured.response_format import cli_constraint
 from pipeline.runner.compiled import compile_choice
 from pipeline.runner.grammar import constraint_of
+from pipeline.runner.inductor_cache import failed_before
 from pipeline.spec import Speculative, check_same_tokenizer
 from pipeline.cli.settings import KVSettings, plain as _plain
 from pipeline.tiny import default_model_dir, model_card
@@ -385,8 +386,8 @@ def finish_compile(pipe: Pipeline, rows: int | None = None) -> None:
     """After a job's last answer: a ``decode.compile=auto`` step not built yet is built now, so
     that the next run of this model finds it in Inductor's caches and starts compiled; Ctrl-C
     skips it (the answers are already out). One that is cached already, or that failed here
-    before (``inductor_cache.compile_record``), is left alone."""
-    if not pipe.compile_pending or pipe.compile_cached(rows) or "failed_s" in pipe.compile_record(rows):
+    before (``inductor_cache.failed_before``), is left alone."""
+    if not pipe.compile_pending or pipe.compile_cached(rows) or failed_before(pipe.compile_record(rows)):
         return
     print(
         "mm-pipeline: compiling the decode step, so that the next run starts compiled "

@@ -50,10 +50,10 @@ from pipeline.kv import NULL_BLOCK, BlockPool
 from pipeline.runner import flex
 from pipeline.runner.paged_batch import Chunk
 from pipeline.runner.forward import burst_state, chunks_state, decode_logits, decode_step, greedy_steps
-from pipeline.runner.inductor_cache import compile_record, remember, use_project_cache
+from pipeline.runner.inductor_cache import compile_record, failed_before, remember, use_project_cache
 
 
-# Why an auto step stays eager where its compile failed before (``compile_record``'s ``failed_s``,
+# Why an auto step stays eager where its compile failed before (``inductor_cache.failed_before``:
 # same model, torch and code): each run would spend that CPU beside the engine to fail again.
 FAILED_BEFORE = "its compile failed here before (decode.compile=true tries again)"
 
@@ -201,7 +201,7 @@ class CompiledStep:
         key = self.key(lm, pool, rows)
         record = compile_record(key)
         cached = "first_s" in record  # Inductor will find the graphs in its caches
-        if self.auto and not cached and "failed_s" in record:
+        if self.auto and failed_before(record):
             self.broken = FAILED_BEFORE
         try:
             able = self.why_not(lm) is None

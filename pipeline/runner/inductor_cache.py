@@ -103,6 +103,12 @@ def compile_record(key: str) -> dict[str, float]:
     return entry if isinstance(entry, dict) else {}
 
 
+def failed_before(record: dict[str, float]) -> bool:
+    """Whether ``record`` (``compile_record``) says the step's compile failed here and never
+    built since: ``decode.compile=auto`` does not try it again."""
+    return "failed_s" in record and "first_s" not in record
+
+
 def remember(key: str, **figures: float) -> None:
     """Add ``figures`` (``compile_record``'s names) to what is known of ``key``."""
     folder = os.environ.get(CACHE_ENV)
