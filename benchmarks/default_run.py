@@ -9,7 +9,8 @@ waits for it only if the answer would take longer eagerly. The second run is the
 cache's record put back as the first run left it), alternating with llama.cpp's Q8_0 of the same
 weights, a process each, medians. Printed: each run's decode tok/s, warmup_s,
 decode_compiled and wall seconds, the ratio to llama.cpp, and whether the answer's tokens equal
-``generate()`` on the same int8wo weights.
+``generate()`` on the same int8wo weights (where they part: how near a tie ``generate()``'s own
+top two logits were there, in steps of the dtype's spacing).
 
 Needs ``llama-cpp-python`` and ``gguf`` (``pip install llama-cpp-python gguf``; it builds
 natively, about 8 minutes on 2 cores); without them it prints a note and exits 0.
@@ -88,8 +89,10 @@ def llama_cpp_tok_s(gguf: Path, ids: list[int], n: int, threads: int) -> float:
     return float(subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
 
 
-def equals_generate(model_dir: Path, result: dict) -> bool:
-    """The answer's tokens against ``generate()`` on the weights the run loaded (quant=auto)."""
+def equals_generate(model_dir: Path, result: dict) -> str:
+    """Whether the answer's tokens are ``generate()``'s on the weights the run loaded (quant=auto);
+    where they part, how near a tie ``generate()``'s logits had there (DESIGN: exact up to true
+    near-ties of the top two, which reduction order may flip)."""
     from pipeline import load_model
 
     lm = load_model(str(model_dir), quant="auto")
@@ -102,8 +105,21 @@ def equals_generate(model_dir: Path, result: dict) -> bool:
             max_new_tokens=len(result["token_ids"]),
             eos_token_id=None,  # EOS ignored, as the run did (kept, not masked out)
             pad_token_id=lm.tokenizer.pad_token_id or 0,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
-    return out[0, ids.shape[1] :].tolist() == result["token_ids"]
+    theirs, ours = out.sequences[0, ids.shape[1] :].tolist(), result["token_ids"]
+    at = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
+    if at is None:
+        return "yes"
+    logits = out.logits[at][0]
+    gap = (logits[theirs[at]] - logits[ours[at]]).item()
+    exponent = torch.frexp(logits[theirs[at]].float()).exponent.item()
+    step = 2.0 ** (exponent - 1) * torch.finfo(lm.model.dtype).eps  # the model dtype's spacing there
+    return (
+        f"no: parts at token {at}, where generate()'s best logit leads the run's token by {gap:.3g} "
+        f"({gap / step:.3g}x the {str(lm.model.dtype).removeprefix('torch.')} spacing at that size)"
+    )
 
 
 def line(name: str, r: dict) -> str:

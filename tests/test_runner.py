@@ -1,15 +1,18 @@
-"""The model runner's eager decode paths: the same tokens whichever way the keys are read, and
-hooks on the decoder always honoured."""
+"""The model runner's eager decode paths: the same tokens whichever way the keys are read (in
+bfloat16 the same bits as generate()'s attention), and hooks on the decoder always honoured."""
 
 from __future__ import annotations
 
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import generate_oracle
-from pipeline import Pipeline, Request
+from pipeline import Pipeline, Request, load_model
 from stages import DecodeLoop, Prefill, Tokenize
 
 attention = sys.modules["pipeline.runner.attention"]
@@ -27,18 +30,64 @@ def fresh_pipe(lm) -> Pipeline:
 
 
 def test_a_lone_stream_reads_keys_in_place_or_gathered_with_the_same_tokens(lm, monkeypatch):
-    calls = []
-    in_place = attention._attend_in_place
-    monkeypatch.setattr(attention, "_attend_in_place", lambda *a: calls.append(1) or in_place(*a))
+    in_place = []
+    alone = attention._attend_alone
+    monkeypatch.setattr(attention, "_attend_alone", lambda g, *a: in_place.append(g.span is not None) or alone(g, *a))
+    monkeypatch.setattr(attention, "native_decode", lambda *a: False)  # every lone row takes generate()'s call
     pipe = fresh_pipe(lm)
     ids = list(range(40, 80))
     want = generate_oracle(lm, torch.tensor([ids]), N, ignore_eos=True)
     first = pipe.run_ids(ids, Request(max_new_tokens=N, ignore_eos=True))
-    assert first.generated == want and calls, "a fresh pool gives consecutive blocks: read in place"
-    calls.clear()
+    assert first.generated == want and in_place and all(in_place), (
+        "a fresh pool gives consecutive blocks: read in place"
+    )
+    in_place.clear()
     second = pipe.run_ids(ids, Request(max_new_tokens=N, ignore_eos=True))  # prefix blocks, then others
     assert second.cache.blocks != list(range(second.cache.blocks[0], second.cache.blocks[0] + len(second.cache.blocks)))
-    assert second.generated == want and not calls
+    assert second.generated == want and in_place and not any(in_place), "other blocks: its keys gathered"
+
+
+@pytest.fixture(scope="module")
+def grouped_bf16(tiny_dir, tmp_path_factory) -> Path:
+    """A held-out bfloat16 Llama (``save_pretrained``) whose query heads come four to a key/value
+    head of 64 dims: a shape where the two forms of a lone row's attention round apart."""
+    source = tiny_dir("llama")
+    config = AutoConfig.from_pretrained(source)
+    config.update(dict(num_attention_heads=8, num_key_value_heads=2, head_dim=64, hidden_size=256))
+    out = tmp_path_factory.mktemp("grouped-bf16")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
+    for path in source.iterdir():
+        if path.name.startswith("tokenizer") or path.suffix == ".jinja":
+            shutil.copy(path, out / path.name)
+    return out
+
+
+def test_a_lone_bfloat16_row_attends_bit_for_bit_as_generate(grouped_bf16):
+    """In bfloat16 one rounding apart parts the engine from generate() for good: the query heads
+    sharing a key/value head attended as rows of one head rounds otherwise than generate()'s call at
+    some lengths. With PyTorch's kernels every attention output of a lone row is generate()'s, in
+    place and gathered."""
+    lm = load_model(str(grouped_bf16), dtype="bfloat16", quant="none")
+    layers = lm.model.model.layers
+    seen: list[list[torch.Tensor]] = []
+    hooks = [
+        layer.self_attn.register_forward_hook(lambda m, a, out: seen.append(out[0][0, -1].clone())) for layer in layers
+    ]
+    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(matvec=False)}, kv_block_size=8)
+    ids, steps = list(range(40, 56)), 112
+    try:
+        generate_oracle(lm, torch.tensor([ids]), steps, ignore_eos=True)
+        want, seen[:] = list(seen), []
+        for _ in range(2):  # fresh blocks (read in place), then the prefix's and others (gathered)
+            pipe.run_ids(ids, Request(max_new_tokens=steps, ignore_eos=True))
+            assert len(seen) == len(want)
+            parted = [i // len(layers) for i, (a, b) in enumerate(zip(seen, want)) if not torch.equal(a, b)]
+            assert not parted, f"attention parts from generate() at steps {parted[:5]}"
+            seen.clear()
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def test_a_hook_on_the_decoder_sees_every_step(lm):

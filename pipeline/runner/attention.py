@@ -20,6 +20,7 @@ import torch
 from torch.nn.attention.bias import causal_lower_right
 from torch.nn.functional import scaled_dot_product_attention
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -67,6 +68,8 @@ def paged_attention(
             g,
             _attend_causal(g, query, key, value, kv, scaling)
             if g.causal
+            else _attend_alone(g, module, query, kv, scaling)
+            if g.span is not None or (g.alone and not native_decode(query, kv))
             else _attend(g, flat_q, kv, window is not None, scaling, batch.pool.block_size),
         )
         for g in batch.groups
@@ -100,8 +103,6 @@ def _attend(
 ) -> torch.Tensor:
     """One group's attention over its rows' blocks: [rows * q, heads, D] in row order
     (``sliding``: the layer has the pool's sliding window)."""
-    if g.span is not None:
-        return _attend_in_place(g, flat_q, kv, scaling)
     rows, q = _sizes(g)
     heads, dim = flat_q.shape[1], flat_q.shape[2]
     if g.start is not None:
@@ -184,16 +185,24 @@ def _dense(masks: flex.PagedMasks, sliding: bool, block_size: int) -> tuple[torc
     return slots, dense_mask(slots.shape[1], masks.hi, masks.lo if sliding else None)
 
 
-def _attend_in_place(g: Group, flat_q: torch.Tensor, kv: LayerKV, scaling: float | None) -> torch.Tensor:
-    """One decode query whose keys are the consecutive slots ``g.span``: a view of the pool, and
-    no mask (every key is the row's own past). The query heads sharing a key/value head become
-    its rows, as in ``_attend``."""
-    first, n = g.span
-    heads, dim = flat_q.shape[1], flat_q.shape[2]
-    ks, vs = kv.span(first, n, flat_q.dtype)  # [1, kv_heads, n, D]
-    kv_heads = ks.shape[1]
-    qs = flat_q[g.start : g.start + 1].reshape(1, kv_heads, heads // kv_heads, dim)
-    return scaled_dot_product_attention(qs, ks, vs, scale=scaling).reshape(1, heads, dim)
+def _attend_alone(
+    g: Group, module: torch.nn.Module, query: torch.Tensor, kv: LayerKV, scaling: float | None
+) -> torch.Tensor:
+    """A lone decode row over exactly its keys (``paged_batch.lone_decode``), no mask (every key is
+    the row's own past), read in place where they are consecutive (``g.span``): [1, heads, D].
+
+    With PyTorch's kernels (the native ones off) it is transformers' own SDPA call, the one
+    ``generate()`` makes for a lone unpadded row, so the kernel sees the same shapes: in bfloat16
+    the other form of this sum rounds otherwise at some lengths. With the native kernels the step's
+    linear layers round otherwise anyway, and the query heads sharing a key/value head go as the
+    rows of one head: 1.3-2.7x quicker (float32, 20 query heads on 4, 150-4,000 keys, 2 cores)."""
+    ks, vs = kv.span(*g.span, query.dtype) if g.span is not None else kv.gather(g.k_slots, query.dtype)
+    qs = query[:, :, g.start : g.start + 1]  # [1, heads, 1, D]
+    if not matvec.enabled():
+        return sdpa_attention_forward(module, qs, ks, vs, None, scaling=scaling)[0][0]
+    heads, kv_heads, dim = qs.shape[1], ks.shape[1], qs.shape[3]
+    grouped = qs.reshape(1, kv_heads, heads // kv_heads, dim)
+    return scaled_dot_product_attention(grouped, ks, vs, scale=scaling).reshape(1, heads, dim)
 
 
 QUERY_TILE = 64  # CPU: rows of a chunk over cached keys attended at once (bounds the mask it needs)

@@ -57,11 +57,12 @@ class Group:
     unpadded (decode rows, or a single prefill chunk): then no gather or scatter is needed.
     Otherwise ``q_index`` [B, q] gathers them and ``dest`` / ``src`` put the real rows back.
 
-    ``span`` (first slot, keys): one decode row whose keys are consecutive pool slots (a lone
-    stream on a fresh pool gets its blocks in order): attention reads them in place, a slice of
-    the pool with no gather and no mask; then ``k_slots`` and ``mask`` are None. A group with
-    ``k_slots`` and no ``mask`` attends to every key it names. Eager steps only: both carry the
-    key count as a Python int, which a compiled step would specialise on.
+    ``alone``: one decode row over exactly its keys, no mask (``lone_decode``), attended by the
+    call ``generate()`` makes. ``span`` (first slot, keys): its keys are consecutive pool slots (a
+    lone stream on a fresh pool gets its blocks in order): attention reads them in place, a slice
+    of the pool with no gather; then ``k_slots`` and ``mask`` are None. A group with ``k_slots``
+    and no ``mask`` attends to every key it names. Eager steps only: both carry the key count as
+    a Python int, which a compiled step would specialise on.
 
     ``flex``: the group is attended by FlexAttention over the pool in place (``runner.flex``);
     then ``k_slots`` and the masks are None.
@@ -79,6 +80,7 @@ class Group:
     src: torch.Tensor | None = None  # its row in the flattened [B * q] output
     window_mask: torch.Tensor | None = None  # ``mask`` and'ed with the sliding window (models that have one)
     span: tuple[int, int] | None = None
+    alone: bool = False
     causal: bool = False  # one prefill chunk, plainly causal: no mask tensor (``causal_chunk``)
     flex: flex.PagedMasks | None = None
 
@@ -102,11 +104,24 @@ def causal_chunk(pool: BlockPool, chunk: Chunk, start: int, device: torch.device
     blocks are consecutive, else gathered."""
     keys = chunk.start + chunk.count
     span = in_place_span(pool, chunk.table, keys) if chunk.start else None
-    k_slots = None
-    if chunk.start and span is None:
-        blocks = -(-keys // pool.block_size)
-        k_slots = key_slots(upload([padded_table(chunk.table, blocks)], device), pool.block_size)[:, :keys]
+    k_slots = exact_slots(pool, chunk.table, keys, device) if chunk.start and span is None else None
     return Group(1, chunk.count, k_slots, None, start=start, span=span, causal=True)
+
+
+def lone_decode(pool: BlockPool, chunk: Chunk, start: int, device: torch.device) -> Group:
+    """The group of an eager step's only decode row (no sliding window): its keys exactly, no
+    mask, so that attention makes ``generate()``'s own call for a lone row
+    (``attention._attend_alone``); read in place where its blocks are consecutive."""
+    keys = chunk.start + 1
+    span = in_place_span(pool, chunk.table, keys)
+    k_slots = None if span else exact_slots(pool, chunk.table, keys, device)
+    return Group(1, 1, k_slots, None, start=start, span=span, alone=True)
+
+
+def exact_slots(pool: BlockPool, table: Sequence[int], keys: int, device: torch.device) -> torch.Tensor:
+    """[1, keys] pool slot of each of a row's first ``keys`` positions (no padding)."""
+    blocks = -(-keys // pool.block_size)
+    return key_slots(upload([padded_table(table, blocks)], device), pool.block_size)[:, :keys]
 
 
 def plainly_causal(pool: BlockPool, chunk: Chunk) -> bool:
@@ -214,7 +229,8 @@ def _placed(chunks: Sequence[Chunk], offsets: Sequence[int], q: int, device: tor
 
 def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device, in_place: bool = False) -> PagedBatch:
     """Decode rows (one token each) form one group, prefill chunks another. ``in_place``: a lone
-    decode row whose blocks are consecutive attends in place (``Group.span``; eager only)."""
+    decode row attends over exactly its keys, in place where its blocks are consecutive
+    (``lone_decode``; eager only)."""
     offsets, total = [], 0
     for c in chunks:
         offsets.append(total)
@@ -228,11 +244,10 @@ def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device, 
 
     groups = []
     if decode:
-        lone = chunks[decode[0]]
-        span = in_place_span(pool, lone.table, lone.start + 1) if in_place and len(decode) == 1 else None
+        lone = in_place and len(decode) == 1 and pool.window is None
         groups.append(
-            Group(1, 1, None, None, start=offsets[decode[0]], span=span)
-            if span
+            lone_decode(pool, chunks[decode[0]], offsets[decode[0]], device)
+            if lone
             else group(decode, flex.usable(pool, device))
         )
     prefill_flex = flex.usable_for_prefill(pool, device)
