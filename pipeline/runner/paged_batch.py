@@ -57,12 +57,13 @@ class Group:
     unpadded (decode rows, or a single prefill chunk): then no gather or scatter is needed.
     Otherwise ``q_index`` [B, q] gathers them and ``dest`` / ``src`` put the real rows back.
 
-    ``alone``: one decode row over exactly its keys, no mask (``lone_decode``), attended by the
-    call ``generate()`` makes. ``span`` (first slot, keys): its keys are consecutive pool slots (a
-    lone stream on a fresh pool gets its blocks in order): attention reads them in place, a slice
-    of the pool with no gather; then ``k_slots`` and ``mask`` are None. A group with ``k_slots``
-    and no ``mask`` attends to every key it names. Eager steps only: both carry the key count as
-    a Python int, which a compiled step would specialise on.
+    ``alone``: one decode row over exactly its keys, no mask (``lone_decode``): where PyTorch's
+    kernels run, attended by the call ``generate()`` makes (``attention._attend_alone``).
+    ``span`` (first slot, keys): its keys are consecutive pool slots (a lone stream on a fresh
+    pool gets its blocks in order): attention reads them in place, a slice of the pool with no
+    gather; then ``k_slots`` and ``mask`` are None. A group with ``k_slots`` and no ``mask``
+    attends to every key it names. Eager steps only: both carry the key count as a Python int,
+    which a compiled step would specialise on.
 
     ``flex``: the group is attended by FlexAttention over the pool in place (``runner.flex``);
     then ``k_slots`` and the masks are None.
