@@ -63,28 +63,33 @@ def grouped_bf16(tiny_dir, tmp_path_factory) -> Path:
     return out
 
 
-def test_a_lone_bfloat16_row_attends_bit_for_bit_as_generate(grouped_bf16):
+def test_a_lone_bfloat16_row_attends_bit_for_bit_as_generate(grouped_bf16, monkeypatch):
     """In bfloat16 one rounding apart parts the engine from generate() for good: the query heads
     sharing a key/value head attended as rows of one head rounds otherwise than generate()'s call at
     some lengths. With PyTorch's kernels every attention output of a lone row is generate()'s, in
     place and gathered."""
     lm = load_model(str(grouped_bf16), dtype="bfloat16", quant="none")
     layers = lm.model.model.layers
-    seen: list[list[torch.Tensor]] = []
+    seen: list[torch.Tensor] = []  # each attention layer's output for the last token, call by call
     hooks = [
         layer.self_attn.register_forward_hook(lambda m, a, out: seen.append(out[0][0, -1].clone())) for layer in layers
     ]
+    in_place = []  # per lone-row attention call: read in place (True) or gathered
+    alone = attention._attend_alone
+    monkeypatch.setattr(attention, "_attend_alone", lambda g, *a: in_place.append(g.span is not None) or alone(g, *a))
     pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(matvec=False)}, kv_block_size=8)
     ids, steps = list(range(40, 56)), 112
     try:
         generate_oracle(lm, torch.tensor([ids]), steps, ignore_eos=True)
         want, seen[:] = list(seen), []
-        for _ in range(2):  # fresh blocks (read in place), then the prefix's and others (gathered)
+        for run in range(2):  # fresh blocks (read in place), then the prefix's and others (gathered)
             pipe.run_ids(ids, Request(max_new_tokens=steps, ignore_eos=True))
+            assert in_place and all(in_place) if run == 0 else not all(in_place), "read in place, then gathered"
             assert len(seen) == len(want)
             parted = [i // len(layers) for i, (a, b) in enumerate(zip(seen, want)) if not torch.equal(a, b)]
             assert not parted, f"attention parts from generate() at steps {parted[:5]}"
             seen.clear()
+            in_place.clear()
     finally:
         for hook in hooks:
             hook.remove()
