@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from conftest import generate_oracle
 from pipeline import Pipeline, Request, load_model
+from pipeline.runner import matvec
 from stages import DecodeLoop, Prefill, Tokenize
 
 attention = sys.modules["pipeline.runner.attention"]
@@ -93,6 +94,40 @@ def test_a_lone_bfloat16_row_attends_bit_for_bit_as_generate(grouped_bf16, monke
     finally:
         for hook in hooks:
             hook.remove()
+
+
+def test_with_the_native_kernels_a_lone_row_answers_the_same_wherever_its_blocks_lie(grouped_bf16, monkeypatch):
+    """The native attention kernel reads a lone row's keys in place wherever they lie. (It read
+    only scattered ones: consecutive blocks took SDPA, and a bfloat16 answer depended on where the
+    pool had put the row's blocks: the same prompt, run twice, parted.)"""
+    monkeypatch.setattr(matvec, "MIN_ELEMENTS", 0)  # this model's layers are below the kernels' size
+    lm = load_model(str(grouped_bf16), dtype="bfloat16", quant="none")
+    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_block_size=8)
+    seen: list[torch.Tensor] = []  # each decode step's attention outputs, layer by layer
+
+    def keep(module, args, out) -> None:
+        if out[0].shape[1] == 1:
+            seen.append(out[0].clone())
+
+    hooks = [layer.self_attn.register_forward_hook(keep) for layer in lm.model.model.layers]
+    in_place = []  # per lone-row attention call: its blocks consecutive (True) or not
+    attend = attention._attend
+    monkeypatch.setattr(attention, "_attend", lambda g, *a: in_place.append(g.span is not None) or attend(g, *a))
+    ids, runs = list(range(40, 56)), []
+    try:
+        for _ in range(2):  # a fresh pool's blocks in order; then the blocks it freed, in another
+            pipe.pool.clear_prefix_cache()
+            tokens = pipe.run_ids(ids, Request(max_new_tokens=64, ignore_eos=True)).generated
+            runs.append((tokens, list(seen), list(in_place)))
+            seen.clear()
+            in_place.clear()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    (first, first_seen, first_place), (second, second_seen, second_place) = runs
+    assert all(first_place) and not all(second_place), "in order, then not"
+    assert all(torch.equal(a, b) for a, b in zip(first_seen, second_seen)) and len(first_seen) == len(second_seen)
+    assert first == second
 
 
 def test_a_hook_on_the_decoder_sees_every_step(lm):

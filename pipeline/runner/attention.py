@@ -69,7 +69,7 @@ def paged_attention(
             _attend_causal(g, query, key, value, kv, scaling)
             if g.causal
             else _attend_alone(g, module, query, kv, scaling)
-            if g.span is not None or (g.alone and not native_decode(query, kv))
+            if g.alone and not native_decode(query, kv)
             else _attend(g, flat_q, kv, window is not None, scaling, batch.pool.block_size),
         )
         for g in batch.groups
@@ -193,10 +193,11 @@ def _attend_alone(
 
     With PyTorch's kernels (the native ones off) it is transformers' own SDPA call, the one
     ``generate()`` makes for a lone unpadded row, so the kernel sees the same shapes: in bfloat16
-    the other form of this sum rounds otherwise at some lengths. With the native kernels the step's
-    linear layers round otherwise anyway, and the query heads sharing a key/value head go as the
-    rows of one head: 2.5-2.7x quicker in float32, 1.3-1.5x in bfloat16 (20 query heads on 4,
-    150-4,000 keys, 2 threads)."""
+    the other form of this sum rounds otherwise at some lengths. With the native kernels on but
+    their attention kernel unable to read this pool (``native_decode``: quantised keys, more than
+    8 query heads to a key/value head) the step's linear layers round otherwise anyway, and the
+    query heads sharing a key/value head go as the rows of one head: 2.5-2.7x quicker in float32,
+    1.3-1.5x in bfloat16 (20 query heads on 4, 150-4,000 keys, 2 threads)."""
     ks, vs = kv.span(*g.span, query.dtype) if g.span is not None else kv.gather(g.k_slots, query.dtype)
     qs = query[:, :, g.start : g.start + 1]  # [1, heads, 1, D]
     if not matvec.enabled():

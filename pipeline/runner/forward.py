@@ -209,10 +209,8 @@ class SingleRowStep:
         n, self.keys = self.keys, self.keys + 1
         if self.k_slots is None:
             self.k_slots = key_slots(tables, pool.block_size)
-        if self.first is not None:
-            group = Group(1, 1, None, None, start=0, span=(self.first, n), alone=True)
-        else:
-            group = Group(1, 1, self.k_slots[:, :n], None, start=0, alone=True)
+        span = (self.first, n) if self.first is not None else None
+        group = Group(1, 1, self.k_slots[:, :n], None, start=0, span=span, alone=True)
         logits = run_model(model, ids, None, positions, None, PagedBatch(pool, self.k_slots[0, n - 1 : n], [group]))
         return argmax(logits).view(1, -1), positions + 1, lengths + 1
 

@@ -39,7 +39,11 @@ import torch.nn.functional as F
 from pipeline.runner import packed
 
 SOURCE = Path(__file__).with_name("matvec.cpp")
-SOURCES = [SOURCE, SOURCE.with_name("decode_attention.cpp")]  # one extension: both kernels build and load together
+SOURCES = [
+    SOURCE,
+    SOURCE.with_name("decode_attention.cpp"),
+    SOURCE.with_name("fused.cpp"),
+]  # one extension, built and loaded together
 HEADERS = [SOURCE.with_name("avx2.h")]  # included by both
 # -fopenmp for at::parallel_for's threads (without it the kernel runs on one); the OpenMP symbols
 # resolve to torch's own runtime, so torch.set_num_threads governs the kernel too.

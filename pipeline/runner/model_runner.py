@@ -22,7 +22,7 @@ import torch
 
 from pipeline.model import tensor_parallel
 from pipeline.kv import BlockPool
-from pipeline.runner import compile_ahead, inductor_cache, lora, matvec
+from pipeline.runner import compile_ahead, fused, inductor_cache, lora, matvec
 from pipeline.runner.attention import attach
 from pipeline.runner.paged_batch import Chunk
 from pipeline.runner.compiled import CompiledStep
@@ -68,6 +68,8 @@ class ModelRunner:
         self.device = lm.device  # (a property that walks the parameters: read once)
         self.compiled = compiled if compiled is None or compiled.applies(self.device) else None
         self.native = native and self.device.type == "cpu" and matvec.ready(lm.model)
+        if self.native:
+            fused.attach(lm.model)  # its norms and rotations too, where transformers declares them standard
         # Tensor parallel, on rank 0: every step is sent to the other ranks first (``mirror``).
         group = tensor_parallel.current() if getattr(lm, "tp", 1) > 1 else None
         # (Ranks decode a CUDA-graphed step eagerly: ``GraphedStep.why_not``.)

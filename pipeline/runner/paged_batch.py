@@ -58,12 +58,13 @@ class Group:
     Otherwise ``q_index`` [B, q] gathers them and ``dest`` / ``src`` put the real rows back.
 
     ``alone``: one decode row over exactly its keys, no mask (``lone_decode``): where PyTorch's
-    kernels run, attended by the call ``generate()`` makes (``attention._attend_alone``).
+    kernels run, attended by the call ``generate()`` makes (``attention._attend_alone``); where
+    the native ones do, by their kernel over ``k_slots`` (a lone row's keys always have them).
     ``span`` (first slot, keys): its keys are consecutive pool slots (a lone stream on a fresh
-    pool gets its blocks in order): attention reads them in place, a slice of the pool with no
-    gather; then ``k_slots`` and ``mask`` are None. A group with ``k_slots`` and no ``mask``
-    attends to every key it names. Eager steps only: both carry the key count as a Python int,
-    which a compiled step would specialise on.
+    pool gets its blocks in order): PyTorch's kernels read them in place, a slice of the pool with
+    no gather. A prefill chunk with a ``span`` has no ``k_slots``. A group with ``k_slots`` and no
+    ``mask`` attends to every key it names. Eager steps only: both carry the key count as a
+    Python int, which a compiled step would specialise on.
 
     ``flex``: the group is attended by FlexAttention over the pool in place (``runner.flex``);
     then ``k_slots`` and the masks are None.
@@ -112,11 +113,12 @@ def causal_chunk(pool: BlockPool, chunk: Chunk, start: int, device: torch.device
 def lone_decode(pool: BlockPool, chunk: Chunk, start: int, device: torch.device) -> Group:
     """The group of an eager step's only decode row (no sliding window): its keys exactly, no
     mask, so that attention makes ``generate()``'s own call for a lone row
-    (``attention._attend_alone``); read in place where its blocks are consecutive."""
+    (``attention._attend_alone``), read in place where its blocks are consecutive; or the native
+    kernel's over the same slots wherever they lie (the row's answer must not depend on where the
+    pool put its blocks)."""
     keys = chunk.start + 1
     span = in_place_span(pool, chunk.table, keys)
-    k_slots = None if span else exact_slots(pool, chunk.table, keys, device)
-    return Group(1, 1, k_slots, None, start=start, span=span, alone=True)
+    return Group(1, 1, exact_slots(pool, chunk.table, keys, device), None, start=start, span=span, alone=True)
 
 
 def exact_slots(pool: BlockPool, table: Sequence[int], keys: int, device: torch.device) -> torch.Tensor:
