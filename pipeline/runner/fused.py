@@ -4,9 +4,10 @@ transformers' RMSNorm and rotary embedding, in the engine's eager steps on CPU.
 Why: a one-token step's linear layers stream their weights through the caches, and the Python
 and dispatcher code of the ops between them then runs cold. Measured (2-core Xeon, 2 threads):
 the rotary embedding of a 16-head layer takes 32 us warm and 95-130 us right after a 4 MB
-weight has been read; an RMSNorm, 6 ops, about as much. One call instead of 6-15 made the 187M
-Llama's eager step 10% quicker (float32, int8 weights: 71 -> 78 tok/s), the 254M bfloat16 one
-6% (50 -> 53). The compiled step keeps the modules' own code: Inductor fuses it anyway.
+weight has been read; an RMSNorm, about 8 ops, as much. One call instead of 8-16 made the 187M
+Llama's eager step 13% quicker (float32, int8 weights: 86 -> 97 tok/s, alternating in one
+process), the 254M bfloat16 one 10% (60 -> 66). The compiled step keeps the modules' own code:
+Inductor fuses it anyway.
 
 Which modules: those transformers itself declares interchangeable with a hub kernel (the
 ``kernels`` library's layer names: ``RMSNorm`` on the norm classes of 133 architectures,
