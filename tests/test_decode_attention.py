@@ -52,6 +52,23 @@ def test_it_equals_sdpa_over_gathered_keys(dtype, heads, kv_heads, dim):
         torch.testing.assert_close(got.double(), want, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_bits_alone_and_padded_in_a_batch(dtype):
+    """A decode row's answer must not depend on its batch: alone its keys are exactly its own, in a
+    batch they are padded (masked) to the longest row's or the step's bucket."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 64).to(dtype)
+    k, v = (torch.randn(400, 2, 64).to(dtype) for _ in range(2))
+    for keys in (1, 7, 8, 9, 15, 17, 31, 33, 64, 70, 129):
+        slots = torch.randperm(400)[:keys].unsqueeze(0)
+        alone = torch.ops.mm_pipeline.decode_attention(q, k, v, slots, None, 0.125)
+        for pad in (1, 5, 16, 40):
+            padded = torch.cat([slots, torch.zeros(1, pad, dtype=torch.long)], dim=1)
+            mask = torch.arange(keys + pad).unsqueeze(0) < keys
+            batched = torch.ops.mm_pipeline.decode_attention(q, k, v, padded, mask, 0.125)
+            assert torch.equal(batched, alone), (keys, pad)
+
+
 def test_masked_keys_are_never_read_and_a_strided_query_is_taken():
     torch.manual_seed(0)
     q = torch.randn(3, 2, 4, 16).transpose(1, 2)[:, :, 0]  # [3 rows, 4 heads, 16]: not contiguous
