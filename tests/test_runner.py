@@ -130,6 +130,33 @@ def test_with_the_native_kernels_a_lone_row_answers_the_same_wherever_its_blocks
     assert first == second
 
 
+def test_prompts_prefilled_together_attend_as_each_does_alone(grouped_bf16):
+    """Each prefill chunk of a step is attended as it is alone (SDPA's fused causal kernel over its
+    own keys): one masked call over them all rounded otherwise in bfloat16, so that a request's
+    answer depended on which others were prefilled with it."""
+    lm = load_model(str(grouped_bf16), dtype="bfloat16", quant="none")
+    pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_block_size=8)
+    first = lm.model.model.layers[0].self_attn  # its inputs are the embeddings: the same bits either way
+    seen: list[torch.Tensor] = []
+    hook = first.register_forward_hook(lambda m, a, out: seen.append(out[0][0].clone()) and None)
+    prompts = [torch.randint(10, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (37, 23, 51)]
+    try:
+        alone = []
+        for ids in prompts:
+            pipe.pool.clear_prefix_cache()
+            pipe.run_ids(ids, Request(max_new_tokens=1))
+            alone.append(seen.pop(0))
+        pipe.pool.clear_prefix_cache()
+        seen.clear()
+        handles = [pipe.submit(Request(max_new_tokens=1), ids=ids, result=False) for ids in prompts]
+        [pipe.wait(h) for h in handles]
+    finally:
+        hook.remove()
+    together = seen[0]
+    assert together.shape[0] == sum(len(ids) for ids in prompts), "prefilled in one step"
+    assert all(torch.equal(a, b) for a, b in zip(alone, together.split([len(ids) for ids in prompts])))
+
+
 def test_a_hook_on_the_decoder_sees_every_step(lm):
     pipe = fresh_pipe(lm)
     steps = []

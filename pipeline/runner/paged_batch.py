@@ -133,7 +133,7 @@ def plainly_causal(pool: BlockPool, chunk: Chunk) -> bool:
 
 
 def _fused_causal(pool: BlockPool, chunk: Chunk, prefill_flex: bool) -> bool:
-    """Whether a lone prefill chunk takes ``causal_chunk``: plainly causal, and (where
+    """Whether a prefill chunk takes ``causal_chunk``: plainly causal, and (where
     FlexAttention reads the pool for prefill) its keys need no gather: it starts at position 0
     or its blocks are consecutive."""
     if not plainly_causal(pool, chunk):
@@ -231,7 +231,8 @@ def _placed(chunks: Sequence[Chunk], offsets: Sequence[int], q: int, device: tor
 
 
 def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device, in_place: bool = False) -> PagedBatch:
-    """Decode rows (one token each) form one group, prefill chunks another. ``in_place``: a lone
+    """Decode rows (one token each) form one group; prefill chunks another, or one each where all
+    are plainly causal (``causal_chunk``: each attended as it is alone). ``in_place``: a lone
     decode row attends over exactly its keys, in place where its blocks are consecutive
     (``lone_decode``; eager only)."""
     offsets, total = [], 0
@@ -254,8 +255,10 @@ def build_batch(pool: BlockPool, chunks: Sequence[Chunk], device: torch.device, 
             else group(decode, flex.usable(pool, device))
         )
     prefill_flex = flex.usable_for_prefill(pool, device)
-    if len(prefill) == 1 and _fused_causal(pool, chunks[prefill[0]], prefill_flex):
-        groups.append(causal_chunk(pool, chunks[prefill[0]], offsets[prefill[0]], device))
+    if prefill and all(_fused_causal(pool, chunks[i], prefill_flex) for i in prefill):
+        # each chunk attended as it is alone: one masked call over them all rounds otherwise, and
+        # in bfloat16 a request's answer then depended on which others were prefilled with it
+        groups += [causal_chunk(pool, chunks[i], offsets[i], device) for i in prefill]
     elif prefill:
         groups.append(group(prefill, prefill_flex))
     states = build_state_batch(pool.states, chunks, device) if pool.states is not None else None
