@@ -19,7 +19,6 @@ model whose norm adds one to its weight, or whose rotation interleaves, stays on
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -35,7 +34,6 @@ MAX_ELEMENTS = 1 << 17
 LANES = (8, 16)
 
 _verdicts: dict[tuple[type, torch.dtype], int | bool] = {}  # (class, dtype) -> lanes of its sum (0: none), or False
-_lock = threading.Lock()
 
 
 def attach(model: torch.nn.Module) -> int:
@@ -154,8 +152,7 @@ def _checked(key: tuple[type, torch.dtype], own: Any, native: Any, lanes: tuple[
         return native(verdict)
     expected = own()
     found = next((n for n in lanes if _same(native(n), expected)), None)
-    with _lock:
-        _verdicts[key] = False if found is None else found
+    _verdicts[key] = False if found is None else found  # threads racing here reach the same verdict
     return expected
 
 
