@@ -1,5 +1,5 @@
-// The small ops between a decode step's linear layers, each one native call: RMSNorm and the
-// rotary embedding (``fused.py`` says when they run and why).
+// The small ops between a decode step's linear layers, each one native call: RMSNorm, the
+// rotary embedding and the declared activations (``fused.py`` says when they run and why).
 //
 // Both reproduce PyTorch's eager arithmetic bit for bit, so a step computes the same numbers as
 // transformers' modules: every product and sum rounded where ATen rounds it (no FMA contraction:
@@ -141,14 +141,25 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
   return {qo, ko};
 }
 
+// An activation transformers declares by its kernel layer name, as PyTorch's own kernel computes
+// it: one opaque call in a compiled step, where Inductor's generated code would round otherwise.
+at::Tensor activation(const at::Tensor& x, c10::string_view kind) {
+  if (kind == "SiLU") return at::silu(x);
+  if (kind == "GeluTanh") return at::gelu(x, "tanh");
+  if (kind == "GeLU") return at::gelu(x);
+  TORCH_CHECK(false, "activation: no kernel for ", kind);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mm_pipeline, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, int lanes) -> Tensor");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("activation(Tensor x, str kind) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mm_pipeline, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
+  m.impl("activation", &activation);
 }

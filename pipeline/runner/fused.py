@@ -1,25 +1,35 @@
 """The small ops between a decode step's linear layers as one native call each (``fused.cpp``):
-transformers' RMSNorm and rotary embedding, in the engine's eager steps on CPU.
+transformers' RMSNorm, rotary embedding and declared activations, in the engine's decode steps
+on CPU, eager and compiled.
 
-Why: a one-token step's linear layers stream their weights through the caches, and the Python
-and dispatcher code of the ops between them then runs cold. Measured (2-core Xeon, 2 threads):
-the rotary embedding of a 16-head layer takes 32 us warm and 95-130 us right after a 4 MB
-weight has been read; an RMSNorm, about 8 ops, as much. One call instead of 8-16 made the 187M
-Llama's eager step 13% quicker (float32, int8 weights: 86 -> 97 tok/s, alternating in one
-process), the 254M bfloat16 one 10% (60 -> 66). The compiled step keeps the modules' own code:
-Inductor fuses it anyway.
+Why, eager: a one-token step's linear layers stream their weights through the caches, and the
+Python and dispatcher code of the ops between them then runs cold. Measured (2-core Xeon, 2
+threads): the rotary embedding of a 16-head layer takes 32 us warm and 95-130 us right after a
+4 MB weight has been read; an RMSNorm, about 8 ops, as much. One call instead of 8-16 made the
+187M Llama's eager step 13% quicker (float32, int8 weights: 86 -> 97 tok/s, alternating in one
+process), the 254M bfloat16 one 10% (60 -> 66).
+
+Why, compiled: Inductor fuses a module's own code into kernels of its own, which round
+otherwise (a reduction in another order, a bfloat16 product kept in float32): in bfloat16 the
+compiled step's tokens parted from the eager step's within 15-60 tokens. Called as opaque ops,
+the compiled step computes the eager step's numbers bit for bit, so that switching to it
+mid-request changes no token.
 
 Which modules: those transformers itself declares interchangeable with a hub kernel (the
 ``kernels`` library's layer names: ``RMSNorm`` on the norm classes of 133 architectures,
-``rotary_pos_emb`` among an attention class's kernel functions on 121), with the weights
-and shapes the native ops read. Each native op reproduces the module's arithmetic bit for bit,
-and a module class is trusted only after its first call here gave the same bits both ways (a
-model whose norm adds one to its weight, or whose rotation interleaves, stays on its own code).
+``rotary_pos_emb`` among an attention class's kernel functions on 121, the ``SiLU``, ``GeluTanh``
+and ``GeLU`` activation classes), with the weights and shapes the native ops read. Each native op
+reproduces the module's arithmetic bit for bit, and a module class is trusted only once
+``attach`` found its own forward and the op giving the same bits (a model whose norm adds one to
+its weight, or whose rotation interleaves, stays on its own code). ``attach`` checks, on inputs
+of its own, rather than a first call: a compiled step is traced before any step has run.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import inspect
+from typing import Any, Callable
 
 import torch
 
@@ -27,43 +37,69 @@ from pipeline.runner import matvec
 
 NORM = "RMSNorm"  # transformers' kernel layer name for the standard RMSNorm
 ROTARY = "rotary_pos_emb"  # transformers' kernel name of apply_rotary_pos_emb (an attention's ``_kernel_funcs``)
+ACTIVATIONS = ("SiLU", "GeluTanh", "GeLU")  # kernel layer names ``mm_pipeline::activation`` computes
 DTYPES = (torch.float32, torch.bfloat16)
 # a decode step's few tokens (16 of 8,192 features); more (a prefill) keeps PyTorch's parallel kernels
 MAX_ELEMENTS = 1 << 17
 # ATen's float sum takes vectors of 8 or 16 lanes (its build and the CPU): the check finds which
 LANES = (8, 16)
 
-_verdicts: dict[tuple[type, torch.dtype], int | bool] = {}  # (class, dtype) -> lanes of its sum (0: none), or False
+# (class, dtype) -> the lanes of its sum (0 where none), or None: its own code gives other bits
+_verdicts: dict[tuple[type, torch.dtype], int | None] = {}
 
 
 def attach(model: torch.nn.Module) -> int:
-    """Route the declared RMSNorm and rotary modules of ``model`` through the native ops where
-    they apply (idempotent); returns how many modules are routed."""
+    """Route the declared RMSNorm, rotary and activation modules of ``model`` through the native
+    ops where they give the module's own bits (idempotent); returns how many modules are routed."""
+    dtype = getattr(model, "dtype", None) or next((p.dtype for p in model.parameters()), torch.float32)
     routed = 0
     for module in model.modules():
-        funcs = module.__dict__.get("_kernel_funcs") or {}
-        targets = [module] if _is_norm(module) else []
-        targets += [f for name, f in funcs.items() if name == ROTARY]
-        for target in targets:
+        for target, route, own in _targets(module):
             if hasattr(target, "_hf_hook"):  # accelerate's placement wraps this forward: left as it is
                 continue
             if not isinstance(target.__dict__.get("forward"), _Routed):
-                target.forward = _Routed(_norm if target is module else _rotary, target)
+                target.forward = _Routed(route, target, own)
+            _check(target, route, dtype)
             routed += 1
     return routed
 
 
-class _Routed:
-    """A module's forward through ``route``. Its ``__func__`` is the class's own forward: what
-    the kernels library calls for a kernel function while compiling (read as
-    ``forward.__func__``), so that a compiled step runs the module's own code."""
+def _targets(module: torch.nn.Module) -> list[tuple[torch.nn.Module, Callable, Callable]]:
+    """(module, route, its own forward) for ``module`` and its declared kernel functions."""
+    if _is_norm(module):
+        return [(module, _norm, type(module).forward)]
+    if getattr(type(module), "kernel_layer_name", None) in ACTIVATIONS and not _python_formula(module):
+        return [(module, _activation, type(module).forward)]
+    funcs = module.__dict__.get("_kernel_funcs") or {}
+    found = [(f, _plain_function(type(f))) for name, f in funcs.items() if name == ROTARY]
+    return [(f, _rotary, lambda _, *args, plain=plain, **kwargs: plain(*args, **kwargs)) for f, plain in found if plain]
 
-    def __init__(self, route: Any, module: torch.nn.Module) -> None:
-        self.route, self.module = route, module
-        self.__func__ = type(module).forward
+
+def _python_formula(module: torch.nn.Module) -> bool:
+    """Whether an activation was built on transformers' Python formula (``use_gelu_python``,
+    ``use_gelu_tanh_python``: a method of its own as ``act``), other bits than its class's check
+    found on an instance calling PyTorch's kernel."""
+    return inspect.ismethod(getattr(module, "act", None))
+
+
+def _plain_function(func_class: type) -> Callable | None:
+    """The function a ``kernels`` function module wraps (its forward's closure). Calling it, not
+    the module, keeps a compiled step out of the module's dispatch back to this forward."""
+    forward = getattr(func_class, "forward", None)
+    names = getattr(getattr(forward, "__code__", None), "co_freevars", ())
+    return forward.__closure__[names.index("func")].cell_contents if "func" in names else None
+
+
+class _Routed:
+    """A module's forward through ``route``. ``__func__`` is what the kernels library calls for
+    a kernel function while compiling, with the function's shared module: the same route."""
+
+    def __init__(self, route: Callable, module: torch.nn.Module, own: Callable) -> None:
+        self.route, self.module, self.own = route, module, own
+        self.__func__ = functools.partial(route, own)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.route(self.module, *args, **kwargs)
+        return self.route(self.own, self.module, *args, **kwargs)
 
 
 def _is_norm(module: torch.nn.Module) -> bool:
@@ -85,31 +121,32 @@ def _eps(module: torch.nn.Module) -> float | None:
 
 
 def _active(x: torch.Tensor) -> bool:
-    """Inside the engine's eager steps with native kernels, on a decode step's few values of a
-    dtype the ops read."""
+    """Inside the engine's steps with native kernels, on a dtype the ops read; eager, only a
+    decode step's few values (a prefill keeps PyTorch's parallel kernels: the same bits)."""
     return (
         matvec.enabled()
-        and not torch.compiler.is_compiling()
         and x.device.type == "cpu"
         and x.dtype in DTYPES
-        and x.numel() <= MAX_ELEMENTS
+        and (torch.compiler.is_compiling() or x.numel() <= MAX_ELEMENTS)
     )
 
 
-def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    own = type(module).forward
+def _norm(own: Callable, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    lanes = _verdicts.get((type(module), x.dtype))
     weight = module.weight
-    if not _active(x) or weight.dtype != x.dtype or weight.shape[0] != x.shape[-1]:
+    if lanes is None or not _active(x) or weight.dtype != x.dtype or weight.shape[0] != x.shape[-1]:
         return own(module, x)
-    eps = _eps(module)
-    return _checked(
-        (type(module), x.dtype),
-        lambda: own(module, x),
-        lambda lanes: torch.ops.mm_pipeline.rms_norm(x, weight, eps, lanes),
-    )
+    return torch.ops.mm_pipeline.rms_norm(x, weight, _eps(module), lanes)
+
+
+def _activation(own: Callable, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if _verdicts.get((type(module), x.dtype)) is None or not _active(x):
+        return own(module, x)
+    return torch.ops.mm_pipeline.activation(x, type(module).kernel_layer_name)
 
 
 def _rotary(
+    own: Callable,
     module: torch.nn.Module,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -118,15 +155,10 @@ def _rotary(
     *rest: Any,
     **kwargs: Any,
 ) -> Any:
-    own = type(module).forward
-    if rest or kwargs or not _active(q) or not _rotary_shapes(q, k, cos, sin):
+    usable = _verdicts.get((type(module), q.dtype)) is not None
+    if rest or kwargs or not usable or not _active(q) or not _rotary_shapes(q, k, cos, sin):
         return own(module, q, k, cos, sin, *rest, **kwargs)
-    return _checked(
-        (type(module), q.dtype),
-        lambda: own(module, q, k, cos, sin),
-        lambda lanes: torch.ops.mm_pipeline.rotary(q, k, cos, sin),
-        lanes=(0,),
-    )
+    return torch.ops.mm_pipeline.rotary(q, k, cos, sin)
 
 
 def _rotary_shapes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -142,18 +174,35 @@ def _rotary_shapes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     )
 
 
-def _checked(key: tuple[type, torch.dtype], own: Any, native: Any, lanes: tuple[int, ...] = LANES) -> Any:
-    """``native(lanes)`` once ``key`` is known to give the bits of ``own()``; on the first call
-    both run and the verdict is kept."""
-    verdict = _verdicts.get(key)
-    if verdict is False:
-        return own()
-    if verdict is not None:
-        return native(verdict)
-    expected = own()
-    found = next((n for n in lanes if _same(native(n), expected)), None)
-    _verdicts[key] = False if found is None else found  # threads racing here reach the same verdict
-    return expected
+def _check(target: torch.nn.Module, route: Callable, dtype: torch.dtype) -> None:
+    """Find, once per class and dtype, whether the native op gives the bits of ``target``'s own
+    forward, on random inputs shaped as a decode step's (outside ``matvec.active``: its own code)."""
+    if route is _norm:
+        dtype = target.weight.dtype
+    key = (type(target), dtype)
+    if key in _verdicts or dtype not in DTYPES:
+        return
+    inputs, native, lanes = _sample(target, route, dtype)
+    with torch.inference_mode():
+        expected = target(*inputs)
+        _verdicts[key] = next((n for n in lanes if _same(native(n, *inputs), expected)), None)
+
+
+def _sample(target: torch.nn.Module, route: Callable, dtype: torch.dtype) -> tuple[tuple, Callable, tuple[int, ...]]:
+    """(inputs, the native op taking lanes and them, the lanes to try) to check ``target`` on."""
+    g = torch.Generator().manual_seed(0)  # its own: the caller's random state is left alone
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 3).to(dtype)
+
+    if route is _norm:
+        weight, eps = target.weight, _eps(target)
+        return (rand(2, weight.shape[0]),), lambda n, x: torch.ops.mm_pipeline.rms_norm(x, weight, eps, n), LANES
+    if route is _activation:
+        kind = type(target).kernel_layer_name
+        return (rand(2, 64),), lambda n, x: torch.ops.mm_pipeline.activation(x, kind), (0,)
+    q, k = rand(1, 3, 4, 64).transpose(1, 2), rand(1, 3, 2, 64).transpose(1, 2)  # views, as attention makes them
+    return (q, k, rand(1, 3, 64), rand(1, 3, 64)), lambda n, *args: torch.ops.mm_pipeline.rotary(*args), (0,)
 
 
 def _same(a: Any, b: Any) -> bool:

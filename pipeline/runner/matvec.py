@@ -49,8 +49,11 @@ HEADERS = [SOURCE.with_name("avx2.h")]  # included by both
 # resolve to torch's own runtime, so torch.set_num_threads governs the kernel too.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
-# Smaller weights are left to PyTorch: no memory-bound work to win, a few microseconds of call to
-# lose (the tiny test models, the embedded default: none of their matrices reaches this).
+# Smaller float weights are left to PyTorch: no memory-bound work to win, a few microseconds of call
+# to lose. A model with none this large (the tiny test models, the embedded default) is left to
+# PyTorch whole: the kernel not even built. Smaller int8 weights of a model the kernel serves take
+# it too: compiled, torchao's widening and scaling of a small layer is fused by Inductor into
+# other roundings than its eager call (bfloat16), and the compiled step must give the eager bits.
 MIN_ELEMENTS = 1 << 17
 # bfloat16 products of this many rows or more run widened to float32 (``widens``) or, on CPUs with
 # native bfloat16 matmuls, on prepacked weights (``pipeline.runner.packed``)
@@ -118,6 +121,11 @@ def build_name() -> str:
 def _register_fake() -> None:
     torch.library.register_fake("mm_pipeline::matvec")(_fake)  # output shapes, for torch.compile
     torch.library.register_fake("mm_pipeline::decode_attention")(_fake_attention)
+    torch.library.register_fake("mm_pipeline::rms_norm")(lambda x, weight, eps, lanes: x.new_empty(x.shape))
+    torch.library.register_fake("mm_pipeline::rotary")(
+        lambda q, k, cos, sin: (torch.empty_like(q), torch.empty_like(k))
+    )
+    torch.library.register_fake("mm_pipeline::activation")(lambda x, kind: torch.empty_like(x))
 
 
 def _fake(
@@ -153,7 +161,7 @@ def plain_weights(module: torch.nn.Module, weight: Any = None) -> tuple[torch.Te
     """(weight the kernel reads, row scales or None) of a linear layer (with ``weight`` in place of
     its own), or None where the kernel does not apply: float32 / bfloat16 weights, or torchao's
     weight-only int8 with one scale per row (its inner tensors); on CPU, contiguous,
-    in_features a multiple of 16, at least ``MIN_ELEMENTS`` weights."""
+    in_features a multiple of 16, float weights at least ``MIN_ELEMENTS`` of them."""
     weight = getattr(module, "weight", None) if weight is None else weight
     if not isinstance(module, torch.nn.Linear) or weight is None or weight.device.type != "cpu":
         return None
@@ -171,7 +179,9 @@ def plain_weights(module: torch.nn.Module, weight: Any = None) -> tuple[torch.Te
         weight = qdata
     elif type(weight) not in (torch.Tensor, torch.nn.Parameter) or weight.dtype not in WEIGHT_DTYPES:
         return None
-    if weight.dim() != 2 or weight.shape[1] % 16 or not weight.is_contiguous() or weight.numel() < MIN_ELEMENTS:
+    if weight.dim() != 2 or weight.shape[1] % 16 or not weight.is_contiguous():
+        return None
+    if scale is None and weight.numel() < MIN_ELEMENTS:
         return None
     return weight.detach(), None if scale is None else scale.detach()
 
@@ -263,6 +273,13 @@ def isa(force: str | None = None) -> str:
 
 
 def ready(model: torch.nn.Module) -> bool:
-    """Whether the engine's steps on ``model`` can use the kernel: some CPU weight it reads (those
-    are wrapped), and it builds (not even tried for a model with none)."""
-    return attach(model) > 0 and load() is None
+    """Whether the engine's steps on ``model`` can use the kernel: some CPU weight of at least
+    ``MIN_ELEMENTS`` it reads (those it reads are wrapped), and it builds (not even tried for a
+    model with none)."""
+    attach(model)
+    return any(_large(m) for m in model.modules()) and load() is None
+
+
+def _large(module: torch.nn.Module) -> bool:
+    reads = module.__dict__.get("_mm_matvec")
+    return bool(reads) and reads[0] is not None and reads[0][0].numel() >= MIN_ELEMENTS
