@@ -10,11 +10,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, GemmaConfig
 from transformers.activations import GELUTanh, SiLUActivation
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from conftest import ROOT, generate_oracle
@@ -112,11 +114,33 @@ def test_declared_activations_are_taken_where_they_compute_pytorchs_own():
 def test_an_activation_on_transformers_python_formula_keeps_it():
     """The verdict is its class's; an instance built on the Python formula computes other bits."""
     kernel, formula = GELUTanh(), GELUTanh(use_gelu_tanh_python=True)
-    assert fused.attach(torch.nn.Sequential(torch.nn.Linear(4, 4), kernel, formula)) == 1
+    assert fused.attach(torch.nn.Sequential(torch.nn.Linear(4, 4), kernel, formula)) == 2
     x = torch.randn(2, 64)
     with matvec.active():
         assert torch.equal(formula(x), formula._gelu_tanh_python(x))
         assert torch.equal(kernel(x), torch.nn.functional.gelu(x, approximate="tanh"))
+
+
+def test_a_norm_the_native_op_does_not_take_is_one_opaque_op_when_compiled():
+    """Gemma's norm (one plus its weight, in float32) keeps its own code; compiled, Inductor would
+    sum its reduction in its own order, so the graph calls that code as one op: the eager bits."""
+    norm = GemmaRMSNorm(2048).to(torch.bfloat16)
+    torch.nn.init.normal_(norm.weight)
+    assert fused.attach(torch.nn.Sequential(norm)) == 1
+    targets = []
+
+    def listing(gm: torch.fx.GraphModule, inputs: list) -> Any:
+        targets.extend(node.target for node in gm.graph.nodes)
+        return gm.forward
+
+    x = (torch.randn(1, 1, 2048) * 3).to(torch.bfloat16)
+    with matvec.active(), torch.inference_mode():
+        torch._dynamo.reset()
+        torch.compile(norm, backend=listing, fullgraph=True)(x)
+        assert torch.ops.mm_pipeline.own_code.default in targets or torch.ops.mm_pipeline.own_code in targets
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(norm, fullgraph=True)(x), GemmaRMSNorm.forward(norm, x))
+    torch._dynamo.reset()
 
 
 def test_outside_the_engines_steps_a_module_runs_its_own_code(monkeypatch):
@@ -138,6 +162,25 @@ def qwen3_dir(tiny_dir, tmp_path_factory) -> Path:
     config.update(dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2))
     config.head_dim = 64
     out = tmp_path_factory.mktemp("qwen3-native")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for path in source.iterdir():
+        if path.name.startswith("tokenizer") or path.suffix == ".jinja":
+            shutil.copy(path, out / path.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tiny_dir, tmp_path_factory) -> Path:
+    """A held-out Gemma (``save_pretrained``): norms of one plus their weight (its own code), tanh
+    GELU, the embedding scaled by the hidden size's root, the tiny Qwen3's tokenizer."""
+    source = tiny_dir("qwen3")
+    vocab = AutoConfig.from_pretrained(source).vocab_size
+    config = GemmaConfig(
+        vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, hidden_activation="gelu_pytorch_tanh",
+    )  # fmt: skip
+    out = tmp_path_factory.mktemp("gemma-native")
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     for path in source.iterdir():
@@ -188,15 +231,17 @@ print(json.dumps({"same": same, "tokens": runs[True] == runs[False]}))
 """
 
 
-def test_a_compiled_step_computes_the_eager_steps_bits(qwen3_dir, tmp_path):
+@pytest.mark.parametrize("model", ["qwen3_dir", "gemma_dir"])
+def test_a_compiled_step_computes_the_eager_steps_bits(model, request, tmp_path):
     """bfloat16, int8 weights (the CPU default): Inductor's own code for the norms, rotations,
     activation and small int8 layers rounds otherwise (most logits of a step differed before the
     compiled graph took them as opaque ops), so ``decode.compile=auto`` switching mid-request
-    would change tokens. A held-out model whose attention projections are below the kernel's
-    size floor; Inductor in a process and cache of its own (test_compiled.py says why)."""
+    would change tokens; a norm they do not take (Gemma's) is one opaque call of its own code.
+    Held-out models whose attention projections are below the kernel's size floor; Inductor in
+    a process and cache of its own (test_compiled.py says why)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     proc = subprocess.run(
-        [sys.executable, "-c", COMPILED_SCRIPT, str(qwen3_dir)],
+        [sys.executable, "-c", COMPILED_SCRIPT, str(request.getfixturevalue(model))],
         capture_output=True,
         text=True,
         timeout=600,
@@ -205,4 +250,4 @@ def test_a_compiled_step_computes_the_eager_steps_bits(qwen3_dir, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["same"] and all(got["same"]) and got["tokens"], got
+    assert len(got["same"]) == 3 * 23 and all(got["same"]) and got["tokens"], got  # every step compiled

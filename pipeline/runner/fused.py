@@ -15,6 +15,11 @@ compiled step's tokens parted from the eager step's within 15-60 tokens. Called 
 the compiled step computes the eager step's numbers bit for bit, so that switching to it
 mid-request changes no token.
 
+A normalisation the native op does not take (a norm adding one to its weight, as Gemma's; a
+``LayerNorm``; a class transformers does not declare) runs its own code in either step, called
+in a compiled graph as one opaque op (``mm_pipeline::own_code``) for the same reason: Inductor
+would sum its reduction in another order.
+
 Which modules: those transformers itself declares interchangeable with a hub kernel (the
 ``kernels`` library's layer names: ``RMSNorm`` on the norm classes of 133 architectures,
 ``rotary_pos_emb`` among an attention class's kernel functions on 121, the ``SiLU``, ``GeluTanh``
@@ -29,6 +34,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -46,6 +53,26 @@ LANES = (8, 16)
 
 # (class, dtype) -> the lanes of its sum (0 where none), or None: its own code gives other bits
 _verdicts: dict[tuple[type, torch.dtype], int | None] = {}
+# (class, dtype) -> whether its own forward gives one tensor like its input: then a compiled step
+# calls it as one opaque op where the native ops do not apply (``_own``)
+_opaque: dict[tuple[type, torch.dtype], bool] = {}
+# handle -> a module whose own forward a compiled graph calls opaquely (``_own_code``). Handles
+# count up as modules are attached: the same in every process loading the model alike, so that
+# Inductor's caches (keyed by the graph, these constants in it) serve a second process too.
+_modules: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+_handles = itertools.count()
+
+
+@torch.library.custom_op("mm_pipeline::own_code", mutates_args=())
+def _own_code(x: torch.Tensor, module: int) -> torch.Tensor:
+    """The module's own forward on ``x``, eager: one op Inductor calls as it is."""
+    out = type(_modules[module]).forward(_modules[module], x)
+    return out.clone() if out is x else out  # a custom op's output may not alias its input
+
+
+@_own_code.register_fake
+def _(x: torch.Tensor, module: int) -> torch.Tensor:
+    return torch.empty_like(x)  # a norm's or activation's output: its input's shape and dtype
 
 
 def attach(model: torch.nn.Module) -> int:
@@ -59,6 +86,9 @@ def attach(model: torch.nn.Module) -> int:
                 continue
             if not isinstance(target.__dict__.get("forward"), _Routed):
                 target.forward = _Routed(route, target, own)
+            if route is not _rotary and "_mm_own" not in target.__dict__:
+                target._mm_own = next(_handles)  # what ``_own`` names it by in a compiled graph
+                _modules[target._mm_own] = target
             _check(target, route, dtype)
             routed += 1
     return routed
@@ -68,11 +98,20 @@ def _targets(module: torch.nn.Module) -> list[tuple[torch.nn.Module, Callable, C
     """(module, route, its own forward) for ``module`` and its declared kernel functions."""
     if _is_norm(module):
         return [(module, _norm, type(module).forward)]
-    if getattr(type(module), "kernel_layer_name", None) in ACTIVATIONS and not _python_formula(module):
-        return [(module, _activation, type(module).forward)]
+    if getattr(type(module), "kernel_layer_name", None) in ACTIVATIONS:
+        return [(module, _own if _python_formula(module) else _activation, type(module).forward)]
+    if _is_other_norm(module):
+        return [(module, _own, type(module).forward)]
     funcs = module.__dict__.get("_kernel_funcs") or {}
     found = [(f, _plain_function(type(f))) for name, f in funcs.items() if name == ROTARY]
     return [(f, _rotary, lambda _, *args, plain=plain, **kwargs: plain(*args, **kwargs)) for f, plain in found if plain]
+
+
+def _is_other_norm(module: torch.nn.Module) -> bool:
+    """A normalisation the native op does not take: PyTorch's ``LayerNorm`` or a model's own norm
+    class (transformers names them ``...RMSNorm``, ``...LayerNorm``), one tensor in and out."""
+    name = type(module).__name__
+    return isinstance(module, torch.nn.LayerNorm) or (name.endswith(("RMSNorm", "LayerNorm")) and not _is_norm(module))
 
 
 def _python_formula(module: torch.nn.Module) -> bool:
@@ -135,14 +174,23 @@ def _norm(own: Callable, module: torch.nn.Module, x: torch.Tensor) -> torch.Tens
     lanes = _verdicts.get((type(module), x.dtype))
     weight = module.weight
     if lanes is None or not _active(x) or weight.dtype != x.dtype or weight.shape[0] != x.shape[-1]:
-        return own(module, x)
+        return _own(own, module, x)
     return torch.ops.mm_pipeline.rms_norm(x, weight, _eps(module), lanes)
 
 
 def _activation(own: Callable, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if _verdicts.get((type(module), x.dtype)) is None or not _active(x):
-        return own(module, x)
+        return _own(own, module, x)
     return torch.ops.mm_pipeline.activation(x, type(module).kernel_layer_name)
+
+
+def _own(own: Callable, module: torch.nn.Module, x: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
+    """The module's own code; in the engine's compiled step, as one opaque op (its eager bits)
+    where ``attach`` found it gives one tensor of its input's shape and dtype."""
+    opaque = _opaque.get((type(module), x.dtype), False) and torch.compiler.is_compiling()
+    if rest or kwargs or not (opaque and _active(x)):
+        return own(module, x, *rest, **kwargs)
+    return torch.ops.mm_pipeline.own_code(x, module._mm_own)
 
 
 def _rotary(
@@ -176,16 +224,26 @@ def _rotary_shapes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
 
 def _check(target: torch.nn.Module, route: Callable, dtype: torch.dtype) -> None:
     """Find, once per class and dtype, whether the native op gives the bits of ``target``'s own
-    forward, on random inputs shaped as a decode step's (outside ``matvec.active``: its own code)."""
-    if route is _norm:
-        dtype = target.weight.dtype
+    forward, and whether that forward gives one tensor like its input (``_opaque``), on random
+    inputs shaped as a decode step's (outside ``matvec.active``: its own code)."""
+    weight = getattr(target, "weight", None)
+    if route is not _rotary and isinstance(weight, torch.Tensor):
+        dtype = weight.dtype
     key = (type(target), dtype)
-    if key in _verdicts or dtype not in DTYPES:
+    native_known = route is _own or key in _verdicts
+    if dtype not in DTYPES or (native_known and (route is _rotary or key in _opaque)):
         return
     inputs, native, lanes = _sample(target, route, dtype)
+    if not inputs:
+        return
     with torch.inference_mode():
         expected = target(*inputs)
-        _verdicts[key] = next((n for n in lanes if _same(native(n, *inputs), expected)), None)
+        if route is not _rotary:
+            x = inputs[0]
+            like = isinstance(expected, torch.Tensor) and expected.shape == x.shape
+            _opaque[key] = like and expected.dtype == x.dtype
+        if route is not _own:
+            _verdicts[key] = next((n for n in lanes if _same(native(n, *inputs), expected)), None)
 
 
 def _sample(target: torch.nn.Module, route: Callable, dtype: torch.dtype) -> tuple[tuple, Callable, tuple[int, ...]]:
@@ -195,6 +253,9 @@ def _sample(target: torch.nn.Module, route: Callable, dtype: torch.dtype) -> tup
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * 3).to(dtype)
 
+    if route is _own:
+        width = _width(target)
+        return ((rand(2, width),) if width else ()), None, ()
     if route is _norm:
         weight, eps = target.weight, _eps(target)
         return (rand(2, weight.shape[0]),), lambda n, x: torch.ops.mm_pipeline.rms_norm(x, weight, eps, n), LANES
@@ -203,6 +264,17 @@ def _sample(target: torch.nn.Module, route: Callable, dtype: torch.dtype) -> tup
         return (rand(2, 64),), lambda n, x: torch.ops.mm_pipeline.activation(x, kind), (0,)
     q, k = rand(1, 3, 4, 64).transpose(1, 2), rand(1, 3, 2, 64).transpose(1, 2)  # views, as attention makes them
     return (q, k, rand(1, 3, 64), rand(1, 3, 64)), lambda n, *args: torch.ops.mm_pipeline.rotary(*args), (0,)
+
+
+def _width(module: torch.nn.Module) -> int | None:
+    """The features a norm or activation takes (an activation any: 64), None where not known."""
+    if getattr(type(module), "kernel_layer_name", None) in ACTIVATIONS:
+        return 64
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 1:
+        return weight.shape[0]
+    shape = getattr(module, "normalized_shape", None)
+    return shape[-1] if isinstance(shape, tuple) and len(shape) == 1 else None
 
 
 def _same(a: Any, b: Any) -> bool:
