@@ -161,7 +161,12 @@ def qwen3_dir(tiny_dir, tmp_path_factory) -> Path:
     config = AutoConfig.from_pretrained(source)
     config.update(dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2))
     config.head_dim = 64
-    out = tmp_path_factory.mktemp("qwen3-native")
+    return saved(config, source, tmp_path_factory.mktemp("qwen3-native"))
+
+
+def saved(config: Any, source: Path, out: Path) -> Path:
+    """A model of ``config`` with seeded random weights, saved as a user's checkpoint with the
+    tokenizer of the tiny model at ``source``."""
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     for path in source.iterdir():
@@ -180,13 +185,7 @@ def gemma_dir(tiny_dir, tmp_path_factory) -> Path:
         vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, hidden_activation="gelu_pytorch_tanh",
     )  # fmt: skip
-    out = tmp_path_factory.mktemp("gemma-native")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(out)
-    for path in source.iterdir():
-        if path.name.startswith("tokenizer") or path.suffix == ".jinja":
-            shutil.copy(path, out / path.name)
-    return out
+    return saved(config, source, tmp_path_factory.mktemp("gemma-native"))
 
 
 @pytest.mark.parametrize("dtype, quant", [("float32", "auto"), ("bfloat16", "none")])
