@@ -32,6 +32,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 def no_verdicts(monkeypatch):
     """Every test starts with no module class checked."""
     monkeypatch.setattr(fused, "_verdicts", {})
+    monkeypatch.setattr(fused, "_opaque", {})
 
 
 def norm(hidden: int, dtype: torch.dtype, cls: type = LlamaRMSNorm) -> torch.nn.Module:
@@ -141,6 +142,22 @@ def test_a_norm_the_native_op_does_not_take_is_one_opaque_op_when_compiled():
         torch._dynamo.reset()
         assert torch.equal(torch.compile(norm, fullgraph=True)(x), GemmaRMSNorm.forward(norm, x))
     torch._dynamo.reset()
+
+
+class ConditionedLayerNorm(torch.nn.LayerNorm):
+    """A norm by name taking a second input (adaptive norms of diffusion-style blocks)."""
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + shift
+
+
+def test_a_norm_by_name_taking_other_inputs_keeps_its_own_code():
+    module = ConditionedLayerNorm(64)
+    assert fused.attach(torch.nn.Sequential(module)) == 1  # attaching does not fail on it
+    assert fused._opaque[(ConditionedLayerNorm, torch.float32)] is False
+    x, shift = torch.randn(2, 64), torch.randn(2, 64)
+    with matvec.active():
+        assert torch.equal(module(x, shift), torch.nn.LayerNorm.forward(module, x) + shift)
 
 
 def test_outside_the_engines_steps_a_module_runs_its_own_code(monkeypatch):

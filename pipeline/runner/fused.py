@@ -237,7 +237,13 @@ def _check(target: torch.nn.Module, route: Callable, dtype: torch.dtype) -> None
     if not inputs:
         return
     with torch.inference_mode():
-        expected = target(*inputs)
+        try:
+            expected = target(*inputs)
+        except Exception:  # a norm by name whose forward takes other inputs: its own code, not opaque
+            if route is not _own:
+                raise
+            _opaque[key] = False
+            return
         if route is not _rotary:
             x = inputs[0]
             like = isinstance(expected, torch.Tensor) and expected.shape == x.shape
