@@ -172,6 +172,21 @@ def test_weights_it_cannot_read_or_that_are_too_small_keep_their_forward(monkeyp
     assert not matvec.ready(torch.nn.Sequential(small))
 
 
+def test_small_int8_layers_take_it_only_in_a_model_it_serves(monkeypatch):
+    """Below the size floor an int8 layer takes the kernel where the model has a large layer
+    (a compiled step would otherwise round it otherwise); a model of only small ones (the
+    embedded default) is left to PyTorch unwrapped."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    monkeypatch.undo()  # the default size floor
+    small = torch.nn.Sequential(torch.nn.Linear(128, 256))
+    quantize_(small, Int8WeightOnlyConfig())
+    assert not matvec.ready(small) and "_mm_matvec" not in small[0].__dict__
+    served = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Linear(1024, 256))
+    quantize_(served, Int8WeightOnlyConfig())
+    assert matvec.ready(served) and all("_mm_matvec" in layer.__dict__ for layer in served)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_engine_uses_it_and_matches_stock_generate(fresh, family, monkeypatch):
     lm = fresh(family)

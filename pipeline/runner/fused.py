@@ -66,7 +66,8 @@ _handles = itertools.count()
 @torch.library.custom_op("mm_pipeline::own_code", mutates_args=())
 def _own_code(x: torch.Tensor, module: int) -> torch.Tensor:
     """The module's own forward on ``x``, eager: one op Inductor calls as it is."""
-    out = type(_modules[module]).forward(_modules[module], x)
+    target = _modules[module]
+    out = type(target).forward(target, x)
     return out.clone() if out is x else out  # a custom op's output may not alias its input
 
 
@@ -187,7 +188,7 @@ def _activation(own: Callable, module: torch.nn.Module, x: torch.Tensor) -> torc
 def _own(own: Callable, module: torch.nn.Module, x: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
     """The module's own code; in the engine's compiled step, as one opaque op (its eager bits)
     where ``attach`` found it gives one tensor of its input's shape and dtype."""
-    opaque = _opaque.get((type(module), x.dtype), False) and torch.compiler.is_compiling()
+    opaque = torch.compiler.is_compiling() and _opaque.get((type(module), x.dtype), False)
     if rest or kwargs or not (opaque and _active(x)):
         return own(module, x, *rest, **kwargs)
     return torch.ops.mm_pipeline.own_code(x, module._mm_own)
@@ -230,8 +231,9 @@ def _check(target: torch.nn.Module, route: Callable, dtype: torch.dtype) -> None
     if route is not _rotary and isinstance(weight, torch.Tensor):
         dtype = weight.dtype
     key = (type(target), dtype)
-    native_known = route is _own or key in _verdicts
-    if dtype not in DTYPES or (native_known and (route is _rotary or key in _opaque)):
+    native_wanted = route is not _own and key not in _verdicts  # does the native op give its bits?
+    opaque_wanted = route is not _rotary and key not in _opaque  # may a compiled graph call it opaquely?
+    if dtype not in DTYPES or not (native_wanted or opaque_wanted):
         return
     inputs, native, lanes = _sample(target, route, dtype)
     if not inputs:
@@ -259,15 +261,16 @@ def _sample(target: torch.nn.Module, route: Callable, dtype: torch.dtype) -> tup
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * 3).to(dtype)
 
-    if route is _own:
+    if route is not _rotary:
         width = _width(target)
-        return ((rand(2, width),) if width else ()), None, ()
-    if route is _norm:
-        weight, eps = target.weight, _eps(target)
-        return (rand(2, weight.shape[0]),), lambda n, x: torch.ops.mm_pipeline.rms_norm(x, weight, eps, n), LANES
-    if route is _activation:
-        kind = type(target).kernel_layer_name
-        return (rand(2, 64),), lambda n, x: torch.ops.mm_pipeline.activation(x, kind), (0,)
+        inputs = (rand(2, width),) if width else ()
+        if route is _norm:
+            weight, eps = target.weight, _eps(target)
+            return inputs, lambda n, x: torch.ops.mm_pipeline.rms_norm(x, weight, eps, n), LANES
+        if route is _activation:
+            kind = type(target).kernel_layer_name
+            return inputs, lambda n, x: torch.ops.mm_pipeline.activation(x, kind), (0,)
+        return inputs, None, ()
     q, k = rand(1, 3, 4, 64).transpose(1, 2), rand(1, 3, 2, 64).transpose(1, 2)  # views, as attention makes them
     return (q, k, rand(1, 3, 64), rand(1, 3, 64)), lambda n, *args: torch.ops.mm_pipeline.rotary(*args), (0,)
 

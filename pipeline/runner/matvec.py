@@ -275,11 +275,6 @@ def isa(force: str | None = None) -> str:
 def ready(model: torch.nn.Module) -> bool:
     """Whether the engine's steps on ``model`` can use the kernel: some CPU weight of at least
     ``MIN_ELEMENTS`` it reads (those it reads are wrapped), and it builds (not even tried for a
-    model with none)."""
-    attach(model)
-    return any(_large(m) for m in model.modules()) and load() is None
-
-
-def _large(module: torch.nn.Module) -> bool:
-    reads = module.__dict__.get("_mm_matvec")
-    return bool(reads) and reads[0] is not None and reads[0][0].numel() >= MIN_ELEMENTS
+    model with none, whose layers are then left unwrapped)."""
+    large = any((found := plain_weights(m)) is not None and found[0].numel() >= MIN_ELEMENTS for m in model.modules())
+    return large and attach(model) > 0 and load() is None
