@@ -3,9 +3,9 @@ and on CPU the native decode kernel (``decode_attention.cpp``).
 
 What ``kv.attention`` chooses between (``pipeline.runner.flex``), measured in one run on the same
 pool, rows and scattered block tables, one layer of Qwen2-VL-2B's attention shape by default (12
-query heads, 2 key/value heads, head size 128): decode rows (one query each) and, on CUDA, one
-prefill chunk over cached keys. Every path is exact (the largest difference from the gathered
-path is printed); the figures are the ratios of their times to it.
+query heads, 2 key/value heads, head size 128): decode rows (one query each: a lone stream, then
+batches) and, on CUDA, one prefill chunk over cached keys. Every path is exact (the largest
+difference from the gathered path is printed); the figures are the ratios of their times to it.
 
     python benchmarks/paged_attention.py                       # CPU
     python benchmarks/paged_attention.py --device cuda --dtype bfloat16
@@ -73,8 +73,13 @@ def case(rows: int, context: int, queries: int, args: argparse.Namespace) -> dic
         ).unsqueeze(2)
 
     reference = gathered().float()
-    diff = (in_place().float() - reference).abs().max().item()
-    f, g = timed(in_place, args.reps, device), timed(gathered, args.reps, device)
+    g, f, diff = timed(gathered, args.reps, device), float("nan"), float("nan")
+    if flex.KERNEL.broken is None:
+        try:
+            diff = (in_place().float() - reference).abs().max().item()
+            f = timed(in_place, args.reps, device)
+        except Exception as err:  # Inductor cannot build it for this shape: said once, as in the engine
+            flex.KERNEL.fail(err)
     out = dict(
         rows=rows, context=context, queries=queries, flex_ms=f * 1e3, gather_ms=g * 1e3, ratio=g / f, max_diff=diff
     )
@@ -97,7 +102,7 @@ def main() -> None:
     ap.add_argument("--pool-blocks", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    shapes = [(8, 1000, 1), (64, 512, 1), (64, 2000, 1)]
+    shapes = [(1, 300, 1), (1, 2000, 1), (8, 1000, 1), (64, 512, 1), (64, 2000, 1)]  # one stream, then batches
     if args.device.startswith("cuda"):
         shapes += [(1, 12288, 4096)]
     print(

@@ -35,7 +35,9 @@ def reference(q, k, v, slots, mask, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 4, 64), (12, 2, 128), (8, 8, 80), (14, 2, 64), (16, 2, 64)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim", [(16, 4, 64), (12, 2, 128), (8, 8, 80), (14, 2, 64), (16, 2, 64), (10, 2, 72)]
+)  # 72: eight columns left after the 16-column blocks
 def test_it_equals_sdpa_over_gathered_keys(dtype, heads, kv_heads, dim):
     torch.manual_seed(0)
     rows, slots_in_pool, keys = 5, 300, 37

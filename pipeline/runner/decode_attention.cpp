@@ -17,9 +17,7 @@
 #include "avx2.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -46,44 +44,87 @@ inline void scores_of(const float* q, const T* key, int64_t dim, float* score, i
   for (int g = 0; g < G; ++g) score[g * stride] = hsum(a[g]);
 }
 
-// acc[g] += p[g * stride] * value for the G query heads (acc [G, dim]): the value widened once.
-template <int G, typename T>
-inline void accumulate(const float* p, int64_t stride, const T* value, int64_t dim, float* acc) {
-  __m256 w[G];
-  for (int g = 0; g < G; ++g) w[g] = _mm256_set1_ps(p[g * stride]);
-  for (int64_t i = 0; i < dim; i += 8) {
-    const __m256 v = widen(value + i);
-    for (int g = 0; g < G; ++g) {
-      float* out = acc + g * dim + i;
-      _mm256_storeu_ps(out, _mm256_fmadd_ps(w[g], v, _mm256_loadu_ps(out)));
+// acc[g][i .. i + 8W) = the sum over keys t, in order, of p[g * stride + t] * value_t, one FMA
+// each (values[t] null: a masked key, skipped), the sums held in registers.
+template <int G, int W, typename T>
+inline void weighted_block(const float* p, int64_t stride, const T* const* values, int64_t keys, int64_t dim,
+                           int64_t i, float* acc) {
+  __m256 a[W][G];
+  for (int c = 0; c < W; ++c)
+    for (int g = 0; g < G; ++g) a[c][g] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < keys; ++t) {
+    if (values[t] == nullptr) continue;
+    for (int c = 0; c < W; ++c) {
+      const __m256 v = widen(values[t] + i + 8 * c);
+      for (int g = 0; g < G; ++g) a[c][g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * stride + t]), v, a[c][g]);
     }
   }
+  for (int c = 0; c < W; ++c)
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(acc + g * dim + i + 8 * c, a[c][g]);
 }
 
-// exp(x) for x <= 0 (scores less their maximum), vectorisable: 2^(x log2 e) split into an integer
+// The probability-weighted sum of values for the G query heads (acc [G, dim]), 16 columns at a time
+// where G allows (twice the independent FMA chains in the 16 registers), else 8. The same sums as
+// a key-by-key pass over acc in memory, which waited on its own stores at every key
+// (benchmarks/README.md, ``paged_attention.py``).
+template <int G, typename T>
+inline void weighted_values(const float* p, int64_t stride, const T* const* values, int64_t keys, int64_t dim,
+                            float* acc) {
+  int64_t i = 0;
+  if constexpr (G <= 6)
+    for (; i + 16 <= dim; i += 16) weighted_block<G, 2>(p, stride, values, keys, dim, i, acc);
+  for (; i < dim; i += 8) weighted_block<G, 1>(p, stride, values, keys, dim, i, acc);
+}
+
+// exp(x) for x <= 0 (scores less their maximum), eight lanes: 2^(x log2 e) split into an integer
 // power (the exponent bits) and 2^f for f in [-0.5, 0.5] by a degree-6 polynomial (relative error
 // about 2e-7, near float32's own; SDPA's CPU kernel uses a similar one). Below -87 (and for a
-// masked key's -inf) it is 0.
-inline float exp_nonpositive(float x) {
-  const bool zero = !(x >= -87.f);  // also -inf (a masked key) and NaN
-  x = zero ? -87.f : x;
-  const float t = x * 1.44269504088896341f;
-  const float n = (t + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23), without a call
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += static_cast<int32_t>(n) << 23;
-  float out;
-  std::memcpy(&out, &bits, sizeof out);
-  return zero ? 0.f : out;
+// masked key's -inf, or NaN) it is 0.
+constexpr float EXP_POLY[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                               5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.f};
+constexpr float LOG2E = 1.44269504088896341f, ROUNDER = 12582912.f;  // 1.5 * 2^23: round to nearest by adding
+
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 zero = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_NGE_UQ);
+  x = _mm256_blendv_ps(x, _mm256_set1_ps(-87.f), zero);
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(LOG2E));
+  const __m256 n = _mm256_sub_ps(_mm256_add_ps(t, _mm256_set1_ps(ROUNDER)), _mm256_set1_ps(ROUNDER));
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(EXP_POLY[0]);
+  for (int i = 1; i < 7; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_POLY[i]));
+  const __m256i bits = _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
+  return _mm256_andnot_ps(zero, _mm256_castsi256_ps(bits));
 }
+
+// s[t] = exp(s[t] - m) for a row of scores; returns their sum, taken per lane (key t in lane t % 8)
+// and then across the lanes: a key past the row's end (padding in a batch, masked: weight 0) adds
+// nothing to any sum, so a row's weights have the same bits alone and padded.
+inline float softmax_weights(float* s, int64_t keys, float m) {
+  const __m256 top = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= keys; t += 8) {
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + t), top));
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (t < keys) {
+    float tail[8];
+    std::fill_n(tail, 8, -std::numeric_limits<float>::infinity());
+    std::copy(s + t, s + keys, tail);
+    const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(tail), top));
+    _mm256_storeu_ps(tail, e);
+    std::copy(tail, tail + (keys - t), s + t);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return hsum(sum);
+}
+
+// Tasks (a row's key/value head) are split over threads only when each thread gets at least this
+// many keys to read: a parallel region costs about what 150-250 keys of one head do (measured:
+// 2-core AVX2 EPYC, 5 query heads a key/value head, 4 heads a row: one thread was as fast as two
+// up to about 100 keys a row).
+constexpr int64_t KEYS_PER_THREAD = 384;
 
 template <int G, typename T>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
@@ -97,8 +138,10 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   T* op = out.data_ptr<T>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), ss0 = slots.stride(0);
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t first, int64_t last) {
+  const int64_t grain = std::max<int64_t>(1, (KEYS_PER_THREAD + keys - 1) / std::max<int64_t>(keys, 1));
+  at::parallel_for(0, rows * kv_heads, grain, [&](int64_t first, int64_t last) {
     std::vector<float> query(G * dim), scores(G * keys), acc(G * dim);
+    std::vector<const T*> values(keys);
     for (int64_t task = first; task < last; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       for (int64_t g = 0; g < G; ++g) {
@@ -117,22 +160,10 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         scores_of<G>(query.data(), kp + slot * ks0 + h * ks1, dim, scores.data() + t, keys);
         for (int64_t g = 0; g < G; ++g) top[g] = std::max(top[g], scores[g * keys + t]);
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = scores.data() + g * keys;
-        const float m = top[g];
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < keys; ++t) {
-          s[t] = exp_nonpositive(s[t] - m);  // a masked key: exp(-inf) -> 0
-          sum += s[t];
-        }
-        total[g] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < keys; ++t) {
-        if (mask != nullptr && !mask[b * keys + t]) continue;
-        accumulate<G>(scores.data() + t, keys, vp + sp[b * ss0 + t] * vs0 + h * vs1, dim, acc.data());
-      }
+      for (int64_t g = 0; g < G; ++g) total[g] = softmax_weights(scores.data() + g * keys, keys, top[g]);  // masked: 0
+      for (int64_t t = 0; t < keys; ++t)
+        values[t] = mask != nullptr && !mask[b * keys + t] ? nullptr : vp + sp[b * ss0 + t] * vs0 + h * vs1;
+      weighted_values<G>(scores.data(), keys, values.data(), keys, dim, acc.data());
       for (int64_t g = 0; g < G; ++g) {
         T* dst = op + (b * heads + h * G + g) * dim;
         const float norm = total[g] > 0.f ? 1.f / total[g] : 0.f;  // a row that sees no key: zeros

@@ -103,19 +103,20 @@ template <typename T>
 __attribute__((optimize("fp-contract=off"))) void rotate(const at::Tensor& x, const T* cos, const T* sin,
                                                            at::Tensor& out) {
   const int64_t heads = x.size(1), tokens = x.size(2), dim = x.size(3), half = dim / 2;
+  const int64_t xh = x.stride(1), xt = x.stride(2), xd = x.stride(3);  // read once, not a call per element
+  const int64_t oh = out.stride(1), ot = out.stride(2), od = out.stride(3);
   const T* xp = x.const_data_ptr<T>();
   T* op = out.data_ptr<T>();
   for (int64_t h = 0; h < heads; ++h)
     for (int64_t t = 0; t < tokens; ++t) {
-      const T* row = xp + h * x.stride(1) + t * x.stride(2);
-      T* dst = op + h * out.stride(1) + t * out.stride(2);
+      const T* row = xp + h * xh + t * xt;
+      T* dst = op + h * oh + t * ot;
       const T *c = cos + t * dim, *s = sin + t * dim;
       for (int64_t i = 0; i < dim; ++i) {
-        const T turned = i < half ? T(-static_cast<float>(row[(i + half) * x.stride(3)]))
-                                  : row[(i - half) * x.stride(3)];
-        const T a = T(static_cast<float>(row[i * x.stride(3)]) * static_cast<float>(c[i]));
+        const T turned = i < half ? T(-static_cast<float>(row[(i + half) * xd])) : row[(i - half) * xd];
+        const T a = T(static_cast<float>(row[i * xd]) * static_cast<float>(c[i]));
         const T b = T(static_cast<float>(turned) * static_cast<float>(s[i]));
-        dst[i * out.stride(3)] = T(static_cast<float>(a) + static_cast<float>(b));
+        dst[i * od] = T(static_cast<float>(a) + static_cast<float>(b));
       }
     }
 }
