@@ -44,11 +44,11 @@ inline void scores_of(const float* q, const T* key, int64_t dim, float* score, i
   for (int g = 0; g < G; ++g) score[g * stride] = hsum(a[g]);
 }
 
-// acc[g][i .. i + 8W) = the sum over keys t, in order, of p[g * stride + t] * value_t, one FMA
+// acc[g][i .. i + 8W) = the sum over keys t, in order, of p[g * keys + t] * value_t, one FMA
 // each (values[t] null: a masked key, skipped), the sums held in registers.
 template <int G, int W, typename T>
-inline void weighted_block(const float* p, int64_t stride, const T* const* values, int64_t keys, int64_t dim,
-                           int64_t i, float* acc) {
+inline void weighted_block(const float* p, const T* const* values, int64_t keys, int64_t dim, int64_t i,
+                           float* acc) {
   __m256 a[W][G];
   for (int c = 0; c < W; ++c)
     for (int g = 0; g < G; ++g) a[c][g] = _mm256_setzero_ps();
@@ -56,7 +56,7 @@ inline void weighted_block(const float* p, int64_t stride, const T* const* value
     if (values[t] == nullptr) continue;
     for (int c = 0; c < W; ++c) {
       const __m256 v = widen(values[t] + i + 8 * c);
-      for (int g = 0; g < G; ++g) a[c][g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * stride + t]), v, a[c][g]);
+      for (int g = 0; g < G; ++g) a[c][g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * keys + t]), v, a[c][g]);
     }
   }
   for (int c = 0; c < W; ++c)
@@ -68,12 +68,11 @@ inline void weighted_block(const float* p, int64_t stride, const T* const* value
 // a key-by-key pass over acc in memory, which waited on its own stores at every key
 // (benchmarks/README.md, ``paged_attention.py``).
 template <int G, typename T>
-inline void weighted_values(const float* p, int64_t stride, const T* const* values, int64_t keys, int64_t dim,
-                            float* acc) {
+inline void weighted_values(const float* p, const T* const* values, int64_t keys, int64_t dim, float* acc) {
   int64_t i = 0;
   if constexpr (G <= 6)
-    for (; i + 16 <= dim; i += 16) weighted_block<G, 2>(p, stride, values, keys, dim, i, acc);
-  for (; i < dim; i += 8) weighted_block<G, 1>(p, stride, values, keys, dim, i, acc);
+    for (; i + 16 <= dim; i += 16) weighted_block<G, 2>(p, values, keys, dim, i, acc);
+  for (; i < dim; i += 8) weighted_block<G, 1>(p, values, keys, dim, i, acc);
 }
 
 // exp(x) for x <= 0 (scores less their maximum), eight lanes: 2^(x log2 e) split into an integer
@@ -153,17 +152,17 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       for (int64_t t = 0; t < keys; ++t) {
         if (mask != nullptr && !mask[b * keys + t]) {
           for (int64_t g = 0; g < G; ++g) scores[g * keys + t] = -std::numeric_limits<float>::infinity();
+          values[t] = nullptr;
           continue;
         }
         const int64_t slot = sp[b * ss0 + t];
         TORCH_CHECK(slot >= 0 && slot < pool_slots, "decode_attention: slot ", slot, " outside the pool");
         scores_of<G>(query.data(), kp + slot * ks0 + h * ks1, dim, scores.data() + t, keys);
+        values[t] = vp + slot * vs0 + h * vs1;
         for (int64_t g = 0; g < G; ++g) top[g] = std::max(top[g], scores[g * keys + t]);
       }
       for (int64_t g = 0; g < G; ++g) total[g] = softmax_weights(scores.data() + g * keys, keys, top[g]);  // masked: 0
-      for (int64_t t = 0; t < keys; ++t)
-        values[t] = mask != nullptr && !mask[b * keys + t] ? nullptr : vp + sp[b * ss0 + t] * vs0 + h * vs1;
-      weighted_values<G>(scores.data(), keys, values.data(), keys, dim, acc.data());
+      weighted_values<G>(scores.data(), values.data(), keys, dim, acc.data());
       for (int64_t g = 0; g < G; ++g) {
         T* dst = op + (b * heads + h * G + g) * dim;
         const float norm = total[g] > 0.f ? 1.f / total[g] : 0.f;  // a row that sees no key: zeros
