@@ -50,6 +50,7 @@ from pipeline.kv import NULL_BLOCK, BlockPool
 from pipeline.runner import flex
 from pipeline.runner.paged_batch import Chunk
 from pipeline.runner.forward import burst_state, chunks_state, decode_logits, decode_step, greedy_steps
+from pipeline.runner.guards import GUARDS, Seen
 from pipeline.runner.inductor_cache import compile_record, failed_before, remember, use_project_cache
 
 
@@ -168,20 +169,9 @@ class CompiledStep:
         return logits[: len(chunks)]
 
     def greedy_steps(self, lm: Any, pool: BlockPool, state: tuple[torch.Tensor, ...], steps: int) -> list[torch.Tensor]:
-        """``forward.greedy_steps`` (a decode burst) on the compiled ``decode_step``.
-
-        Dynamo checks its guards (tensor shapes, strides, the model's attributes) before every
-        call, which costs about as much as the kernels of a tiny step. From the third step of a
-        burst on, the inputs are the previous step's outputs, shaped and strided exactly like
-        the second step's, and nothing else runs in between: those calls skip the guards that
-        cannot differ (``skip_guard_eval_unsafe``, which still picks between cached graphs).
-        """
-
-        def settled() -> Any:
-            return torch.compiler.set_stance(skip_guard_eval_unsafe=True)
-
+        """``forward.greedy_steps`` (a decode burst) on the compiled ``decode_step``."""
         return self._run(
-            lambda step: greedy_steps(lm.model, pool, state, steps, step=step, settled=settled),
+            lambda step: greedy_steps(lm.model, pool, state, steps, step=step),
             lambda: greedy_steps(lm.model, pool, state, steps),
             lm,
             pool,
@@ -206,10 +196,8 @@ class CompiledStep:
         try:
             able = self.why_not(lm) is None
             if able:
-                for batch in (1,) if rows == 1 else (1, 3):
-                    state = padding_state(pool, batch, lm.family.position_rows, lm.device)
-                    pool.prepare_write()
-                    self._run(lambda step: greedy_steps(lm.model, pool, state, 2, step=step), lambda: None, lm, pool)
+                with GUARDS.checking():  # (no other thread's step skips guards while these trace)
+                    self._build_graphs(lm, pool, rows)
             seconds = time.perf_counter() - t0
             if self.why_not(lm) is None:
                 self.built_s = seconds
@@ -222,6 +210,13 @@ class CompiledStep:
             raise
         finally:
             self.ready.set()
+
+    def _build_graphs(self, lm: Any, pool: BlockPool, rows: int | None) -> None:
+        """Two steps on padding rows for each graph ``build`` makes (``rows``: as there)."""
+        for batch in (1,) if rows == 1 else (1, 3):
+            state = padding_state(pool, batch, lm.family.position_rows, lm.device)
+            pool.prepare_write()
+            self._run(lambda step: greedy_steps(lm.model, pool, state, 2, step=step), lambda: None, lm, pool)
 
     def key(self, lm: Any, pool: BlockPool, rows: int | None) -> str:
         """What the graphs ``build`` makes depend on (the model's shapes and dtype, its weight
@@ -275,6 +270,7 @@ class CompiledStep:
             flex.own_code(fn), backend=self.backend, dynamic=False if static else None, **self._settings(lm)
         )
         graphs = self.graphs(lm)
+        seen = Seen()  # the kinds of call whose guards passed (``guards``)
 
         def step(model: Any, pool: BlockPool, *inputs: torch.Tensor) -> Any:
             tables = inputs[3]
@@ -282,13 +278,13 @@ class CompiledStep:
             if not static:
                 _mark_dynamic(*inputs)
             if not graphs:
-                return compiled(model, pool, *inputs)
+                return GUARDS.call(compiled, seen, model, pool, inputs)
             if pool not in self._static:
                 for t in pool.kv_tensors():
                     torch._dynamo.mark_static_address(t)
                 self._static.add(pool)
             torch.compiler.cudagraph_mark_step_begin()
-            out = compiled(model, pool, *inputs)
+            out = GUARDS.call(compiled, seen, model, pool, inputs)
             return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
         return step

@@ -8,7 +8,6 @@ token fed straight back, no host work in between (a decode burst).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Sequence
 
 import torch
@@ -309,18 +308,12 @@ def greedy_steps(
     state: tuple[torch.Tensor, ...],
     steps: int,
     step: Any = decode_step,
-    settled: Any = None,
 ) -> list[torch.Tensor]:
     """``steps`` greedy steps, each fed the token the last one chose; the chosen ids [1, B] of
-    each. ``step`` returns (ids, positions, lengths) and may add more (``decode_step``'s logits).
-    ``settled``: a context entered for the steps after the second, whose inputs look exactly like
-    the second's (the compiled path stops re-checking its guards there)."""
+    each. ``step`` returns (ids, positions, lengths) and may add more (``decode_step``'s logits)."""
     ids, positions, lengths, *fixed = state  # the tables and extent stay; the rest moves on
     chosen = []
-    with contextlib.ExitStack() as stack:
-        for i in range(steps):
-            if i == 2 and settled is not None:
-                stack.enter_context(settled())
-            ids, positions, lengths, *_ = step(model, pool, ids, positions, lengths, *fixed)
-            chosen.append(ids)
+    for _ in range(steps):
+        ids, positions, lengths, *_ = step(model, pool, ids, positions, lengths, *fixed)
+        chosen.append(ids)
     return chosen

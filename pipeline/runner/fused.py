@@ -44,7 +44,7 @@ from pipeline.runner import matvec
 
 NORM = "RMSNorm"  # transformers' kernel layer name for the standard RMSNorm
 ROTARY = "rotary_pos_emb"  # transformers' kernel name of apply_rotary_pos_emb (an attention's ``_kernel_funcs``)
-ACTIVATIONS = ("SiLU", "GeluTanh", "GeLU")  # kernel layer names ``mm_pipeline::activation`` computes
+ACTIVATIONS = ("SiLU", "GeluTanh", "GeLU")  # kernel layer names ``mm_pipeline::activation`` computes, by index
 DTYPES = (torch.float32, torch.bfloat16)
 # a decode step's few tokens (16 of 8,192 features); more (a prefill) keeps PyTorch's parallel kernels
 MAX_ELEMENTS = 1 << 17
@@ -182,7 +182,7 @@ def _norm(own: Callable, module: torch.nn.Module, x: torch.Tensor) -> torch.Tens
 def _activation(own: Callable, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if _verdicts.get((type(module), x.dtype)) is None or not _active(x):
         return _own(own, module, x)
-    return torch.ops.mm_pipeline.activation(x, type(module).kernel_layer_name)
+    return torch.ops.mm_pipeline.activation(x, ACTIVATIONS.index(type(module).kernel_layer_name))
 
 
 def _own(own: Callable, module: torch.nn.Module, x: torch.Tensor, *rest: Any, **kwargs: Any) -> Any:
@@ -268,7 +268,7 @@ def _sample(target: torch.nn.Module, route: Callable, dtype: torch.dtype) -> tup
             weight, eps = target.weight, _eps(target)
             return inputs, lambda n, x: torch.ops.mm_pipeline.rms_norm(x, weight, eps, n), LANES
         if route is _activation:
-            kind = type(target).kernel_layer_name
+            kind = ACTIVATIONS.index(type(target).kernel_layer_name)
             return inputs, lambda n, x: torch.ops.mm_pipeline.activation(x, kind), (0,)
         return inputs, None, ()
     q, k = rand(1, 3, 4, 64).transpose(1, 2), rand(1, 3, 2, 64).transpose(1, 2)  # views, as attention makes them
