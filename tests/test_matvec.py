@@ -102,6 +102,32 @@ def test_int8_row_scales_round_like_torchao(shape, isa):
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=8e-3)
 
 
+@pytest.mark.parametrize("weights", ["int8", "float32", "bfloat16"])
+def test_a_row_has_the_same_bits_on_any_number_of_threads(weights, isa):
+    """The threads take rows in chunks as they finish (``in_chunks``): which thread reads a row
+    varies from call to call, its bits must not (1,002 rows: chunks and the groups of four that
+    ``dot4`` reads end mid-matrix)."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if weights == "bfloat16" else torch.float32
+    layer = torch.nn.Sequential(torch.nn.Linear(1024, 1002, bias=True)).to(dtype)
+    if weights == "int8":
+        quantize_(layer, Int8WeightOnlyConfig())
+    matvec.attach(layer)
+    x = torch.randn(1, 1024, dtype=dtype)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3, 1, 2):
+            torch.set_num_threads(n)
+            with matvec.active():
+                results.append(layer(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_rows_of_a_batch_equal_their_solo_rows_and_many_rows_equal_torchao(dtype, isa):
     """torchao widens the whole int8 weight for any call of more than one row (a batched decode

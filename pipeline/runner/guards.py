@@ -3,15 +3,15 @@
 Before every call of a compiled function Dynamo checks its guards: each input's shape, strides
 and dtype, and every attribute of the model the trace read (each layer's modules, their
 forwards, the routed norms' and kernels' tables). For a 10-layer Llama that is about 11,000 guard
-nodes, 200 of them Python lambdas: 0.43 ms a call (measured, 2-core EPYC), 4% of a 254M model's
-int8 decode step and more of a small one's. Inside the engine nothing they watch changes
-between steps but the inputs, so (as vLLM's compiled models skip Dynamo's dispatch once warm) a
-call whose inputs look exactly like those of an earlier call that passed the full check (same
-shapes, strides, dtypes and devices, the same model, pool and modes) runs under
-``skip_guard_eval_unsafe``: only the guards that tell the cached graphs apart are checked, which
-picks the graph the full check picked (where none fits by those, Dynamo raises before running
-any, and the call is checked in full). A call of any other kind is checked in full (and compiles
-if no graph fits), then joins the known ones.
+nodes, 200 of them Python lambdas: the check alone 0.43 ms, and a 254M model's int8 decode step
+0.9 ms faster without it (measured, 2-core EPYC: 7% of the step; more of a small model's).
+Inside the engine nothing they watch changes between steps but the inputs, so (as vLLM's
+compiled models skip Dynamo's dispatch once warm) a call whose inputs look exactly like those of
+an earlier call that passed the full check (same shapes, strides, dtypes and devices, the same
+model, pool and modes) runs under ``skip_guard_eval_unsafe``: only the guards that tell the
+cached graphs apart are checked, which picks the graph the full check picked (where none fits
+by those, Dynamo raises before running any, and the call is checked in full). A call of any
+other kind is checked in full (and compiles if no graph fits), then joins the known ones.
 
 ``set_stance`` is process-wide, so no call may look for its graph while another thread's call
 skips guards (a build beside an engine, another pipeline's step): a call that skips them holds
@@ -85,7 +85,13 @@ class Seen:
         self._models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def of(self, model: Any, pool: Any) -> set:
-        return self._models.setdefault(model, weakref.WeakKeyDictionary()).setdefault(pool, set())
+        pools = self._models.get(model)
+        if pools is None:
+            pools = self._models[model] = weakref.WeakKeyDictionary()
+        known = pools.get(pool)
+        if known is None:
+            known = pools[pool] = set()
+        return known
 
 
 def _signature(inputs: tuple[torch.Tensor, ...]) -> tuple:

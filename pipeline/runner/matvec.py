@@ -47,7 +47,11 @@ SOURCES = [
 HEADERS = [SOURCE.with_name("avx2.h")]  # included by both
 # -fopenmp for at::parallel_for's threads (without it the kernel runs on one); the OpenMP symbols
 # resolve to torch's own runtime, so torch.set_num_threads governs the kernel too.
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# -ffp-contract=off: each product and sum of the scalar code rounded as written (the vector FMAs
+# are explicit). GCC's default fuses ``v * scale + bias`` into one FMA in some copies of a loop
+# and not in others (the one inlined where a single thread runs it, the one OpenMP's threads run),
+# so an int8 row's last bit depended on the thread count; torchao rounds the product first.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 # Smaller float weights are left to PyTorch: no memory-bound work to win, a few microseconds of call
 # to lose. A model with none this large (the tiny test models, the embedded default) is left to
