@@ -3,9 +3,10 @@
 //
 // Both reproduce PyTorch's eager arithmetic bit for bit, so a step computes the same numbers as
 // transformers' modules: every product and sum rounded where ATen rounds it (no FMA contraction:
-// ``fp-contract=off``), bfloat16 results rounded to nearest even as c10::BFloat16 does, and the
-// RMSNorm's sum of squares taken in the order of ATen's float sum (``aten_row_sum``). The Python
-// side checks each against the module's own forward once before using it.
+// the extension is built with ``-ffp-contract=off``, ``matvec.CFLAGS``), bfloat16 results
+// rounded to nearest even as c10::BFloat16 does, and the RMSNorm's sum of squares taken in the
+// order of ATen's float sum (``aten_row_sum``). The Python side checks each against the module's
+// own forward once before using it.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -31,7 +32,7 @@ inline int64_t ceil_log2(int64_t x) {
 // The float sum of a contiguous row as ATen's CPU sum takes it (SumKernel.cpp: vectorized_inner_sum
 // over vectors of ``lanes`` floats, row_sum's four interleaved partial sums, multi_row_sum's cascade
 // of levels, then the scalar tail and the vector's lanes in order).
-__attribute__((optimize("fp-contract=off"))) float aten_row_sum(const float* v, int64_t n, int lanes) {
+float aten_row_sum(const float* v, int64_t n, int lanes) {
   const int64_t vectors = n / lanes, rows = vectors / 4;
   const int64_t power = std::max<int64_t>(4, ceil_log2(rows) / 4), step = int64_t(1) << power, mask = step - 1;
   float acc[4][4][MAX_LANES] = {};  // [level][partial sum][lane]
@@ -62,8 +63,7 @@ __attribute__((optimize("fp-contract=off"))) float aten_row_sum(const float* v, 
 // transformers' RMSNorm: x in float32, times 1 / sqrt(mean(x^2) + eps), rounded to x's dtype,
 // times the weight (of x's dtype).
 template <typename T>
-__attribute__((optimize("fp-contract=off"))) void rms_rows(const T* x, const T* w, int64_t rows, int64_t h,
-                                                             float eps, int lanes, T* y) {
+void rms_rows(const T* x, const T* w, int64_t rows, int64_t h, float eps, int lanes, T* y) {
   thread_local std::vector<float> row;
   row.resize(h);
   for (int64_t r = 0; r < rows; ++r) {
@@ -100,8 +100,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, i
 // transformers' apply_rotary_pos_emb on one tensor: x * cos + rotate_half(x) * sin, each product
 // and the sum rounded to x's dtype. x [1, heads, tokens, dim] (any strides), cos/sin [1, tokens, dim].
 template <typename T>
-__attribute__((optimize("fp-contract=off"))) void rotate(const at::Tensor& x, const T* cos, const T* sin,
-                                                           at::Tensor& out) {
+void rotate(const at::Tensor& x, const T* cos, const T* sin, at::Tensor& out) {
   const int64_t heads = x.size(1), tokens = x.size(2), dim = x.size(3), half = dim / 2;
   const int64_t xh = x.stride(1), xt = x.stride(2), xd = x.stride(3);  // read once, not a call per element
   const int64_t oh = out.stride(1), ot = out.stride(2), od = out.stride(3);

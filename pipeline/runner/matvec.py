@@ -50,7 +50,8 @@ HEADERS = [SOURCE.with_name("avx2.h")]  # included by both
 # -ffp-contract=off: each product and sum of the scalar code rounded as written (the vector FMAs
 # are explicit). GCC's default fuses ``v * scale + bias`` into one FMA in some copies of a loop
 # and not in others (the one inlined where a single thread runs it, the one OpenMP's threads run),
-# so an int8 row's last bit depended on the thread count; torchao rounds the product first.
+# so an int8 row's last bit depended on the thread count; torchao rounds the product first. The
+# norms and rotation of ``fused.cpp`` rely on it to round where ATen does.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"]
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 # Smaller float weights are left to PyTorch: no memory-bound work to win, a few microseconds of call
