@@ -87,8 +87,15 @@ def in_own_process(script: str, model_dir: Path, tmp_path: Path) -> subprocess.C
 
 
 SWITCH_SCRIPT = """
-import json, sys, warnings, torch
+import json, sys, threading, warnings, torch, torch.fx
 sys.path.insert(0, "tests")
+traced_on = []  # threads where torch.fx's own tracer (its call_module not overridden) traced
+plain_trace = torch.fx.Tracer.trace
+def trace(self, *args, **kwargs):
+    if type(self).call_module is torch.fx.Tracer.call_module:
+        traced_on.append(threading.current_thread().name)
+    return plain_trace(self, *args, **kwargs)
+torch.fx.Tracer.trace = trace
 from torch._dynamo.utils import counters
 from conftest import generate_oracle
 from pipeline import Pipeline, Request, load_model
@@ -131,6 +138,7 @@ print(json.dumps({
     "greedy": [c.generated == oracle(c) for c in [*greedy, solo]],
     "solo_compiled": pipe.result(solo).metrics["decode_compiled"],
     "sampled": [c.generated for c in sampled] == [c.generated for c in again],
+    "traced_on": traced_on,
 }))
 """
 
@@ -146,6 +154,9 @@ def test_the_engine_answers_while_the_step_compiles_beside_it_then_switches(kern
     assert got["during"] == [True, True] and got["during_eager"] == [False, False]
     assert got["greedy"] == [True] * 6 and got["solo_compiled"] is True and got["sampled"]
     assert got["graphs_after"] == 0  # the engine's own steps compiled nothing
+    # torch.fx's tracer patches nn.Module.__call__ process-wide: a module the engine called meanwhile
+    # would fail. None of it may run on the build's thread (Inductor's once-a-process trace is done before).
+    assert compile_ahead.THREAD_NAME not in got["traced_on"]
 
 
 def test_a_process_that_exits_while_the_step_compiles_exits_cleanly(kernel_sized, tmp_path):
@@ -217,6 +228,33 @@ def test_the_build_beside_the_engine_runs_below_its_cpu_priority():
     step.backend = "aot_eager"
     assert compile_ahead.start(step, None, None, 1, False, None) is None
     assert seen == [min(19, mine + compile_ahead.NICE), mine] and priority() == mine
+
+
+def test_builds_hand_the_gil_over_often_and_the_last_one_to_end_restores_the_interval():
+    """An eager step waits for the GIL after each torch call: while builds run, the interval is
+    short; it is what it was once the last of two overlapping builds ends, whichever ends first."""
+    mine = sys.getswitchinterval()
+    release = {"first": threading.Event(), "second": threading.Event()}
+    seen: dict[str, list[float]] = {"first": [], "second": []}
+
+    def build(name: str) -> float:
+        seen[name].append(sys.getswitchinterval())
+        release[name].wait(10)
+        seen[name].append(sys.getswitchinterval())
+        return 0.0
+
+    threads = {}
+    for name in ("first", "second"):
+        step = SimpleNamespace(backend="inductor", build=lambda *a, name=name: build(name), why_not=lambda lm: None)
+        threads[name] = compile_ahead.start(step, None, None, 1, False, None)
+    release["first"].set()
+    threads["first"].join(10)
+    short = pytest.approx(compile_ahead.SWITCH_S)  # (Python keeps it in whole microseconds)
+    assert sys.getswitchinterval() == short  # the second build still runs
+    release["second"].set()
+    threads["second"].join(10)
+    assert [*seen["first"], *seen["second"]] == [short] * 4
+    assert sys.getswitchinterval() == pytest.approx(mine)
 
 
 def test_auto_stays_eager_without_a_word_where_compiling_does_not_pay(lm, load_tiny):

@@ -73,8 +73,11 @@ class ModelRunner:
         # Tensor parallel, on rank 0: every step is sent to the other ranks first (``mirror``).
         group = tensor_parallel.current() if getattr(lm, "tp", 1) > 1 else None
         # (Ranks decode a CUDA-graphed step eagerly: ``GraphedStep.why_not``.)
-        if isinstance(self.compiled, CompiledStep) and self.compiled.auto and not self._auto_compiles(group):
-            self.compiled = None
+        if isinstance(self.compiled, CompiledStep) and self.compiled.auto:
+            if self._auto_compiles(group):
+                compile_ahead.trace_fx_once()  # before this engine's first step (``compile_ahead``)
+            else:
+                self.compiled = None
         self._starting = threading.Lock()  # compile_ahead
         compiled_tp = self.compiled if isinstance(self.compiled, CompiledStep) else None
         self.mirror = Mirror(group, pool, compiled_tp, native) if group is not None and group.driver else None
