@@ -399,3 +399,17 @@ def test_ctrl_c_skips_the_compile_after_a_runs_answer_and_the_run_still_ends_wel
     assert proc.wait(timeout=120) == 0, rest[-3000:]
     assert "compile skipped" in rest and "terminate called" not in rest
     assert json.loads((tmp_path / "run" / "result.json").read_text())["token_ids"]
+
+
+@pytest.mark.slow
+def test_the_compile_beside_benchmark_sees_the_switch_and_no_lost_answer(kernel_sized, tmp_path):
+    """``benchmarks/compile_beside.py`` on a user's checkpoint: a fresh server's answers through
+    the ``openai`` client until after the switch, which it reads from ``/metrics``."""
+    figures = tmp_path / "figures.json"
+    script = ROOT / "benchmarks" / "compile_beside.py"
+    command = [sys.executable, str(script), "--model", str(kernel_sized), "--seconds", "150", "--tokens", "16"]
+    proc = subprocess.run([*command, "--json", str(figures)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(figures.read_text())
+    assert got["failed"] == 0 and got["first_s"] > 0 and got["before_max_s"] >= got["first_s"]
+    assert 0 < got["switch_s"] < 150 and got["after_median_s"] > 0 and got["answers"] > 2
