@@ -2,7 +2,8 @@
 of requests per phase, stops by itself.
 
 Either starts the server itself (``python -m pipeline mode=serve serve.port=PORT [overrides]``
-on a free loopback port, waits for ``GET /health`` == 200, always terminates it at the end) or
+on a free loopback port, waits for ``GET /health`` == 200, always terminates it at the end, and
+it ends if this script is killed) or
 uses a running one (``--url http://host:port``, ``--api-key``). Every request goes through the
 official ``openai`` client: ``chat.completions.create(stream=True,
 stream_options={"include_usage": True}, max_tokens=M, temperature=0)``, the model id taken from
@@ -65,6 +66,8 @@ import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout: the pipeline beside it, installed or not
+from pipeline.model.lifetime import set_parent_death_signal  # noqa: E402  (no torch)
 
 SUBJECTS = [
     "the sky",
@@ -190,6 +193,9 @@ class Server:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # In a session of its own no Ctrl-C or group kill reaches it: it ends when this script
+            # dies, however it dies (SIGTERM: the server drains and exits).
+            preexec_fn=lambda: set_parent_death_signal(signal.SIGTERM),
         )
         self.startup_timeout = startup_timeout
 

@@ -8,7 +8,9 @@ are checked here through the server's own image decoding and the pipeline, witho
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +70,33 @@ def test_serve_load_keeps_text_prompts_behind_a_flag(serve_load):
     assert all(isinstance(m[0]["content"], str) for m in plain)
     with pytest.raises(SystemExit):  # a generated picture only goes with text prompts
         serve_load.parse_args(["--image", "64"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a parent-death signal is Linux's")
+def test_a_server_the_load_script_started_ends_when_the_script_is_killed(tmp_path):
+    """``serve_load.Server`` (also ``compile_beside.py``'s) starts the server in a session of its
+    own, out of reach of Ctrl-C and group kills: it must still end when the script dies, SIGKILL
+    included, not live on holding its port and cores."""
+    script = (
+        "import sys, time; sys.path.insert(0, 'benchmarks'); from pathlib import Path; "
+        "from serve_load import Server; "
+        f"server = Server([], 60.0, Path({str(tmp_path)!r})); print(server.proc.pid, flush=True); time.sleep(120)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    assert process_alive(child)
+    parent.kill()
+    parent.wait(10)
+    deadline = time.monotonic() + 60
+    while process_alive(child) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not process_alive(child)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, already ended, counts as ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
