@@ -361,6 +361,22 @@ def test_a_compile_that_failed_here_is_not_tried_again_by_auto(lm, monkeypatch, 
     assert False in tries[tried:] and asked.generated == oracle(lm, ids)
 
 
+def test_a_compile_for_a_pool_of_another_size_is_not_taken_as_cached(lm, monkeypatch, tmp_path):
+    """The graphs have the pool's shape (another ``kv.memory``, or ``auto`` on a machine with
+    less RAM free, compiles anew: measured, 254M Llama, 34 s then 32 s), so a one-shot run must
+    not wait for such a compile as if it were cached: the record is per pool size."""
+    monkeypatch.setenv(inductor_cache.CACHE_ENV, str(tmp_path))  # this test's own record
+    monkeypatch.setattr(CompiledStep, "_compile", lambda self, fn, model: fn)  # eager: the record is what counts
+
+    def pipe(kv_memory):
+        return Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile="auto")}, kv_memory=kv_memory)
+
+    pipe(POOL).compile_ahead(1, wait=True)
+    assert pipe(POOL).compile_cached(1)
+    other = pipe(2 * POOL)
+    assert other.pool.num_blocks != pipe(POOL).pool.num_blocks and not other.compile_cached(1)
+
+
 def test_a_bad_compile_setting_is_refused_in_one_line():
     out = run_cli("decode.compile=maybe", "model.path=/nonexistent")
     assert out.returncode != 0 and "Traceback" not in out.stderr

@@ -195,6 +195,22 @@ def test_cpu_auto_keeps_its_rule(load_tiny, monkeypatch):
     assert pools.budget.reserved == 0 and pools.budget.nbytes == 16 * MiB
 
 
+def test_cpu_auto_gives_the_same_pool_when_free_ram_moves_a_little(load_tiny, monkeypatch):
+    """Two runs a few hundred MiB of free RAM apart get the same pool (a step of 256 MiB), so the
+    second finds the first one's compiled decode step (its graphs have the pool's shape); the
+    cap is unchanged."""
+    free = {"bytes": 0}
+    monkeypatch.setattr(sizing, "free_bytes", lambda device, lm: (free["bytes"], "available RAM"))
+    lm = load_tiny("qwen3")
+
+    def pool_bytes(gib: float) -> int:
+        free["bytes"] = int(gib * 1024 * MiB)
+        return sizing.pools_for([lm], "auto").budget.nbytes
+
+    assert pool_bytes(6.1) == pool_bytes(6.9) == 1536 * MiB
+    assert pool_bytes(5.9) == 1280 * MiB and pool_bytes(12) == pool_bytes(40) == 2048 * MiB
+
+
 # --- a sweep frees each job -------------------------------------------------------------------
 
 

@@ -21,6 +21,10 @@ from pipeline.memory import cache_devices, fmt_bytes, free_bytes, kv_bytes, kv_s
 
 AUTO_CUDA_SHARE = 0.8  # of what is free once the activation headroom is kept
 AUTO_CPU_SHARE, AUTO_CPU_CAP = 0.25, 2 << 30  # of available RAM (pages are touched only as blocks are used)
+# ``auto`` on CPU below the cap, rounded down to a multiple of this: a run sized from what RAM is
+# free at its start gets the same pool as the run before it, so the compiled decode step (whose
+# graphs have the pool's shape) is found in Inductor's caches instead of compiled again
+AUTO_CPU_STEP = 256 << 20
 
 # Whether a prefill step's attention may build [heads, chunk, context] float32 score matrices:
 # counted in the headroom. A lone plainly causal chunk takes a fused kernel (no mask, no scores:
@@ -237,9 +241,11 @@ def _budget(memory: float | int | str, device: torch.device, lm: Any, reserved: 
                 reserved,
                 why,
             )
+        share = min(int(AUTO_CPU_SHARE * free), AUTO_CPU_CAP)
         return Budget(
-            min(int(AUTO_CPU_SHARE * free), AUTO_CPU_CAP),
-            f"kv.memory=auto (25% of {fmt_bytes(free)} free, {source}, at most {fmt_bytes(AUTO_CPU_CAP)})",
+            share - share % AUTO_CPU_STEP if share >= AUTO_CPU_STEP else share,
+            f"kv.memory=auto (25% of {fmt_bytes(free)} free, {source}, at most {fmt_bytes(AUTO_CPU_CAP)}, "
+            f"in steps of {fmt_bytes(AUTO_CPU_STEP)})",
         )
     if isinstance(memory, float):
         return Budget(int(memory * free), f"kv.memory={memory} of {fmt_bytes(free)} free ({source})")

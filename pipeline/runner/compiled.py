@@ -220,7 +220,7 @@ class CompiledStep:
 
     def key(self, lm: Any, pool: BlockPool, rows: int | None) -> str:
         """What the graphs ``build`` makes depend on (the model's shapes and dtype, its weight
-        scheme, the pool's layout, the batch sizes, torch and mm-pipeline), hashed: the key under
+        scheme, the pool's size and layout, the batch sizes, torch and mm-pipeline), hashed: the key under
         which ``inductor_cache.compile_record`` says whether Inductor's caches hold them."""
         # (not the path it was loaded from, nor what attaching the paged attention notes in it)
         config = {k: v for k, v in lm.model.config.to_dict().items() if not k.startswith(("_", "transformers"))}
@@ -228,7 +228,8 @@ class CompiledStep:
             "config": config,
             "dtype": str(pool.dtype),
             "quant": str(getattr(lm, "quant", None)),
-            "pool": [pool.block_size, pool.kv_dtype, str(pool.attention), pool.window],
+            # (the pool's size too: its tensors' shapes are the graphs', so another size compiles anew)
+            "pool": [pool.num_blocks, pool.block_size, pool.kv_dtype, str(pool.attention), pool.window],
             "rows": rows == 1,
             "step": [self.backend, self.mode, lm.device.type],
             "code": [torch.__version__, transformers.__version__, _runner_code()],
