@@ -3,14 +3,16 @@
 Starts ``python -m pipeline mode=serve model.path=DIR`` (``serve_load.Server``) with a fresh,
 empty Inductor cache (``TORCHINDUCTOR_CACHE_DIR``), so the compiled step is built from nothing
 while the server answers, and asks it, through the ``openai`` client, for one greedy answer of
-``--tokens`` tokens after another for ``--seconds``. The switch to the compiled step is read from
-``/metrics`` (``mm_decode_compiled``) after each answer.
+``--tokens`` tokens after another for ``--seconds`` (``--pause`` seconds apart: a user reading).
+The switch to the compiled step is read from ``/metrics`` (``mm_decode_compiled``) after each
+answer.
 
 Reports the first answer's seconds (what the first user of a fresh server waits), the median and
 slowest answer before the switch, when the switch came, the median after, and how many answers
 the whole time gave. Exit status 1 if any request failed (a server's 500 is an answer lost).
 
     python benchmarks/compile_beside.py --model DIR
+    python benchmarks/compile_beside.py --model DIR --pause 5      # a chat's pace
     python benchmarks/compile_beside.py --model DIR --seconds 120 kv.memory=1GiB   # trailing: server overrides
 """
 
@@ -38,9 +40,9 @@ def compiled(url: str) -> bool:
     return any(line.startswith("mm_decode_compiled ") and float(line.split()[1]) == 1.0 for line in text.splitlines())
 
 
-def answers(url: str, tokens: int, seconds: float) -> tuple[list[tuple[float, float, bool]], int]:
-    """(start, seconds, compiled after it) of each answer asked back to back for ``seconds``, and
-    how many requests failed."""
+def answers(url: str, tokens: int, seconds: float, pause: float) -> tuple[list[tuple[float, float, bool]], int]:
+    """(start, seconds, compiled after it) of each answer asked one after another for
+    ``seconds``, ``pause`` seconds apart, and how many requests failed."""
     client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
     model = client.models.list().data[0].id
     up, out, failed = time.perf_counter(), [], 0
@@ -54,6 +56,7 @@ def answers(url: str, tokens: int, seconds: float) -> tuple[list[tuple[float, fl
             print(f"request failed: {type(err).__name__}: {err}", file=sys.stderr)
             continue
         out.append((t0 - up, time.perf_counter() - t0, compiled(url)))
+        time.sleep(pause)
     return out, failed
 
 
@@ -78,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="a checkpoint folder (model.path)")
     parser.add_argument("--seconds", type=float, default=200.0, help="how long to ask (default 200)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens an answer (default 64)")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds between answers (a user reading; default 0)")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("overrides", nargs="*", help="server overrides (key=value)")
     args = parser.parse_args(argv)
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         server = Server([f"model.path={args.model}", *args.overrides], 600.0, Path(tmp))
         try:
             server.wait_ready()
-            figures = summary(*answers(server.url, args.tokens, args.seconds))
+            figures = summary(*answers(server.url, args.tokens, args.seconds, args.pause))
         except RuntimeError as err:
             print(f"error: {err}\n{server.log_tail()}", file=sys.stderr)
             return 2

@@ -402,7 +402,11 @@ class Pipeline:
         return seconds
 
     def compile_ahead(
-        self, rows: int | None = None, wait: bool = False, said: Callable[[str], None] | None = None
+        self,
+        rows: int | None = None,
+        wait: bool = False,
+        said: Callable[[str], None] | None = None,
+        apart: bool = False,
     ) -> float | None:
         """``DecodeLoop(compile="auto")``: build the compiled decode step (its graphs for ``rows``
         sequences at a time; None: any) on a thread beside the engine, which decodes eagerly
@@ -410,8 +414,10 @@ class Pipeline:
         tokens either way (``pipeline.runner.compiled``). Unless called before, the first request
         starts it (``compile_on_submit``). ``wait``: block until it is built; the seconds waited
         are returned and reported as ``warmup_s``. ``said``: told one line when a build beside
-        the engine ends."""
-        builder = self.engine.runner.compile_ahead(rows, said)
+        the engine ends. ``apart``: a first compile runs in a process of its own
+        (``pipeline.runner.compile_apart``), sharing no lock with the engine's answers meanwhile,
+        for an engine with time to spare between answers (a chat): one kept busy starves it."""
+        builder = self.engine.runner.compile_ahead(rows, said, apart=apart)
         if not wait or builder is None:
             return None
         t0 = time.perf_counter()

@@ -79,10 +79,11 @@ def submit(pipe: Pipeline, ids: list[int], n: int = N, **request):
     return pipe.submit(Request(max_new_tokens=n, ignore_eos=True, **request), ids=ids, result=False)
 
 
-def in_own_process(script: str, model_dir: Path, tmp_path: Path) -> subprocess.CompletedProcess:
-    """``script`` run on ``model_dir`` by a Python of its own, Inductor's caches in ``tmp_path``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    command = [sys.executable, "-c", script, str(model_dir)]
+def in_own_process(script: str, model_dir: Path, tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """``script`` run on ``model_dir`` (and ``args``) by a Python of its own, Inductor's caches in
+    ``tmp_path`` (``env``: more variables)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), **env}
+    command = [sys.executable, "-c", script, str(model_dir), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
 
 
@@ -112,7 +113,8 @@ def oracle(ctx):
     return generate_oracle(lm, ctx.input_ids, len(ctx.generated), ignore_eos=True)
 pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile="auto")}, kv_memory=1 << 22)
 step = pipe.engine.runner.compiled
-# The first requests start the build and decode eagerly beside it.
+pipe.compile_ahead(apart=sys.argv[2] == "apart")  # as chat (apart) or serve start it
+# The first requests decode eagerly beside the build.
 during = [pipe.wait(submit(pipe, p, n=40)) for p in prompts[:2]]
 building = not step.ready.is_set()
 before = pipe.engine.stats()
@@ -139,14 +141,17 @@ print(json.dumps({
     "solo_compiled": pipe.result(solo).metrics["decode_compiled"],
     "sampled": [c.generated for c in sampled] == [c.generated for c in again],
     "traced_on": traced_on,
+    "record": pipe.compile_record(),
 }))
 """
 
 
-def test_the_engine_answers_while_the_step_compiles_beside_it_then_switches(kernel_sized, tmp_path):
+@pytest.mark.parametrize("where", ["thread", "apart"])
+def test_the_engine_answers_while_the_step_compiles_beside_it_then_switches(kernel_sized, tmp_path, where):
     """With Inductor, in a process of its own (the CLI's path; test_compiled.py says why apart)
-    and a cache folder of its own (a first compile, so the build outlasts the first answers)."""
-    proc = in_own_process(SWITCH_SCRIPT, kernel_sized, tmp_path)
+    and a cache folder of its own (a first compile, so the build outlasts the first answers); the
+    first compile on the build's thread (serve, batch) or in a process of its own (chat)."""
+    proc = in_own_process(SWITCH_SCRIPT, kernel_sized, tmp_path, where)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["building"] and got["waited"] > 0 and got["broken"] is None
@@ -157,24 +162,52 @@ def test_the_engine_answers_while_the_step_compiles_beside_it_then_switches(kern
     # torch.fx's tracer patches nn.Module.__call__ process-wide: a module the engine called meanwhile
     # would fail. None of it may run on the build's thread (Inductor's once-a-process trace is done before).
     assert compile_ahead.THREAD_NAME not in got["traced_on"]
+    # Apart, the first compile ran in a process of its own (``compile_apart``) and the engine's
+    # thread then built from Inductor's caches: both are in the record.
+    assert ("cached_s" in got["record"]) == (where == "apart") and "first_s" in got["record"]
 
 
-def test_a_process_that_exits_while_the_step_compiles_exits_cleanly(kernel_sized, tmp_path):
+@pytest.mark.parametrize("apart", [False, True])
+def test_a_process_that_exits_while_the_step_compiles_exits_cleanly(kernel_sized, tmp_path, apart):
     """A first compile cut short by the process ending (a one-shot run interrupted, a server
-    stopped) neither crashes the interpreter nor leaves a compiler process behind."""
+    stopped) neither crashes the interpreter nor leaves a compiler process behind, on the build's
+    thread or in a process of its own (``compile_apart``)."""
     script = (
         "import sys, time\n"
         "from pipeline import Pipeline, load_model\n"
         "from stages import DecodeLoop, Prefill\n"
         "lm = load_model(sys.argv[1], quant='auto')\n"
         "pipe = Pipeline(lm, {'prefill': Prefill(), 'decode': DecodeLoop(compile='auto')}, kv_memory=1 << 22)\n"
-        "pipe.compile_ahead()\n"
+        f"pipe.compile_ahead(apart={apart})\n"
         "time.sleep(3)\n"
         "print('pending', pipe.compile_pending)\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from test_auto_compile import processes_naming\n"
+        "import os\n"
+        "print('apart', len(processes_naming(os.environ['TMPDIR'])))\n"
     )
-    proc = in_own_process(script, kernel_sized, tmp_path)
+    proc = in_own_process(script, kernel_sized, tmp_path, TMPDIR=str(tmp_path))
     assert proc.returncode == 0 and "pending True" in proc.stdout, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "terminate called" not in proc.stderr
+    # the first compile's own process (its spec in this test's folder) ran, and ended with it
+    assert f"apart {int(apart)}" in proc.stdout
+    deadline = time.monotonic() + 30
+    while processes_naming(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_naming(tmp_path)
+
+
+def processes_naming(folder: Path) -> list[str]:
+    """The command lines of running processes that name ``folder`` (Linux ``/proc``; none elsewhere)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(folder) in text and "compile_apart" in text:
+            found.append(text)
+    return found
 
 
 def test_an_exit_cancel_that_a_callback_swallows_is_raised_again_and_kept_off_stderr(monkeypatch):

@@ -327,6 +327,7 @@ def pipeline_from_cfg(
     rows: int | None = None,
     wait: str = "never",
     said: bool = True,
+    apart: bool = False,
 ) -> Pipeline:
     """The stage chain (``stages``, or built from cfg.stages) on the configured pool and engine.
     When its decode stage compiles (``decode.compile=true``, or ``stages.decode.compile`` set
@@ -338,7 +339,8 @@ def pipeline_from_cfg(
     ``decode.compile=auto`` (the default) compiles beside the engine instead (``compile_ahead``):
     ``wait`` says when a caller waits for it: ``never``; ``cached``, when Inductor's caches hold
     it (a one-shot run); ``always`` (bench). ``said``: a line on stderr when a build beside the
-    engine ends (not while a run streams its answer or a chat waits for input)."""
+    engine ends (not while a run streams its answer or a chat waits for input). ``apart``: a first
+    compile not waited for runs in a process of its own (``Pipeline.compile_ahead``: a chat)."""
     stages = stages if stages is not None else stages_from_cfg(cfg)
     decode = stages.get("decode")
     if decode is not None and getattr(decode, "speculative", False) is None:  # a DecodeLoop not given one in Python
@@ -347,7 +349,7 @@ def pipeline_from_cfg(
     spec = getattr(decode, "speculative", None)
     compiled = getattr(decode, "compiled", None)
     if compiled is not None and getattr(compiled, "auto", False):
-        compile_ahead(pipe, rows, wait, said, int(cfg.max_new_tokens))
+        compile_ahead(pipe, rows, wait, said, int(cfg.max_new_tokens), apart)
     if (compiled is not None and not getattr(compiled, "auto", False)) or getattr(spec, "compiled", None) is not None:
         print("mm-pipeline: warming up (compiling the decode step)...", file=sys.stderr)
         seconds = pipe.warmup(rows=rows)
@@ -358,7 +360,7 @@ def pipeline_from_cfg(
     return pipe
 
 
-def compile_ahead(pipe: Pipeline, rows: int | None, wait: str, said: bool, tokens: int) -> None:
+def compile_ahead(pipe: Pipeline, rows: int | None, wait: str, said: bool, tokens: int, apart: bool = False) -> None:
     """``decode.compile=auto``: the compiled step built beside the engine, or here when ``wait``
     says so (``pipeline_from_cfg``). A one-shot run (``cached``) waits for a cached compile
     where that is shorter than its answer of up to ``tokens`` would take eagerly
@@ -379,7 +381,8 @@ def compile_ahead(pipe: Pipeline, rows: int | None, wait: str, said: bool, token
                 file=sys.stderr,
             )
     else:
-        pipe.compile_ahead(rows, said=(lambda line: print(f"mm-pipeline: {line}", file=sys.stderr)) if said else None)
+        line = (lambda text: print(f"mm-pipeline: {text}", file=sys.stderr)) if said else None
+        pipe.compile_ahead(rows, said=line, apart=apart)
 
 
 def finish_compile(pipe: Pipeline, rows: int | None = None) -> None:

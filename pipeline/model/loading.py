@@ -44,6 +44,9 @@ class LoadedModel:
     default_prompts: dict = field(default_factory=dict)
     tp: int = 1  # tensor-parallel ranks its weights are sharded over (``pipeline.model.tensor_parallel``)
     adapters: Adapters = field(default_factory=Adapters)  # LoRA adapters beside it, by name (pipeline.model.lora)
+    # How ``load_model`` loaded the weights: {"auto_class", "kwargs" of from_pretrained}, so that a
+    # process of its own loads them alike (``pipeline.runner.compile_apart``); empty: not repeatable
+    source: dict = field(default_factory=dict)
 
     @property
     def config(self) -> Any:
@@ -693,6 +696,7 @@ def load_model(
         max_memory=budgets,
         default_prompts=_default_prompts(path),
         tp=tp,
+        source={"auto_class": family.auto_class, "kwargs": kwargs} if tp == 1 else {},
     )
 
 

@@ -212,7 +212,9 @@ def main(cfg: DictConfig) -> None:
     lm = load_from_cfg(cfg)
     print(weights_line(lm), file=sys.stderr)
     session = ChatSession(
-        pipeline_from_cfg(cfg, lm, rows=1, said=False),  # one conversation: the batch-of-one warm-up
+        # One conversation: the batch-of-one warm-up. A first compile in a process of its own
+        # (``compile_apart``), on the CPU the user leaves idle while reading and typing.
+        pipeline_from_cfg(cfg, lm, rows=1, said=False, apart=True),
         system_prompt=settings.system_prompt,
         max_new_tokens=settings.max_new_tokens,
         ignore_eos=settings.ignore_eos,

@@ -15,7 +15,10 @@ build sets ``CompiledStep.ready``. Two things make that safe:
   build run on, so the cancel is raised again until the build ends, and unraisable reports of it
   are kept off stderr.
 
-Two more things keep the engine's answers coming while the build runs:
+For ``chat`` a first compile runs in a process of its own (``pipeline.runner.compile_apart``)
+and the thread then builds from Inductor's caches.
+
+Two more things keep the engine's answers coming while the thread builds:
 
 - While a build runs, Python hands the GIL over every ``SWITCH_S`` instead of every 5 ms
   (``_fair_gil``). An eager step lets go of the GIL in each of its few hundred torch calls and
@@ -41,8 +44,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from pipeline.kv import BlockPool
-from pipeline.runner import matvec
+from pipeline.runner import compile_apart, matvec
 from pipeline.runner.compiled import CompiledStep
+from pipeline.runner.inductor_cache import compile_record
 
 EXIT_WAIT_S = 30.0  # a cancelled build stops at its next line of Python: a C++ compile is seconds
 RETRY_S = 0.2  # how long a raised cancel has to end the build before it is raised again
@@ -59,11 +63,18 @@ class CompileCancelled(BaseException):
 
 
 def start(
-    step: CompiledStep, lm: Any, pool: BlockPool, rows: int | None, native: bool, said: Callable[[str], None] | None
+    step: CompiledStep,
+    lm: Any,
+    pool: BlockPool,
+    rows: int | None,
+    native: bool,
+    said: Callable[[str], None] | None,
+    apart: bool = False,
 ) -> threading.Thread | None:
     """Build ``step``'s graphs for ``rows`` sequences (``CompiledStep.build``) under the engine's
     modes, on a thread of its own (returned) or, for a backend other than Inductor, here (None
-    returned: built). ``said``: told one line when it ends."""
+    returned: built). ``said``: told one line when it ends. ``apart``: a first compile runs in a
+    process of its own (``compile_apart``) and the thread then builds from Inductor's caches."""
 
     done = threading.Event()  # (not ``Thread.is_alive``: see ``_cancel``)
 
@@ -88,6 +99,12 @@ def start(
         return None
 
     def run() -> None:
+        try:
+            if apart:  # (before this thread's priority drops: the child sets its own)
+                _warm_apart(step, lm, pool, rows, native)
+        except CompileCancelled:
+            done.set()
+            return
         _yield_to_engine()
         with _fair_gil():
             build()
@@ -96,6 +113,17 @@ def start(
     thread.start()
     atexit.register(_cancel, thread, done)
     return thread
+
+
+def _warm_apart(step: CompiledStep, lm: Any, pool: BlockPool, rows: int | None, native: bool) -> None:
+    """A first compile built in a process of its own (``compile_apart``), where it can be. It
+    only fills Inductor's caches: where it cannot even start (a spec that does not pickle, no
+    process to spare), the thread that calls this builds from nothing, as without it."""
+    if "first_s" not in compile_record(step.key(lm, pool, rows)) and compile_apart.why_not(lm) is None:
+        try:
+            compile_apart.build(step, lm, pool, rows, native)
+        except Exception:  # (not the exit's CompileCancelled: the caller stops)
+            pass
 
 
 def _yield_to_engine() -> None:

@@ -88,12 +88,13 @@ class ModelRunner:
         them a compiled step reads every weight as PyTorch does) and a model that compiles."""
         return self.native and group is None and self.compiled.why_not(self.lm) is None
 
-    def compile_ahead(self, rows: int | None = None, said: Any = None) -> threading.Thread | None:
+    def compile_ahead(self, rows: int | None = None, said: Any = None, apart: bool = False) -> threading.Thread | None:
         """``decode.compile=auto``: build the compiled step's graphs beside the engine
         (``pipeline.runner.compile_ahead``) while steps run eagerly here; the runner takes the
         compiled step from the first step after they are ready. Returns the build's thread, the
         one started before if any (``rows`` and ``said`` then unused); None: nothing runs beside
-        (no auto step, or it was built here). ``said``: told one line when it ends."""
+        (no auto step, or it was built here). ``said``: told one line when it ends. ``apart``: a
+        first compile in a process of its own (``compile_ahead.start``)."""
         step = self.compiled
         if not isinstance(step, CompiledStep):
             return None
@@ -101,7 +102,7 @@ class ModelRunner:
             if step.auto and step.builder is None and not step.ready.is_set():
                 if not self.lm.model.__dict__.get("_mm_paged_attached"):
                     attach(self.lm.model)  # here, once: never on two threads at once
-                step.builder = compile_ahead.start(step, self.lm, self.pool, rows, self.native, said)
+                step.builder = compile_ahead.start(step, self.lm, self.pool, rows, self.native, said, apart)
         return step.builder
 
     def compile_record(self, rows: int | None = None) -> dict[str, float]:

@@ -1,0 +1,72 @@
+"""``decode.compile=auto`` beside a serving engine: the first compile in a process of its own
+(``pipeline.runner.compile_apart``), given up where a busy engine starves it, never started where
+a second copy of the weights would not fit. The compile itself, end to end: test_auto_compile.py."""
+
+from __future__ import annotations
+
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipeline.runner import compile_apart
+
+
+def fake_lm(**kw):
+    lm = SimpleNamespace(
+        source={"auto_class": "AutoModelForCausalLM", "kwargs": {}},
+        device=torch.device("cpu"),
+        adapters={},
+        placement={"cpu": {"int8": 1 << 30}},
+        max_memory={},
+    )
+    lm.__dict__.update(kw)
+    return lm
+
+
+def test_the_child_is_started_only_where_it_can_load_the_model_alike_and_it_fits(monkeypatch):
+    free = {"bytes": 8 << 30}
+    monkeypatch.setattr(compile_apart, "free_bytes", lambda device, lm: (free["bytes"], "available RAM"))
+    assert compile_apart.why_not(fake_lm()) is None
+    assert compile_apart.why_not(fake_lm(source={})) == "not loaded by load_model"
+    assert compile_apart.why_not(fake_lm(device=torch.device("cuda", 0))) == "not on CPU"
+    assert compile_apart.why_not(fake_lm(adapters={"a": object()})) == "LoRA adapters loaded"
+    free["bytes"] = 3 << 30  # two copies of 1 GiB of weights and the margin need 3 GiB
+    assert compile_apart.why_not(fake_lm()) is None
+    free["bytes"] -= 1
+    assert "too little RAM" in compile_apart.why_not(fake_lm())
+
+
+def test_a_child_that_gets_less_than_a_quarter_core_for_twenty_seconds_counts_as_starved(monkeypatch):
+    clock, cpu = {"now": 0.0}, {"s": 0.0}
+    monkeypatch.setattr(compile_apart.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(compile_apart, "group_cpu_s", lambda child: cpu["s"])
+
+    def run(share: float, seconds: float) -> bool:
+        samples: list = []
+        for _ in range(int(seconds * 10)):
+            clock["now"] += 0.1
+            cpu["s"] += 0.1 * share
+            if compile_apart.starved(1, samples):
+                return True
+        return False
+
+    assert not run(0.3, 60)  # slow, but going
+    assert not run(0.1, 19)  # not yet judged: the window is 20 s
+    assert run(0.1, 22)
+    assert not run(1.0, 60)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_the_cpu_time_read_is_the_childs():
+    """``group_cpu_s`` reads real figures: this process's CPU time grows as it computes."""
+    import os
+
+    pid = os.getpid()
+    before = compile_apart.group_cpu_s(pid)
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.3:
+        pass
+    assert compile_apart.group_cpu_s(pid) >= before + 0.2
