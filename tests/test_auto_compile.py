@@ -146,7 +146,7 @@ print(json.dumps({
 """
 
 
-@pytest.mark.parametrize("where", ["thread", "apart"])
+@pytest.mark.parametrize("where", ["thread", pytest.param("apart", marks=pytest.mark.slow)])  # (the suite's 10 min)
 def test_the_engine_answers_while_the_step_compiles_beside_it_then_switches(kernel_sized, tmp_path, where):
     """With Inductor, in a process of its own (the CLI's path; test_compiled.py says why apart)
     and a cache folder of its own (a first compile, so the build outlasts the first answers); the
