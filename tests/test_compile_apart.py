@@ -33,7 +33,7 @@ def test_the_child_is_started_only_where_it_can_load_the_model_alike_and_it_fits
     assert compile_apart.why_not(fake_lm(source={})) == "not loaded by load_model"
     assert compile_apart.why_not(fake_lm(device=torch.device("cuda", 0))) == "not on CPU"
     assert compile_apart.why_not(fake_lm(adapters={"a": object()})) == "LoRA adapters loaded"
-    free["bytes"] = 3 << 30  # two copies of 1 GiB of weights and the margin need 3 GiB
+    free["bytes"] = 3 << 30  # twice the 1 GiB of weights and the margin: 3 GiB
     assert compile_apart.why_not(fake_lm()) is None
     free["bytes"] -= 1
     assert "too little RAM" in compile_apart.why_not(fake_lm())

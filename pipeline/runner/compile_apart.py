@@ -1,4 +1,4 @@
-"""``decode.compile=auto`` beside a serving engine: the first compile in a process of its own.
+"""``decode.compile=auto`` beside a chat's engine: the first compile in a process of its own.
 
 A build on a thread beside the engine shares the interpreter with it. An eager step lets go of
 the GIL in each of its few hundred torch calls and waits for the build's thread to hand it back,
@@ -11,8 +11,10 @@ pipeline.runner.compile_apart SPEC``) loads the same checkpoint with the same
 block, so its pages are hardly touched: ``torch.empty``) and builds the step there, into the
 same caches. The engine's thread then builds from them in seconds. The child only warms the
 caches: where it fails, is stopped, or builds graphs of another key, the thread compiles as it
-did before, so the tokens never depend on it. It runs at a lower CPU priority and ends with
-its parent (a parent-death signal, and a check that its parent is still the one that started it).
+did before, so the tokens never depend on it. It runs only on idle CPU (``_lowest_priority``),
+in the engine's session (``GROUP``), and ends with its parent (a parent-death signal, and a check
+that its parent is still the one that started it). An engine kept busy starves it
+(``starved``), so only ``chat`` asks for it (``Pipeline.compile_ahead(apart=True)``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ SAMPLE_S = 1.0  # how often the child's CPU time is read
 # session of its own the child took half the CPU whatever its priority, and answers were 10-20x
 # slower. (``process_group`` is Python 3.11's; before it the child alone is killed.)
 GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {}
-MARGIN = 1 << 30  # RAM left free beyond a second copy of the weights, or the child is not started
+# The child starts only where free RAM holds twice the weights (loading may hold the checkpoint's
+# dtype beside the quantised copy) and this much more
+MARGIN = 1 << 30
 
 
 @dataclass
@@ -74,11 +78,12 @@ def why_not(lm: Any) -> str | None:
         return "LoRA adapters loaded"
     weights = sum(sum(kinds.values()) for kinds in (lm.placement or {}).values())
     if free_bytes(lm.device, lm)[0] < 2 * weights + MARGIN:
-        return "too little RAM free for a second copy of the weights"
+        return "too little RAM free to load the weights again"
     return None
 
 
 def spec_for(step: Any, lm: Any, pool: Any, rows: int | None, native: bool) -> Spec:
+    """The child's orders for building ``step``'s graphs for ``rows`` on ``lm`` and ``pool``."""
     return Spec(
         path=lm.path,
         auto_class=lm.source["auto_class"],
