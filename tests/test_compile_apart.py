@@ -4,6 +4,7 @@ a second copy of the weights would not fit. The compile itself, end to end: test
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from types import SimpleNamespace
@@ -62,11 +63,22 @@ def test_a_child_that_gets_less_than_a_quarter_core_for_twenty_seconds_counts_as
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 def test_the_cpu_time_read_is_the_childs():
     """``group_cpu_s`` reads real figures: this process's CPU time grows as it computes."""
-    import os
-
     pid = os.getpid()
     before = compile_apart.group_cpu_s(pid)
     t0 = time.process_time()
     while time.process_time() - t0 < 0.3:
         pass
     assert compile_apart.group_cpu_s(pid) >= before + 0.2
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's SCHED_IDLE")
+def test_the_child_runs_at_idle_priority_from_its_first_line(monkeypatch, tmp_path):
+    """Set by the child after its imports (torch, transformers: 8 s of CPU), the priority came
+    too late: a fresh server's first answer took 5-7 s instead of 1.6. A stand-in child (the real
+    one loads a model: test_auto_compile.py) waits as long as an import, then reads its policy."""
+    seen = tmp_path / "policy"
+    code = f"import os, time; time.sleep(0.5); open({str(seen)!r}, 'w').write(str(os.sched_getscheduler(0)))"
+    monkeypatch.setattr(compile_apart, "command", lambda spec_path: [sys.executable, "-c", code])
+    monkeypatch.setattr(compile_apart, "spec_for", lambda *args: SimpleNamespace(key="no such step"))
+    assert compile_apart.build(None, None, None, None, True) is False  # nothing cached by the stand-in
+    assert int(seen.read_text()) == os.SCHED_IDLE

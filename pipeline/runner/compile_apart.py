@@ -116,10 +116,10 @@ def build(step: Any, lm: Any, pool: Any, rows: int | None, native: bool) -> bool
     with tempfile.TemporaryDirectory(prefix="mm-pipeline-compile-") as folder:
         path = Path(folder) / "spec.pkl"
         path.write_bytes(pickle.dumps(spec))
-        command = [sys.executable, "-m", "pipeline.runner.compile_apart", str(path)]
         quiet = subprocess.DEVNULL
-        child = subprocess.Popen(command, stdin=quiet, stdout=quiet, stderr=quiet, **GROUP)
+        child = subprocess.Popen(command(path), stdin=quiet, stdout=quiet, stderr=quiet, **GROUP)
         try:
+            _lowest_priority(child.pid)  # now, not after its imports: those are seconds of CPU
             samples: list[tuple[float, float]] = []  # (monotonic seconds, the group's CPU seconds)
             while child.poll() is None and not starved(child.pid, samples):
                 time.sleep(POLL_S)
@@ -130,6 +130,11 @@ def build(step: Any, lm: Any, pool: Any, rows: int | None, native: bool) -> bool
                 # to 30 s beside a busy engine, measured), and nothing here needs it gone
                 threading.Thread(target=child.wait, name="mm-pipeline-reap", daemon=True).start()
     return "first_s" in compile_record(spec.key)
+
+
+def command(spec_path: Path) -> list[str]:
+    """The child's command line (``main``)."""
+    return [sys.executable, "-m", "pipeline.runner.compile_apart", str(spec_path)]
 
 
 def starved(child: int, samples: list[tuple[float, float]]) -> bool:
@@ -192,16 +197,18 @@ def main(spec_path: str) -> int:
     return 0 if step.broken is None else 3
 
 
-def _lowest_priority() -> None:
-    """This process (and the threads and compilers it starts) runs only where a core is idle:
-    Linux's ``SCHED_IDLE``, which the engine's threads preempt at once when they wake. A nice
-    value does not do that: at nice 10 the child kept a core for whole time slices while the
-    engine's second OpenMP thread waited to wake on it, and each answer took 30 s instead of
-    1.3 s (254M Llama, 2 cores). Elsewhere, ``NICE``."""
+def _lowest_priority(pid: int = 0) -> None:
+    """Process ``pid`` (0: this one), and the threads and compilers it starts from then on, runs
+    only where a core is idle: Linux's ``SCHED_IDLE``, which the engine's threads preempt at once
+    when they wake. A nice value does not do that: at nice 10 the child kept a core for whole time
+    slices while the engine's second OpenMP thread waited to wake on it, and each answer took 30 s
+    instead of 1.3 s (254M Llama, 2 cores). Elsewhere, ``NICE``. The parent sets it as soon as the
+    child starts: set by the child itself, it came after its imports (torch, transformers: 8 s of
+    CPU), at the engine's priority while a fresh server answered its first requests."""
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, 0, max(NICE, os.getpriority(os.PRIO_PROCESS, 0)))
+        os.setpriority(os.PRIO_PROCESS, pid, max(NICE, os.getpriority(os.PRIO_PROCESS, pid)))
 
 
 def _rebuild(spec: Spec) -> tuple[Any, Any, Any]:
