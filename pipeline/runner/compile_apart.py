@@ -183,7 +183,6 @@ def main(spec_path: str) -> int:
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != spec.parent:  # the parent ended before the signal was set
         return 1
-    _lowest_priority()
     torch.set_num_threads(spec.threads)
     lm, pool, step = _rebuild(spec)
     if step is None or step.key(lm, pool, spec.rows) != spec.key:
@@ -197,12 +196,12 @@ def main(spec_path: str) -> int:
     return 0 if step.broken is None else 3
 
 
-def _lowest_priority(pid: int = 0) -> None:
-    """Process ``pid`` (0: this one), and the threads and compilers it starts from then on, runs
-    only where a core is idle: Linux's ``SCHED_IDLE``, which the engine's threads preempt at once
-    when they wake. A nice value does not do that: at nice 10 the child kept a core for whole time
-    slices while the engine's second OpenMP thread waited to wake on it, and each answer took 30 s
-    instead of 1.3 s (254M Llama, 2 cores). Elsewhere, ``NICE``. The parent sets it as soon as the
+def _lowest_priority(pid: int) -> None:
+    """The child ``pid``, and the threads and compilers it starts from then on, runs only where a
+    core is idle: Linux's ``SCHED_IDLE``, which the engine's threads preempt at once when they
+    wake. A nice value does not do that: at nice 10 the child kept a core for whole time slices
+    while the engine's second OpenMP thread waited to wake on it, and each answer took 30 s
+    instead of 1.3 s (254M Llama, 2 cores). Elsewhere, ``NICE``. Set by the parent as soon as the
     child starts: set by the child itself, it came after its imports (torch, transformers: 8 s of
     CPU), at the engine's priority while a fresh server answered its first requests."""
     try:
