@@ -31,7 +31,7 @@ import sys
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -261,9 +261,11 @@ def _weight_replaced(module: torch.nn.Module, name: str, param: Any) -> None:
         reads[0] = None if param is None else plain_weights(module, param)
 
 
-def _forward(own: Any, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The kernel where it applies, else the layer's own forward ``own(module, x)``. ``module._mm_matvec[0]``: what the
-    kernel reads of the layer's weight (``plain_weights``), or None."""
+def _forward(
+    own: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor], module: torch.nn.Module, x: torch.Tensor
+) -> torch.Tensor:
+    """The kernel where it applies, else the layer's own forward, ``own(module, x)``.
+    ``module._mm_matvec[0]``: what the kernel reads of the layer's weight (``plain_weights``), or None."""
     found = module._mm_matvec[0]
     if found is not None and enabled() and x.dtype in WEIGHT_DTYPES and x.device.type == "cpu":
         weight, scale = found
