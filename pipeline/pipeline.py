@@ -432,16 +432,17 @@ class Pipeline:
         seconds, not a first compile's minute."""
         return "first_s" in self.compile_record(rows)
 
-    def compile_record(self, rows: int | None = None) -> dict[str, float]:
+    def compile_record(self, rows: int | None = None) -> dict[str, Any]:
         """What Inductor's cache folder knows of the ``compile="auto"`` step for ``rows``: its
-        first and last cached build's seconds, an eager step's (``inductor_cache.compile_record``)."""
+        first build's seconds, its recent cached builds' median, an eager step's
+        (``inductor_cache.compile_record``)."""
         return self.engine.runner.compile_record(rows)
 
     def compile_pays(self, tokens: int, rows: int | None = None) -> bool:
         """Whether waiting for ``compile_ahead(rows)`` before an answer of up to ``tokens`` tokens
-        is worth it: only for a cached compile, and only where its last cached build took no
-        longer than the answer would eagerly (the eager step's recorded seconds; a figure not
-        recorded yet counts as worth it, so that it is measured)."""
+        is worth it: only for a cached compile, and only where its cached builds took (the median
+        of the last five) no longer than the answer would eagerly (the eager step's recorded
+        seconds; a figure not recorded yet counts as worth it, so that it is measured)."""
         record = self.compile_record(rows)
         if "first_s" not in record:
             return False

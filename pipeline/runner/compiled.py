@@ -51,7 +51,7 @@ from pipeline.runner import flex
 from pipeline.runner.paged_batch import Chunk
 from pipeline.runner.forward import burst_state, chunks_state, decode_logits, decode_step, greedy_steps
 from pipeline.runner.guards import GUARDS, Seen
-from pipeline.runner.inductor_cache import compile_record, failed_before, remember, use_project_cache
+from pipeline.runner.inductor_cache import compile_record, failed_before, remember, remember_cached, use_project_cache
 
 
 # Why an auto step stays eager where its compile failed before (``inductor_cache.failed_before``:
@@ -201,7 +201,10 @@ class CompiledStep:
             seconds = time.perf_counter() - t0
             if self.why_not(lm) is None:
                 self.built_s = seconds
-                remember(key, **{"cached_s" if cached else "first_s": seconds})
+                if cached:
+                    remember_cached(key, seconds)
+                else:
+                    remember(key, first_s=seconds)
             elif able:  # it failed compiling: auto does not try again (``FAILED_BEFORE``)
                 remember(key, failed_s=seconds)
             return seconds

@@ -105,7 +105,7 @@ class ModelRunner:
                 step.builder = compile_ahead.start(step, self.lm, self.pool, rows, self.native, said, apart)
         return step.builder
 
-    def compile_record(self, rows: int | None = None) -> dict[str, float]:
+    def compile_record(self, rows: int | None = None) -> dict[str, Any]:
         """What Inductor's cache folder knows of this runner's auto compile for ``rows``
         (``inductor_cache.compile_record``); empty without an auto step."""
         step = self.compiled
