@@ -454,8 +454,15 @@ def test_ctrl_c_skips_the_compile_after_a_runs_answer_and_the_run_still_ends_wel
     cancel, and the interpreter aborted under it)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     command = [sys.executable, "-m", "pipeline", f"model.path={kernel_sized}", "prompt=Hi", "max_new_tokens=8"]
+    # (Ctrl-C's default in the child: a shell without job control starts a background job, such
+    # as a suite run with ``cmd &``, with SIGINT ignored, and Python keeps an inherited SIG_IGN)
     proc = subprocess.Popen(
-        [*command, f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True
+        [*command, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     for line in proc.stderr:
         if "compiling the decode step" in line:

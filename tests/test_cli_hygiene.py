@@ -5,6 +5,8 @@ folder, and the run's log file holds the run's report."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 from doc_commands import documented_commands
 from pipeline.cli import outputs
 from pipeline.__main__ import CONF_DIR, check_group_choices, check_overrides
@@ -132,6 +134,19 @@ def test_hydra_logs_to_stderr():
         cfg = compose("config", return_hydra_config=True)
     assert cfg.hydra.hydra_logging.handlers.console.stream == "ext://sys.stderr"
     assert cfg.hydra.job_logging.handlers.console.stream == "ext://sys.stderr"
+
+
+def test_the_library_leaves_the_cycle_collector_as_it_is():
+    """The CLI freezes its imports out of the cycle collector's reach (``settle_imports``); a
+    program that imports the library, the entry point's module included, keeps its collector."""
+    code = (
+        "import gc; before = gc.get_threshold()\n"
+        "import pipeline, pipeline.__main__, pipeline.cli.assemble\n"
+        "from pipeline import Pipeline, load_model\n"
+        "assert gc.get_threshold() == before and gc.get_freeze_count() == 0, (gc.get_threshold(), before)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_preemptions_are_reported_when_none():
