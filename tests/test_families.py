@@ -4,7 +4,7 @@ layers are plain attention; anything else is refused in one line before its weig
 from __future__ import annotations
 
 import pytest
-from transformers import JambaConfig, Lfm2Config, Llama4TextConfig
+from transformers import Gemma2Config, JambaConfig, Lfm2Config, Llama4TextConfig
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from conftest import run_cli
@@ -48,6 +48,19 @@ def test_linear_attention_runs_only_through_the_family_that_declares_it():
         family_for_config(config)
     with pytest.raises(UserError, match="^Lfm2ForCausalLM is not supported: its conv layers"):
         family_for_config(Lfm2Config(**SIZES, full_attn_idxs=[1, 3], architectures=["Lfm2ForCausalLM"]))
+
+
+def test_attention_that_soft_caps_its_logits_is_refused_before_the_weights_load(tmp_path):
+    """Gemma 2 soft-caps its attention logits, which the paged attention does not: refused at
+    load in one line (a server once started and answered every request with a 500)."""
+    from pipeline.errors import UserError
+    from pipeline.families import family_for_config
+
+    config = Gemma2Config(**SIZES, architectures=["Gemma2ForCausalLM"])
+    with pytest.raises(UserError, match=r"^Gemma2ForCausalLM is not supported: .*attn_logit_softcapping=50.0"):
+        family_for_config(config)
+    config.attn_logit_softcapping = None  # the same model without it runs
+    assert family_for_config(config).name == "text"
 
 
 def test_unknown_architecture_with_plain_attention_runs_as_text(load_tiny):

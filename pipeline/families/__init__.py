@@ -9,7 +9,7 @@ from typing import Any
 from pipeline.errors import UserError
 from pipeline.families import vision
 from pipeline.families.base import Family, TextFamily
-from pipeline.memory import ATTENTION_KINDS, layer_kinds
+from pipeline.memory import ATTENTION_KINDS, layer_kinds, text_config
 
 
 def registry() -> dict[str, type[Family]]:
@@ -29,8 +29,15 @@ def family_for_config(config: Any) -> Family:
     """The family that knows how to run a model with this config. An architecture no family
     covers runs as a generic text model only when its layers are full or sliding-window
     attention (what the paged KV cache holds); anything else is refused in one line, before the
-    weights load."""
+    weights load, as is attention that soft-caps its logits in any family."""
     model_type = getattr(config, "model_type", "")
+    softcap = getattr(text_config(config), "attn_logit_softcapping", None)
+    if softcap is not None:  # (Gemma 2: every request would fail in the paged attention)
+        arch = ", ".join(getattr(config, "architectures", None) or [model_type or "this model"])
+        raise UserError(
+            f"{arch} is not supported: its attention soft-caps its logits (attn_logit_softcapping={softcap}), "
+            "which the paged attention does not do"
+        )
     families = registry()
     if model_type not in families and vision.claims(config):
         reason = vision.refusal(config)
