@@ -50,7 +50,7 @@ def test_linear_attention_runs_only_through_the_family_that_declares_it():
         family_for_config(Lfm2Config(**SIZES, full_attn_idxs=[1, 3], architectures=["Lfm2ForCausalLM"]))
 
 
-def test_attention_that_soft_caps_its_logits_is_refused_before_the_weights_load(tmp_path):
+def test_attention_that_soft_caps_its_logits_is_refused_before_the_weights_load():
     """Gemma 2 soft-caps its attention logits, which the paged attention does not: refused at
     load in one line (a server once started and answered every request with a 500)."""
     from pipeline.errors import UserError
