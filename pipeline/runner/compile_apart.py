@@ -19,6 +19,7 @@ that its parent is still the one that started it). An engine kept busy starves i
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -185,6 +186,7 @@ def main(spec_path: str) -> int:
         return 1
     torch.set_num_threads(spec.threads)
     lm, pool, step = _rebuild(spec)
+    gc.freeze()  # what the imports and the load made lives as long as this process (``__main__.settle_imports``)
     if step is None or step.key(lm, pool, spec.rows) != spec.key:
         return 2
     from pipeline.runner import matvec
