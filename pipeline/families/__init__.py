@@ -33,32 +33,34 @@ def family_for_config(config: Any) -> Family:
     model_type = getattr(config, "model_type", "")
     softcap = getattr(text_config(config), "attn_logit_softcapping", None)
     if softcap is not None:  # (Gemma 2: every request would fail in the paged attention)
-        arch = ", ".join(getattr(config, "architectures", None) or [model_type or "this model"])
         raise UserError(
-            f"{arch} is not supported: its attention soft-caps its logits (attn_logit_softcapping={softcap}), "
-            "which the paged attention does not do"
+            f"{_architectures(config)} is not supported: its attention soft-caps its logits "
+            f"(attn_logit_softcapping={softcap}), which the paged attention does not do"
         )
     families = registry()
     if model_type not in families and vision.claims(config):
         reason = vision.refusal(config)
         if reason is not None:
-            arch = ", ".join(getattr(config, "architectures", None) or [model_type])
-            raise UserError(f"{arch} ({model_type}) is not supported: {reason}")
+            raise UserError(f"{_architectures(config)} ({model_type}) is not supported: {reason}")
         return vision.VisionFamily(config)
     if model_type not in families:
         # Not even linear attention: only the families that declare it (Qwen3.5's Gated DeltaNet)
         # run it, and transformers names Mamba, lightning and other linear layers the same way.
         other = set(layer_kinds(config)) - ATTENTION_KINDS
         if other:
-            arch = ", ".join(getattr(config, "architectures", None) or [model_type or "this model"])
             known = ", ".join(sorted({cls.name for cls in families.values()}))
             raise UserError(
-                f"{arch} is not supported: its {', '.join(sorted(other))} layers are not full or sliding-window "
-                f"attention, which is all the generic text family handles (families: {known}, and text models "
-                "with such attention)"
+                f"{_architectures(config)} is not supported: its {', '.join(sorted(other))} layers are not full or "
+                f"sliding-window attention, which is all the generic text family handles (families: {known}, and "
+                "text models with such attention)"
             )
         return TextFamily()
     return families[model_type]()
+
+
+def _architectures(config: Any) -> str:
+    """How a refusal names the model: its config's architectures, else its model type."""
+    return ", ".join(getattr(config, "architectures", None) or [getattr(config, "model_type", "") or "this model"])
 
 
 __all__ = ["Family", "TextFamily", "family_for_config", "registry"]
