@@ -343,7 +343,7 @@ def test_stage_level_compile_is_warmed_up_like_decode_compile(lm):
             config_name="config",
             overrides=["stages.decode.compile=true", "+stages.decode.compile_backend=aot_eager", f"kv.memory={POOL}"],
         )
-    assert cfg.decode.compile is False
+    assert cfg.decode.compile == "auto"  # (the default: the stage's own setting is what asks)
     pipe = pipeline_from_cfg(cfg, lm)
     assert pipe.stages["decode"].compiled is not None and pipe.warmup_s is not None
 
