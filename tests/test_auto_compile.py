@@ -30,7 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import ROOT, generate_oracle, run_cli
 from pipeline import Pipeline, Request, UserError, load_model
-from pipeline.runner import compile_ahead, compiled, inductor_cache, matvec
+from pipeline.runner import compile_ahead, compiled, inductor_cache, matvec, saved_step
 from pipeline.runner.compiled import CompiledStep
 from stages import DecodeLoop, Prefill
 from stages.decode import FastPathFallback
@@ -312,12 +312,15 @@ def test_a_one_shot_run_answers_eagerly_and_leaves_the_compile_for_the_next_run(
     takes is not known yet) and decodes on them; the third knows the wait is longer than its
     short answer takes eagerly, and answers eagerly without compiling. The same tokens each time."""
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # a first compile, then its cache
-    runs = []
+    runs, saved = [], []
     for i in range(3):
         args = [f"model.path={kernel_sized}", "prompt=Tell me about the sea", "max_new_tokens=16", "ignore_eos=true"]
         out = run_cli(*args, f"hydra.run.dir={tmp_path / str(i)}", env=env)
         assert out.returncode == 0, out.stderr[-2000:]
         runs.append((out.stderr, json.loads((tmp_path / str(i) / "result.json").read_text())))
+        saved.append({p.name: p.stat().st_mtime_ns for p in (tmp_path / "inductor" / saved_step.FOLDER).glob("*")})
+    # The first run saved the single-row step whole; the second loaded it (a step traced anew is saved anew).
+    assert len(saved[0]) == 1 and saved[0] == saved[1] == saved[2]
     (first_err, first), (second_err, second), (third_err, third) = runs
     assert first["metrics"]["decode_compiled"] is False and "warmup_s" not in first["metrics"]
     assert "compiling the decode step, so that the next run starts compiled" in first_err

@@ -12,7 +12,9 @@ Fixed shapes: the batch and the block-table width are rounded up to buckets
 bucket from 2 up (dynamo specialises size 1: batch 1 has its own); on CUDA each bucket is a
 static graph (see ``_compile``). Masks and write slots are built inside the graph from tensors.
 ``Pipeline.warmup`` builds both graphs before the first request;
-after it no batch size or context length recompiles (tests/test_compiled.py counts).
+after it no batch size or context length recompiles (tests/test_compiled.py counts). On CPU
+each graph is saved whole once compiled (``saved_step``): a later process loads it instead of
+tracing the model again.
 
 ``decode.compile=auto`` (the command line's default, ``auto=True`` here): the graphs are built
 ahead, on a thread beside the engine (``build``, on padding rows that write only the null block),
@@ -47,10 +49,11 @@ import transformers
 
 from pipeline.errors import UserError
 from pipeline.kv import NULL_BLOCK, BlockPool
-from pipeline.runner import flex
+from pipeline.runner import flex, saved_step
 from pipeline.runner.paged_batch import Chunk
 from pipeline.runner.forward import burst_state, chunks_state, decode_logits, decode_step, greedy_steps
 from pipeline.runner.guards import GUARDS, Seen
+from pipeline.runner.saved_step import GuardMismatch, SavedStep
 from pipeline.runner.inductor_cache import compile_record, failed_before, remember, remember_cached, use_project_cache
 
 
@@ -275,12 +278,18 @@ class CompiledStep:
         )
         graphs = self.graphs(lm)
         seen = Seen()  # the kinds of call whose guards passed (``guards``)
+        saved = self._saved(fn, lm)
 
         def step(model: Any, pool: BlockPool, *inputs: torch.Tensor) -> Any:
             tables = inputs[3]
             self.shapes.add((tables.shape[0], tables.shape[1] * pool.block_size))  # (batch, keys): one CUDA graph each
             if not static:
                 _mark_dynamic(*inputs)
+            if saved is not None:
+                try:
+                    return saved(model, pool, *inputs)
+                except GuardMismatch:  # a call of a kind no saved step fits: compiled below
+                    pass
             if not graphs:
                 return GUARDS.call(compiled, seen, model, pool, inputs)
             if pool not in self._static:
@@ -292,6 +301,17 @@ class CompiledStep:
             return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
         return step
+
+    def _saved(self, fn: Any, lm: Any) -> SavedStep | None:
+        """``fn`` compiled once and saved for later processes (``saved_step``), on CPU with
+        Inductor's default mode; not under tensor parallelism (each rank's graph holds its
+        process group)."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed or not saved_step.supported() or lm.device.type != "cpu":
+            return None
+        if self.backend != "inductor" or self.mode is not None:
+            return None
+        return SavedStep(flex.own_code(fn), self._settings(lm)["options"], lambda pool: self.key(lm, pool, None))
 
 
 @functools.cache
