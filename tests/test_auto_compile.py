@@ -456,17 +456,14 @@ def test_ctrl_c_skips_the_compile_after_a_runs_answer_and_the_run_still_ends_wel
     process ends with status 0 (a join interrupted by Ctrl-C once hid the build from the exit's
     cancel, and the interpreter aborted under it)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    command = [sys.executable, "-m", "pipeline", f"model.path={kernel_sized}", "prompt=Hi", "max_new_tokens=8"]
-    # (Ctrl-C's default in the child: a shell without job control starts a background job, such
-    # as a suite run with ``cmd &``, with SIGINT ignored, and Python keeps an inherited SIG_IGN)
-    proc = subprocess.Popen(
-        [*command, f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=ROOT,
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    args = [f"model.path={kernel_sized}", "prompt=Hi", "max_new_tokens=8", f"hydra.run.dir={tmp_path / 'run'}"]
+    # Ctrl-C's handler put back in the child: a shell without job control starts a background
+    # job, such as a suite run with ``cmd &``, with SIGINT ignored, and Python keeps an inherited
+    # SIG_IGN. Put back by the child's Python, not a ``preexec_fn``: that makes Popen fork the
+    # whole pytest worker, which failed with ENOMEM where the worker had reserved big KV pools.
+    main = "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    main += "runpy.run_module('pipeline', run_name='__main__', alter_sys=True)"
+    proc = subprocess.Popen([sys.executable, "-c", main, *args], cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
         if "compiling the decode step" in line:
             time.sleep(2)
