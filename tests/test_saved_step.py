@@ -67,15 +67,14 @@ def breaks(model: torch.nn.Module, pool: Pool, *inputs: torch.Tensor) -> torch.T
 
 
 def test_a_step_that_cannot_be_saved_is_noted_so_that_later_processes_trace_it_once(monkeypatch, tmp_path):
-    monkeypatch.setenv(saved_step.CACHE_ENV, str(tmp_path))
     model, pool = torch.nn.Linear(4, 4), Pool(8, 4)
     inputs = (torch.zeros(1, 4), torch.zeros(1), torch.ones(1), torch.zeros(1, 2, dtype=torch.long))
     with pytest.raises(saved_step.GuardMismatch):  # the caller then compiles with torch.compile
-        saved_step.SavedStep(breaks, {}, lambda pool: "key")(model, pool, *inputs)
+        saved_step.SavedStep(breaks, {}, lambda pool: "key", tmp_path)(model, pool, *inputs)
     (note,) = (tmp_path / saved_step.FOLDER).glob("*.unsaved")
     assert "graph_break" in note.read_text() or "Unsupported" in note.read_text()
     traced = []
     monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: traced.append(args))
     with pytest.raises(saved_step.GuardMismatch):
-        saved_step.SavedStep(breaks, {}, lambda pool: "key")(model, pool, *inputs)
+        saved_step.SavedStep(breaks, {}, lambda pool: "key", tmp_path)(model, pool, *inputs)
     assert traced == []

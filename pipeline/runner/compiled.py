@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import sys
 import threading
 import time
@@ -54,7 +55,15 @@ from pipeline.runner.paged_batch import Chunk
 from pipeline.runner.forward import burst_state, chunks_state, decode_logits, decode_step, greedy_steps
 from pipeline.runner.guards import GUARDS, Seen
 from pipeline.runner.saved_step import GuardMismatch, SavedStep
-from pipeline.runner.inductor_cache import compile_record, failed_before, remember, remember_cached, use_project_cache
+from pipeline.runner.inductor_cache import (
+    CACHE_ENV,
+    compile_record,
+    failed_before,
+    remember,
+    remember_cached,
+    source_digest,
+    use_project_cache,
+)
 
 
 # Why an auto step stays eager where its compile failed before (``inductor_cache.failed_before``:
@@ -309,19 +318,18 @@ class CompiledStep:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if distributed or not saved_step.supported() or lm.device.type != "cpu":
             return None
-        if self.backend != "inductor" or self.mode is not None:
+        folder = os.environ.get(CACHE_ENV)  # (``use_project_cache`` named it, where it could)
+        if self.backend != "inductor" or self.mode is not None or not folder:
             return None
-        return SavedStep(flex.own_code(fn), self._settings(lm)["options"], lambda pool: self.key(lm, pool, None))
+        options = self._settings(lm)["options"]
+        return SavedStep(flex.own_code(fn), options, lambda pool: self.key(lm, pool, None), Path(folder))
 
 
 @functools.cache
 def _runner_code() -> str:
     """A digest of the code the compiled graphs are traced from (``pipeline.runner``): an edit
     there means a new graph, so a compile recorded before it is not taken as cached."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+    return source_digest(Path(__file__).parent.glob("*.py"))
 
 
 def padding_state(pool: BlockPool, rows: int, position_rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:

@@ -25,7 +25,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -90,6 +90,15 @@ def remember_isa_checks(folder: Path) -> bool:
     check_build.__wrapped_check__ = original  # type: ignore[attr-defined]
     isa.check_build = check_build
     return True
+
+
+def source_digest(paths: Iterable[Path]) -> str:
+    """A digest of what the files at ``paths`` say (in sorted order): a cache key part that an
+    edit of the code a graph is traced from changes."""
+    digest = hashlib.sha256()
+    for path in sorted(paths):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def compile_record(key: str) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from pipeline.runner import flex, matvec
-from pipeline.runner.inductor_cache import CACHE_ENV
+from pipeline.runner.inductor_cache import source_digest
 
 FOLDER = "mm-pipeline-steps"
 GUARD_FAILED = "GuardManager check failed"  # what a loaded step raises for a call it was not made for
@@ -57,20 +57,20 @@ def supported() -> bool:
 
 class SavedStep:
     """``fn`` compiled with Inductor per kind of call, loaded from its file where one was saved,
-    else compiled and saved. ``key_of(pool)``: the compiled step's key (``CompiledStep.key``)."""
+    else compiled and saved in ``folder``. ``key_of(pool)``: the compiled step's key
+    (``CompiledStep.key``)."""
 
-    def __init__(self, fn: Callable, options: dict, key_of: Callable[[Any], str]) -> None:
+    def __init__(self, fn: Callable, options: dict, key_of: Callable[[Any], str], folder: Path) -> None:
         self.fn = fn
         self.options = options
         self.key_of = key_of
+        self.folder = folder / FOLDER  # in Inductor's cache folder
         self.loaded: dict[Path, Callable | None] = {}  # by file: None where it could not be made
-        self._paths: dict[tuple, tuple[Path | None, weakref.ref, weakref.ref]] = {}  # by (kind, model, pool)
+        self._paths: dict[tuple, tuple[Path, weakref.ref, weakref.ref]] = {}  # by (kind, model, pool)
 
     def __call__(self, model: torch.nn.Module, pool: Any, *inputs: torch.Tensor) -> Any:
         """The step's outputs; ``GuardMismatch`` where no saved step fits (the caller compiles)."""
         path = self._path(model, pool, inputs)
-        if path is None:
-            raise GuardMismatch("no cache folder")
         if path not in self.loaded:
             unsaved = path.with_suffix(".unsaved").exists()  # it failed before: not traced twice again
             self.loaded[path] = None if unsaved else _load(path) or self._compile(path, model, pool, inputs)
@@ -84,15 +84,14 @@ class SavedStep:
                 raise GuardMismatch(str(err)[:200]) from None
             raise
 
-    def _path(self, model: torch.nn.Module, pool: Any, inputs: tuple[torch.Tensor, ...]) -> Path | None:
+    def _path(self, model: torch.nn.Module, pool: Any, inputs: tuple[torch.Tensor, ...]) -> Path:
         """The file of this kind of call on ``model`` and ``pool``, named once (hashing the
         model's structure each step would cost more than the guards it replaces)."""
         kind = "one" if inputs[3].shape[0] == 1 else "many"  # (the block tables: a row each)
         known = self._paths.get((kind, id(model), id(pool)))
         if known is not None and known[1]() is model and known[2]() is pool:
             return known[0]
-        folder = os.environ.get(CACHE_ENV)
-        path = Path(folder) / FOLDER / f"{_name(self.key_of(pool), kind, model, pool)}.step" if folder else None
+        path = self.folder / f"{_name(self.key_of(pool), kind, model, pool)}.step"
         self._paths[(kind, id(model), id(pool))] = (path, weakref.ref(model), weakref.ref(pool))
         return path
 
@@ -158,11 +157,7 @@ def structure(model: torch.nn.Module, pool: Any) -> str:
 def _library_code() -> str:
     """A digest of mm-pipeline's source: the saved bytecode is what the trace read of it."""
     root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
-        digest.update(path.relative_to(root).as_posix().encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+    return source_digest(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h"))
 
 
 def _version(package: str) -> str | None:
