@@ -41,6 +41,26 @@ def test_a_model_of_another_shape_dtype_or_pool_is_named_apart():
     assert saved_step.structure(llama(), Pool(16, 4, 2, 8)) != same
 
 
+def test_a_cpu_whose_kernels_are_built_for_other_instruction_sets_gets_another_name(monkeypatch, request):
+    """torch calls an AMX Xeon and an AVX-512 CPU without bfloat16 both "AVX512", but Inductor
+    builds the first one's kernels with ``-mavx512bf16 -mamx-bf16``: through a shared cache folder
+    the second must not load them."""
+    from torch._inductor import cpu_vec_isa
+
+    request.addfinalizer(saved_step._vec_isa.cache_clear)  # (the real CPU's, read again after)
+
+    def name() -> str:
+        saved_step._vec_isa.cache_clear()
+        return saved_step._name("key", "one", llama(), Pool(8, 4, 2, 8))
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", cpu_vec_isa.VecAVX512)
+    plain = name()
+    assert name() == plain
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", cpu_vec_isa.VecAMX)
+    assert name() != plain
+
+
 def test_only_the_steps_own_tensors_and_global_state_keep_their_guards():
     entries = [
         SimpleNamespace(guard_type="TENSOR_MATCH", name="ids"),

@@ -11,9 +11,10 @@ The model's own guards are dropped. They are thousands (every layer's modules an
 the trace read), and they do not pickle: a transformers class defined in a function, torchao's
 layers, the pool's lock. What they would check is in the file's name instead (``_name``): the
 compiled step's key (config, dtype, weight scheme, pool layout, torch and transformers), a
-digest of the whole library's code, torchao's version, the CPU, whether the native kernels and
-FlexAttention run, and ``structure``: every module's class, every parameter's, buffer's and
-pool tensor's shape, dtype and kind. Kept: the guards on the step's own tensors (shape,
+digest of the whole library's code, torchao's version, the instruction sets Inductor compiles
+for on this CPU (``_vec_isa``), whether the native kernels and FlexAttention run, and
+``structure``: every module's class, every parameter's, buffer's and pool tensor's shape, dtype
+and kind. Kept: the guards on the step's own tensors (shape,
 strides, dtype) and on global state, so a call the graph was not made for fails its check
 (``GuardMismatch``) and the caller compiles it the usual way.
 
@@ -133,7 +134,7 @@ def _name(key: str, kind: str, model: torch.nn.Module, pool: Any) -> str:
         structure(model, pool),
         _library_code(),
         _version("torchao"),
-        torch.backends.cpu.get_cpu_capability(),
+        _vec_isa(),
         matvec.enabled(),
         flex.KERNEL.broken is None,  # (a step whose FlexAttention failed is traced without it)
     ]
@@ -158,6 +159,18 @@ def _library_code() -> str:
     """A digest of mm-pipeline's source: the saved bytecode is what the trace read of it."""
     root = Path(__file__).resolve().parents[1]
     return source_digest(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h"))
+
+
+@functools.cache
+def _vec_isa() -> str:
+    """The instruction sets Inductor builds this CPU's kernels for, with their compiler flags: torch's
+    own CPU capability says "AVX512" alike on an AMX Xeon (kernels built with ``-mavx512bf16
+    -mamx-bf16``) and on an AVX-512 CPU without bfloat16, which a step saved by the first must not
+    reach through a shared cache folder."""
+    from torch._inductor import cpu_vec_isa
+
+    isa = cpu_vec_isa.pick_vec_isa()
+    return f"{torch.backends.cpu.get_cpu_capability()} {type(isa).__name__} {isa.build_arch_flags()}"
 
 
 def _version(package: str) -> str | None:
