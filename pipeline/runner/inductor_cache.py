@@ -23,7 +23,7 @@ import json
 import os
 import statistics
 import sys
-import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -151,11 +151,18 @@ def _read(path: Path) -> dict:
 
 
 def _write(path: Path, data: dict) -> None:
-    """Whole or not at all (another process may read it meanwhile); an unwritable folder is
-    left alone (the checks then run each time, as torch's own do)."""
+    """``data`` as JSON (``write_whole``: where the folder is unwritable, the checks then run each
+    time, as torch's own do)."""
+    write_whole(path, json.dumps(data).encode())
+
+
+def write_whole(path: Path, data: bytes) -> None:
+    """``data`` at ``path`` whole or not at all: another process may read it meanwhile. The part
+    file is named by process and thread, and made with the umask's mode, as Inductor's own files
+    are. An unwritable folder is left alone (what this cache would have kept is made again)."""
+    part = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
     try:
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".mm-pipeline-", delete=False) as f:
-            json.dump(data, f)
-        os.replace(f.name, path)
+        part.write_bytes(data)
+        os.replace(part, path)
     except OSError:
-        pass
+        part.unlink(missing_ok=True)

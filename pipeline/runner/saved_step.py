@@ -14,9 +14,9 @@ compiled step's key (config, dtype, weight scheme, pool layout, torch and transf
 digest of the whole library's code, torchao's version, the instruction sets Inductor compiles
 for on this CPU (``_vec_isa``), whether the native kernels and FlexAttention run, and
 ``structure``: every module's class, every parameter's, buffer's and pool tensor's shape, dtype
-and kind. Kept: the guards on the step's own tensors (shape,
-strides, dtype) and on global state, so a call the graph was not made for fails its check
-(``GuardMismatch``) and the caller compiles it the usual way.
+and kind. Kept: the guards on the step's own tensors (shape, strides, dtype) and on global
+state, so a call the graph was not made for fails its check (``GuardMismatch``) and the caller
+compiles it the usual way.
 
 One file per kind of call: a single row (its own graph, as Dynamo specialises size 1), and two
 rows and up (dynamic batch, table width and pool extent). Written whole or not at all, in
@@ -30,8 +30,6 @@ import functools
 import hashlib
 import importlib.metadata
 import logging
-import os
-import threading
 import weakref
 from pathlib import Path
 from typing import Any, Callable
@@ -39,7 +37,7 @@ from typing import Any, Callable
 import torch
 
 from pipeline.runner import flex, matvec
-from pipeline.runner.inductor_cache import source_digest
+from pipeline.runner.inductor_cache import source_digest, write_whole
 
 FOLDER = "mm-pipeline-steps"
 GUARD_FAILED = "GuardManager check failed"  # what a loaded step raises for a call it was not made for
@@ -203,9 +201,4 @@ def _save(step: Any, path: Path) -> None:
     except Exception as err:  # pickling raises many types
         logger.info("decode step not saved: %s: %s", type(err).__name__, str(err)[:200])
         return
-    part = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    try:
-        part.write_bytes(data)
-        os.replace(part, path)
-    except OSError:
-        part.unlink(missing_ok=True)
+    write_whole(path, data)
