@@ -102,6 +102,35 @@ def test_int8_row_scales_round_like_torchao(shape, isa):
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=8e-3)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("weights", ["int8", "bfloat16"])
+def test_a_bfloat16_row_is_rounded_bit_for_bit_as_pytorch_rounds_it(weights, bias, isa):
+    """Small whole numbers make every dot product exact in float32, so only the output's
+    roundings are left to compare, bit for bit: torchao's for int8 (the product rounded, times
+    the scale rounded, plus the bias rounded), one rounding of the sum with the bias for bfloat16
+    weights. 1,002 rows: blocks of sixteen rounded together and the rows left over."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(1024, 1002, bias=bias))
+    with torch.no_grad():
+        layer[0].weight.copy_(torch.randint(-127, 128, layer[0].weight.shape))
+    layer = layer.to(torch.bfloat16)
+    if weights == "int8":
+        quantize_(layer, Int8WeightOnlyConfig())
+    x = torch.randint(-8, 9, (1, 1024)).to(torch.bfloat16)
+    if weights == "int8":
+        expected = layer(x)
+    else:  # the exact sum (float64) plus the bias, rounded once
+        w = layer[0].weight.double()
+        exact = x.double() @ w.T + (layer[0].bias.double() if bias else 0)
+        expected = exact.float().to(torch.bfloat16)
+    matvec.attach(layer)
+    with matvec.active():
+        got = layer(x)
+    assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("weights", ["int8", "float32", "bfloat16"])
 def test_a_row_has_the_same_bits_on_any_number_of_threads(weights, isa):
     """The threads take rows in chunks as they finish (``in_chunks``): which thread reads a row
