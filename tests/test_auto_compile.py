@@ -431,6 +431,25 @@ def test_a_compile_for_a_pool_of_another_size_is_not_taken_as_cached(lm, monkeyp
     assert other.pool.num_blocks != pipe(POOL).pool.num_blocks and not other.compile_cached(1)
 
 
+def test_a_compile_recorded_under_other_code_is_not_taken_as_cached(lm, monkeypatch, tmp_path):
+    """The record is kept under the digest the saved step's name has (``saved_step.library_code``:
+    every source file, the native kernels' too). Under a narrower one, an edit of a kernel kept
+    the record while the saved step was named anew: a one-shot run waited for a trace of the new
+    code (6.2 s here), recorded that as the cached wait, and every later run of 128 tokens (2.6 s
+    eagerly) stayed eager beside a saved step that loads in 1 s."""
+    monkeypatch.setenv(inductor_cache.CACHE_ENV, str(tmp_path))  # this test's own record
+    monkeypatch.setattr(CompiledStep, "_compile", lambda self, fn, model: fn)  # eager: the record is what counts
+
+    def pipe():
+        return Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop(compile="auto")}, kv_memory=POOL)
+
+    monkeypatch.setattr(saved_step, "library_code", lambda: "the source before")
+    pipe().compile_ahead(1, wait=True)
+    assert pipe().compile_cached(1)
+    monkeypatch.setattr(saved_step, "library_code", lambda: "a kernel edited")
+    assert not pipe().compile_cached(1) and pipe().compile_record(1) == {}
+
+
 def test_a_bad_compile_setting_is_refused_in_one_line():
     out = run_cli("decode.compile=maybe", "model.path=/nonexistent")
     assert out.returncode != 0 and "Traceback" not in out.stderr

@@ -61,7 +61,6 @@ from pipeline.runner.inductor_cache import (
     failed_before,
     remember,
     remember_cached,
-    source_digest,
     use_project_cache,
 )
 
@@ -247,7 +246,7 @@ class CompiledStep:
             "pool": [pool.num_blocks, pool.block_size, pool.kv_dtype, str(pool.attention), pool.window],
             "rows": rows == 1,
             "step": [self.backend, self.mode, lm.device.type],
-            "code": [torch.__version__, transformers.__version__, _runner_code()],
+            "code": [torch.__version__, transformers.__version__, saved_step.library_code()],
         }
         return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -326,12 +325,6 @@ class CompiledStep:
 
 
 @functools.cache
-def _runner_code() -> str:
-    """A digest of the code the compiled graphs are traced from (``pipeline.runner``): an edit
-    there means a new graph, so a compile recorded before it is not taken as cached."""
-    return source_digest(Path(__file__).parent.glob("*.py"))
-
-
 def padding_state(pool: BlockPool, rows: int, position_rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """A decode step's inputs (``burst_state``, bucketed) for ``rows`` padding rows alone."""
     return burst_state(

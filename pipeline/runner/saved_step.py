@@ -130,7 +130,7 @@ def _name(key: str, kind: str, model: torch.nn.Module, pool: Any) -> str:
         key,
         kind,
         structure(model, pool),
-        _library_code(),
+        library_code(),
         _version("torchao"),
         _vec_isa(),
         matvec.enabled(),
@@ -153,8 +153,12 @@ def structure(model: torch.nn.Module, pool: Any) -> str:
 
 
 @functools.cache
-def _library_code() -> str:
-    """A digest of mm-pipeline's source: the saved bytecode is what the trace read of it."""
+def library_code() -> str:
+    """A digest of mm-pipeline's source (Python and the native kernels'): the saved bytecode is
+    what the trace read of it, so another source is another step. The compile record's key
+    (``CompiledStep.key``) takes the same digest: a wait measured for a step of other code (a
+    trace of the new code, 6 s against a saved step's 1) must not decide whether to wait for this
+    one, nor a step of other code count as built."""
     root = Path(__file__).resolve().parents[1]
     return source_digest(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h"))
 
