@@ -33,7 +33,6 @@ eager: the tokens are the same either way.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -324,7 +323,6 @@ class CompiledStep:
         return SavedStep(flex.own_code(fn), options, lambda pool: self.key(lm, pool, None), Path(folder))
 
 
-@functools.cache
 def padding_state(pool: BlockPool, rows: int, position_rows: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """A decode step's inputs (``burst_state``, bucketed) for ``rows`` padding rows alone."""
     return burst_state(
