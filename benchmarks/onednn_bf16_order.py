@@ -14,9 +14,11 @@ Inputs of a wide range (normal values times e^(2 normal)) and whole-number weigh
 widened, make the orders differ in a few outputs in ten thousand. Printed: the outputs (of N)
 where each order's bits differ from oneDNN's. On a 2-core AMX Xeon with torch 2.11 (oneDNN
 3.10.2): ``amx`` matches at K 1,280 and 2,560 (N 32,768, no output differing); at K 3,456 it
-differs in 2 and two blocks match. How oneDNN splits the columns comes from its blocking
-heuristic (``brgemm_matmul_utils.cpp``: a function of N, K, the thread count and the caches),
-which a kernel of ours cannot know ahead.
+differs in 2 and two blocks match. How many blocks oneDNN splits the columns into comes from its
+blocking heuristic (``brgemm_matmul_utils.cpp``: a function of N, K, the thread count and the
+caches); blocks are ceil(steps / blocks) 32-column steps each, the last one shorter. The engine's
+kernel finds the count per weight shape when it loads a model (``matvec.onednn_blocks``, the same
+kind of inputs as here but cancelling, so that about one output in ten tells orders apart).
 
     python benchmarks/onednn_bf16_order.py [--n 32768] [--k 1280 3456] [--threads 2]
 """

@@ -118,3 +118,28 @@ def test_engine_decode_rows_on_it_match_generate(tiny_dir, family):
 
 
 # The compiled step on it (and on packed weights): tests/test_packed.py, one compile for both.
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(20, 4, 64), (8, 8, 64), (4, 2, 320)])  # 320: pack_gqa's form
+def test_rows_as_alone_gives_each_row_the_bits_of_generates_call(heads, kv_heads, dim):
+    """Each row over exactly the keys its mask shows, by transformers' SDPA call for one unpadded
+    row (generate()'s), bit for bit in bfloat16: keys read in place (consecutive slots) or
+    gathered, padded and masked in a batch or not."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    pool_k, pool_v = (torch.randn(400, kv_heads, dim).to(torch.bfloat16) for _ in range(2))
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)
+    lengths = [1, 37, 130]
+    slots = torch.stack([torch.arange(100, 230), torch.randperm(400)[:130], torch.arange(0, 130)])
+    q = torch.randn(3, heads, dim).to(torch.bfloat16)
+    mask = (torch.arange(130) < torch.tensor(lengths).unsqueeze(1)).view(3, 1, 1, 130)
+    got = torch.ops.mm_pipeline.rows_as_alone(q, pool_k, pool_v, slots, mask, 0.125)
+    for b, n in enumerate(lengths):
+        keys, values = (p[slots[b, :n]].transpose(0, 1).unsqueeze(0) for p in (pool_k, pool_v))
+        want = sdpa_attention_forward(module, q[b].view(1, heads, 1, dim), keys, values, None, scaling=0.125)[0]
+        assert torch.equal(got[b], want[0, 0]), b
+    alone = torch.ops.mm_pipeline.rows_as_alone(q[1:2], pool_k, pool_v, slots[1:2, :37], None, 0.125)
+    assert torch.equal(alone, got[1:2])

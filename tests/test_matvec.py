@@ -53,7 +53,7 @@ def fresh(tiny_dir):
     """A tiny model of its own: the kernel wraps its layers, the session's shared ones stay as they are."""
     from pipeline import load_model
 
-    return lambda family: load_model(str(tiny_dir(family)))
+    return lambda family, **kwargs: load_model(str(tiny_dir(family)), **kwargs)
 
 
 def counting(monkeypatch) -> list[int]:
@@ -129,6 +129,80 @@ def test_a_bfloat16_row_is_rounded_bit_for_bit_as_pytorch_rounds_it(weights, bia
     with matvec.active():
         got = layer(x)
     assert torch.equal(got, expected)
+
+
+needs_amx = pytest.mark.skipif(not matvec.amx(), reason="no AMX-BF16 tiles on this CPU")
+
+
+@needs_amx
+@pytest.mark.parametrize("copy", ["laid out", "none (RAM short)"])
+@pytest.mark.parametrize("weights", ["int8", "bfloat16"])
+def test_bfloat16_rows_sum_in_the_order_of_pytorchs_call(weights, copy, monkeypatch, capsys):
+    """A bfloat16 row's products are summed in the order of oneDNN's AMX matmul, the one
+    ``generate()`` calls: the same bits on inputs where other orders part (1,000 rows: a group of
+    128 and the rows left over; a batch's rows each as alone). On the weights' laid-out copy, or,
+    where RAM is short for it, on the tiles (said once)."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    if copy != "laid out":
+        monkeypatch.setattr(matvec, "available_ram", lambda: 0)
+        matvec._short_of_ram.cache_clear()
+    rows = 3 if weights == "int8" else 1  # a float weight takes the kernel for one row only
+    x, w = matvec.cancelling(1000, 1280, seed=0, rows=rows)
+    layer = torch.nn.Sequential(torch.nn.Linear(1280, 1000, bias=True)).to(torch.bfloat16)
+    with torch.no_grad():
+        layer[0].weight.copy_(w)
+    if weights == "int8":
+        quantize_(layer, Int8WeightOnlyConfig())
+    expected = torch.cat([layer(x[r : r + 1]) for r in range(rows)])  # PyTorch's call, a row at a time
+    assert matvec.attach(layer) == 1
+    assert (layer[0]._mm_matvec[0][2] is None) == (copy != "laid out") and layer[0]._mm_matvec[0][3] == 1
+    with matvec.active():
+        assert torch.equal(layer(x), expected)
+        weight, scale, _, _ = layer[0]._mm_matvec[0]
+        try:  # the row kernel's order (AVX-512 or AVX2 lanes, then their sum) parts on these inputs
+            matvec.amx(False)
+            assert not torch.equal(matvec.run(x, weight, scale, layer[0].bias), expected)
+        finally:
+            matvec.amx(True)
+    assert ("too little RAM" in capsys.readouterr().err) == (copy != "laid out")
+
+
+@needs_amx
+def test_a_long_row_is_summed_in_the_blocks_onednn_splits_it_into():
+    """Past some K oneDNN splits a row's columns into blocks, sums each and adds the sums (how many
+    its heuristic picks by shape and threads): the number is found per shape at attach and the
+    kernel sums in it, bit for bit. 896 x 4,864: Qwen2.5-0.5B's down projection (2 blocks on 2
+    threads)."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    x, w = matvec.cancelling(896, 4864, seed=5)
+    layer = torch.nn.Sequential(torch.nn.Linear(4864, 896, bias=False)).to(torch.bfloat16)
+    with torch.no_grad():
+        layer[0].weight.copy_(w)
+    quantize_(layer, Int8WeightOnlyConfig())
+    expected = layer(x)
+    matvec.attach(layer)
+    weight, scale, laid_out, blocks = layer[0]._mm_matvec[0]
+    assert blocks is not None and laid_out is not None
+    with matvec.active():
+        assert torch.equal(layer(x), expected)
+    for other in {1, blocks + 1} - {blocks}:  # another split parts on these inputs
+        assert not torch.equal(matvec.run(x, weight, scale, None, laid_out, other), expected)
+
+
+@needs_amx
+def test_the_split_found_is_kept_in_the_cache_folder_for_the_next_process(tmp_path, monkeypatch):
+    from pipeline.runner.inductor_cache import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    matvec.onednn_blocks.cache_clear()
+    assert matvec.onednn_blocks(256, 4864, torch.int8, 3) == matvec.find_blocks(256, 4864, torch.int8)
+    assert (tmp_path / matvec.BLOCKS_FILE).is_file()
+    matvec.onednn_blocks.cache_clear()  # as in a new process: read back, not found again
+    monkeypatch.setattr(matvec, "find_blocks", lambda *a: pytest.fail("found again"))
+    assert matvec.onednn_blocks(256, 4864, torch.int8, 3) is not None
+    matvec.onednn_blocks.cache_clear()
 
 
 @pytest.mark.parametrize("weights", ["int8", "float32", "bfloat16"])
@@ -308,9 +382,10 @@ def test_small_int8_layers_take_it_only_in_a_model_it_serves(monkeypatch):
     assert matvec.ready(served) and all("_mm_matvec" in layer.__dict__ for layer in served)
 
 
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_amx)])
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_engine_uses_it_and_matches_stock_generate(fresh, family, monkeypatch):
-    lm = fresh(family)
+def test_engine_uses_it_and_matches_stock_generate(fresh, family, dtype, monkeypatch):
+    lm = fresh(family, dtype=getattr(torch, dtype))
     calls = counting(monkeypatch)
     pipe = Pipeline(lm, {"tokenize": Tokenize(), "prefill": Prefill(), "decode": DecodeLoop(Sampler())})
     result = pipe.run(Request(prompt="Tell me about the sea.", max_new_tokens=12))

@@ -99,8 +99,10 @@ def test_batched_bfloat16_engine_on_packed_weights_matches_generate(tiny_dir, fa
 
 def test_the_compiled_step_calls_the_packed_product_and_matches_generate(tiny_dir, monkeypatch):
     """Inside a compiled step the packed product is an op of the graph (oneDNN's packed tensors
-    cannot enter one), and so is the native decode attention; its batched tokens equal
-    generate()'s. aot_eager: the same graph capture as inductor, no code generation."""
+    cannot enter one), and so is the decode attention (the native kernel; on AMX, where bfloat16
+    products are summed as generate()'s, each row over its own keys by generate()'s call); its
+    batched tokens equal generate()'s. aot_eager: the same graph capture as inductor, no code
+    generation."""
 
     from pipeline import load_model
 
@@ -117,7 +119,8 @@ def test_the_compiled_step_calls_the_packed_product_and_matches_generate(tiny_di
         lm, {"prefill": Prefill(), "decode": DecodeLoop(compile=True, compile_backend="aot_eager")}, kv_memory=1 << 20
     )
     prompts = [list(range(5, 5 + n)) for n in (6, 11, 17)]
-    got, attention_calls = kernel_calls(lambda: submit_all(pipe, prompts, 6))
+    op = "mm_pipeline::rows_as_alone" if matvec.amx() else "mm_pipeline::decode_attention"
+    got, attention_calls = kernel_calls(lambda: submit_all(pipe, prompts, 6), op)
     assert all(c.metrics.info["decode_compiled"] for c in got) and attention_calls > 0
     assert min(rows) < matvec.MANY_ROWS  # a decode step of 3 rows (bucket 4): only the compiled step packs so few
     for ids, c in zip(prompts, got):

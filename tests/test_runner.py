@@ -99,7 +99,9 @@ def test_a_lone_bfloat16_row_attends_bit_for_bit_as_generate(grouped_bf16, monke
 def test_with_the_native_kernels_a_lone_row_answers_the_same_wherever_its_blocks_lie(grouped_bf16, monkeypatch):
     """The native attention kernel reads a lone row's keys in place wherever they lie. (It read
     only scattered ones: consecutive blocks took SDPA, and a bfloat16 answer depended on where the
-    pool had put the row's blocks: the same prompt, run twice, parted.)"""
+    pool had put the row's blocks: the same prompt, run twice, parted.) On AMX, where the products
+    are summed as generate()'s, the row takes generate()'s SDPA call over its keys, read in place
+    or gathered: the same bits either way."""
     monkeypatch.setattr(matvec, "MIN_ELEMENTS", 0)  # this model's layers are below the kernels' size
     lm = load_model(str(grouped_bf16), dtype="bfloat16", quant="none")
     pipe = Pipeline(lm, {"prefill": Prefill(), "decode": DecodeLoop()}, kv_block_size=8)
@@ -111,8 +113,9 @@ def test_with_the_native_kernels_a_lone_row_answers_the_same_wherever_its_blocks
 
     hooks = [layer.self_attn.register_forward_hook(keep) for layer in lm.model.model.layers]
     in_place = []  # per lone-row attention call: its blocks consecutive (True) or not
-    attend = attention._attend
-    monkeypatch.setattr(attention, "_attend", lambda g, *a: in_place.append(g.span is not None) or attend(g, *a))
+    for name in ("_attend", "_attend_alone"):
+        original = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda g, *a, f=original: in_place.append(g.span is not None) or f(g, *a))
     ids, runs = list(range(40, 56)), []
     try:
         for _ in range(2):  # a fresh pool's blocks in order; then the blocks it freed, in another

@@ -69,7 +69,7 @@ def paged_attention(
             _attend_causal(g, query, key, value, kv, scaling)
             if g.causal
             else _attend_alone(g, module, query, kv, scaling)
-            if g.alone and not native_decode(query, kv)
+            if g.alone and (not native_decode(query, kv) or matvec.exact_bf16(query))
             else _attend(g, flat_q, kv, window is not None, scaling, batch.pool.block_size),
         )
         for g in batch.groups
@@ -116,6 +116,10 @@ def _attend(
         k_slots, mask = _dense(g.flex, sliding, block_size)
     else:
         k_slots, mask = g.k_slots, g.window_mask if sliding else g.mask
+    if g.q == 1 and kv.fmt is None and matvec.exact_bf16(qs):
+        return torch.ops.mm_pipeline.rows_as_alone(qs[:, :, 0], kv.k, kv.v, k_slots, mask, scaling).reshape(
+            rows * q, heads, dim
+        )
     if g.q == 1 and native_decode(qs, kv):
         return torch.ops.mm_pipeline.decode_attention(
             qs[:, :, 0], kv.k, kv.v, k_slots, mask, dim**-0.5 if scaling is None else scaling
@@ -200,7 +204,7 @@ def _attend_alone(
     1.3-1.5x in bfloat16 (20 query heads on 4, 150-4,000 keys, 2 threads)."""
     ks, vs = kv.span(*g.span, query.dtype) if g.span is not None else kv.gather(g.k_slots, query.dtype)
     qs = query[:, :, g.start : g.start + 1]  # [1, heads, 1, D]
-    if not matvec.enabled():
+    if not matvec.enabled() or matvec.exact_bf16(qs):
         return sdpa_attention_forward(module, qs, ks, vs, None, scaling=scaling)[0][0]
     heads, kv_heads, dim = qs.shape[1], ks.shape[1], qs.shape[3]
     grouped = qs.reshape(1, kv_heads, heads // kv_heads, dim)

@@ -218,10 +218,65 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+// Each decode row (q [B, heads, D]) over exactly the keys its mask ([B, 1, 1, K] boolean, or none:
+// all) shows of ``slots`` [B, K], by the SDPA call transformers' ``sdpa_attention_forward`` makes
+// for one unpadded row, ``generate()``'s: no mask, the query heads sharing a key/value head
+// through ``enable_gqa`` (head_dim up to 256), else as the rows of that head (``pack_gqa``). Used
+// where the one-row products are summed as ``generate()``'s (bfloat16 on AMX, ``matvec.cpp``):
+// PyTorch's flash attention blocks its sums by the key count, so over padding keys or in the
+// kernel above a row's bfloat16 output rounds otherwise. Keys read in place where they are
+// consecutive slots (a lone stream's usually are), else gathered. An op, so that a compiled step
+// calls it as it is, the key count read here (a traced count would specialise the graph on it).
+at::Tensor rows_as_alone(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots,
+                         const std::optional<at::Tensor>& mask, std::optional<double> scale) {
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k.size(1);
+  TORCH_CHECK(slots.dim() == 2 && slots.size(0) == rows && heads % kv_heads == 0,
+              "rows_as_alone: slots [B, K] for B rows, heads a multiple of the key/value heads");
+  const at::Tensor all = slots.to(at::kLong).contiguous();
+  at::Tensor m;
+  if (mask.has_value()) {
+    m = mask->reshape({rows, all.size(1)}).contiguous();
+    TORCH_CHECK(m.scalar_type() == at::kBool, "rows_as_alone: a boolean mask");
+  }
+  at::Tensor out = at::empty_like(q);
+  std::vector<int64_t> picked;
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t* s = all.const_data_ptr<int64_t>() + b * all.size(1);
+    const bool* shown = m.defined() ? m.const_data_ptr<bool>() + b * all.size(1) : nullptr;
+    picked.clear();
+    for (int64_t j = 0; j < all.size(1); ++j)
+      if (shown == nullptr || shown[j]) picked.push_back(s[j]);
+    TORCH_CHECK(!picked.empty(), "rows_as_alone: a row sees no key");
+    const int64_t n = static_cast<int64_t>(picked.size());
+    bool consecutive = true;
+    for (int64_t j = 1; j < n && consecutive; ++j) consecutive = picked[j] == picked[0] + j;
+    at::Tensor ks, vs;
+    if (consecutive) {
+      ks = k.narrow(0, picked[0], n);
+      vs = v.narrow(0, picked[0], n);
+    } else {
+      const at::Tensor index = at::tensor(picked, at::kLong);
+      ks = k.index_select(0, index);
+      vs = v.index_select(0, index);
+    }
+    const at::Tensor keys = ks.transpose(0, 1).unsqueeze(0), values = vs.transpose(0, 1).unsqueeze(0);
+    at::Tensor query = q[b].view({1, heads, 1, dim});
+    const bool grouped = heads != kv_heads, gqa = grouped && dim <= 256 && v.size(2) == dim;
+    if (grouped && !gqa) query = query.reshape({1, kv_heads, heads / kv_heads, dim});
+    const at::Tensor o = at::scaled_dot_product_attention(query, keys, values, {}, 0.0, false, scale, gqa);
+    out[b].copy_(gqa || !grouped ? o.transpose(1, 2).reshape({heads, dim}) : o.reshape({heads, dim}));
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mm_pipeline, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor? mask, float scale) -> Tensor");
+  m.def("rows_as_alone(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor? mask, float? scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(mm_pipeline, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(mm_pipeline, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rows_as_alone", &rows_as_alone);
+}

@@ -142,6 +142,20 @@ def remember_cached(key: str, seconds: float) -> None:
     remember(key, cached_s=statistics.median(runs), cached_runs=runs)
 
 
+def recall(name: str) -> dict:
+    """The JSON object in the cache folder's file ``name`` (empty: none, or no folder is named)."""
+    folder = os.environ.get(CACHE_ENV)
+    return _read(Path(folder) / name) if folder else {}
+
+
+def keep(name: str, key: str, value: Any) -> None:
+    """``value`` under ``key`` in the cache folder's file ``name`` (nothing where no folder is named)."""
+    folder = os.environ.get(CACHE_ENV)
+    if folder:
+        path = Path(folder) / name
+        _write(path, {**_read(path), key: value})
+
+
 def _read(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())

@@ -8,7 +8,9 @@
 // row, split over torch's intra-op threads (at::parallel_for: torch.set_num_threads). Two
 // instruction sets, chosen at run time (``isa``): AVX-512 where the CPU has it (16 lanes, half the
 // instructions a weight), else AVX2. Weights stay in PyTorch's own layout, so every other path
-// (prefill, generate()) reads the same tensor.
+// (prefill, generate()) reads the same tensor. bfloat16 activations on a CPU with AMX are summed
+// in the order of oneDNN's AMX matmul instead (``amx`` and ``lanes`` below), on a copy of the
+// weights laid out for it where there is one.
 //
 // Weights: float32, bfloat16 (widened by a shift: bfloat16 is the top half of a float32), or
 // int8 with one scale per output row (torchao's Int8Tensor, weight-only). Rounding follows the
@@ -17,7 +19,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "avx2.h"
 
@@ -236,6 +241,179 @@ void rows(const W* w, int64_t n, int64_t k, const float* x, PerRow scale, PerRow
 }  // namespace avx512
 #pragma GCC pop_options
 
+// Where block ``b`` of ``blocks`` ends (a column): oneDNN splits a long row's columns into blocks of
+// ceil(steps / blocks) 32-column steps, the last one shorter, sums each block from zero and adds
+// the blocks' sums in order (found on its bits: 14,336 columns in 6 blocks are 5 of 75 steps and
+// one of 73; its blocking heuristic picks how many by the matrix's shape and the thread count:
+// ``matvec.py`` finds it per shape). A block past the row's end is empty.
+inline int64_t block_end(int64_t k, int64_t blocks, int64_t b) {
+  const int64_t steps = k / 32, each = (steps + blocks - 1) / blocks;
+  return 32 * std::min((b + 1) * each, steps);
+}
+
+// bfloat16 activations on CPUs with AMX-BF16: every output summed in the order of oneDNN's AMX
+// bfloat16 matmul, the call ``generate()`` makes (torchao widens an int8 weight to bfloat16 and
+// calls torch.mm). The tile instruction (TDPBF16PS) sums, per 32 columns, the even columns'
+// products and the odd ones' in two float32 chains, adds the two, and adds that to the output's
+// total (docs/engine.md, "Exactness"). Summed in another order, about one output in ten parts on
+// inputs of a wide range, and a bfloat16 answer parts from ``generate()`` at near ties. Two ways:
+// - ``lanes``: the same sums in FMAs, on a copy of the weights laid out for them (``matvec.py``
+//   makes it where RAM allows);
+// - ``amx``: on the tiles themselves, on the weights as they are: the weight rows are the tiles'
+//   rows and x the one column (or up to 16, a batch's rows), since the instruction sums an
+//   output's products in the same order whichever operand holds the weights. int8 weights are
+//   widened to bfloat16 (exactly) through a buffer in L1 first, which costs as much as the row
+//   kernel's whole product: the 254M Llama's int8 step took 1.45x the row kernel's time.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")
+namespace amx {
+
+// Whether the CPU has AMX-BF16 and AVX-512 BF16 and Linux lets this process use the tiles (asked
+// once: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, as oneDNN asks).
+bool usable() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
+    if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512bw")) return false;
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0 and 1: two groups' outputs (16 rows by the R rows of x, float32); 2 and 3: their
+// weights (16 rows by 32 columns); 4: x's 32 columns as 16 pairs by R.
+inline void configure(int64_t r) {
+  TileConfig c;
+  for (int t = 0; t < 5; ++t) c.rows[t] = 16;
+  c.colsb[0] = c.colsb[1] = c.colsb[4] = static_cast<uint16_t>(4 * r);
+  c.colsb[2] = c.colsb[3] = 64;
+  _tile_loadconfig(&c);
+}
+
+// The tiles' weights for ``cols`` (32 or 64) columns of 16 rows, into ``buffer`` [cols / 32, 16,
+// 32] (rows past ``rows`` zero): int8 widened exactly (a float32's top half is the bfloat16 of an
+// integer this small), bfloat16 copied.
+inline void tile_rows(const int8_t* w, int64_t rows, int64_t k, int64_t cols, at::BFloat16* buffer) {
+  const __m512i top = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25,
+                                       23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  for (int64_t r = 0; r < 16; ++r)
+    for (int64_t c = 0; c < cols; c += 32) {
+      __m512i v = _mm512_setzero_si512();
+      if (r < rows) {
+        const auto* p = reinterpret_cast<const __m128i*>(w + r * k + c);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+        v = _mm512_permutex2var_epi16(_mm512_castps_si512(lo), top, _mm512_castps_si512(hi));
+      }
+      _mm512_store_si512(buffer + 16 * c + 32 * r, v);
+    }
+}
+inline void tile_rows(const at::BFloat16* w, int64_t rows, int64_t k, int64_t cols, at::BFloat16* buffer) {
+  for (int64_t r = 0; r < 16; ++r)
+    for (int64_t c = 0; c < cols; c += 32)
+      _mm512_store_si512(buffer + 16 * c + 32 * r,
+                         r < rows ? _mm512_loadu_si512(w + r * k + c) : _mm512_setzero_si512());
+}
+
+// y[:, first:last] for the R rows of x (``xv``: x's columns in pairs, [k / 2, R, 2]), two groups
+// of 16 weight rows at a time, 64 columns (a cache line of int8) at a time, through a buffer in
+// L1. Each row's line AHEAD_LINES ahead is prefetched (past a row's end, the next 32 rows').
+constexpr int64_t AHEAD_LINES = 8;
+
+// Each block's sums (``block_end``) are the tiles' from zero, stored and added in order to ``sums``.
+template <typename W, typename T>
+void groups(const W* w, int64_t n, int64_t k, int64_t blocks, const at::BFloat16* xv, int64_t r, PerRow scale,
+            PerRow bias, T* y, int64_t first, int64_t last) {
+  alignas(64) at::BFloat16 buffer[2][2 * 16 * 32];
+  alignas(64) float sums[2][16 * 16], block[2][16 * 16];
+  constexpr int64_t line = 64 / sizeof(W);  // columns a cache line holds
+  configure(r);
+  auto add_block = [&] {
+    _tile_stored(0, block[0], 4 * r);
+    _tile_stored(1, block[1], 4 * r);
+    for (int g = 0; g < 2; ++g)
+      for (int64_t q = 0; q < 16 * r; ++q) sums[g][q] += block[g][q];
+    _tile_zero(0);
+    _tile_zero(1);
+  };
+  for (int64_t row = first; row < last; row += 32) {
+    const int64_t rows[2] = {std::min<int64_t>(16, last - row), std::clamp<int64_t>(last - row - 16, 0, 16)};
+    std::fill(&sums[0][0], &sums[0][0] + 2 * 16 * 16, 0.0f);
+    _tile_zero(0);
+    _tile_zero(1);
+    int64_t b = 0, end = block_end(k, blocks, 0);
+    for (int64_t i = 0; i < k; i += 64) {
+      for (int64_t c = i; c < i + 64; c += line) {
+        const int64_t ahead = c + AHEAD_LINES * line, past = ahead >= k ? 32 : 0;
+        for (int64_t q = row + past; q < std::min(row + past + 32, n); ++q)
+          _mm_prefetch(reinterpret_cast<const char*>(w + q * k + ahead - (past ? k : 0)), _MM_HINT_T0);
+      }
+      const int64_t cols = std::min<int64_t>(64, k - i);
+      for (int g = 0; g < 2; ++g)
+        if (rows[g]) tile_rows(w + (row + 16 * g) * k + i, rows[g], k, cols, buffer[g]);
+      for (int64_t c = 0; c < cols; c += 32) {
+        if (i + c == end) {
+          add_block();
+          end = block_end(k, blocks, ++b);
+        }
+        _tile_loadd(4, xv + (i + c) * r, 4 * r);
+        _tile_loadd(2, buffer[0] + 16 * c, 64);
+        _tile_dpbf16ps(0, 2, 4);
+        if (rows[1]) {
+          _tile_loadd(3, buffer[1] + 16 * c, 64);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+      }
+    }
+    add_block();
+    for (int g = 0; g < 2; ++g) {
+      const int64_t base = row + 16 * g, count = rows[g];
+      for (int64_t j = 0; j < r; ++j) {
+        T* out = y + j * n;
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          if (count == 16) {
+            alignas(64) float v[16];
+            for (int q = 0; q < 16; ++q) v[q] = sums[g][q * r + j];
+            avx512::finish16(_mm512_load_ps(v), scale, bias, base, out);
+            continue;
+          }
+        }
+        for (int64_t q = 0; q < count; ++q) out[base + q] = finish<T>(sums[g][q * r + j], scale, bias, base + q);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// y [R, n] = x [R, k] W^T for R <= 16 rows of bfloat16 x (k a multiple of 32), rows split over
+// torch's threads at multiples of 32.
+template <typename W>
+void rows(const W* w, int64_t n, int64_t k, int64_t blocks, const at::BFloat16* x, int64_t r, PerRow scale,
+          PerRow bias, at::BFloat16* y) {
+  thread_local std::vector<at::BFloat16> xv;
+  xv.resize(k * r);
+  for (int64_t p = 0; p < k / 2; ++p)
+    for (int64_t j = 0; j < r; ++j) {
+      xv[(p * r + j) * 2] = x[j * k + 2 * p];
+      xv[(p * r + j) * 2 + 1] = x[j * k + 2 * p + 1];
+    }
+  const at::BFloat16* pairs = xv.data();
+  at::parallel_for(0, (n + 31) / 32, 1, [&](int64_t first, int64_t last) {
+    groups(w, n, k, blocks, pairs, r, scale, bias, y, 32 * first, std::min(32 * last, n));
+  });
+}
+
+}  // namespace amx
+#pragma GCC pop_options
+
 // Which instruction set the kernel runs: AVX-512 (F and BW) where the CPU has it, else AVX2 (the
 // Python side builds the kernel only where AVX2 is there). ``matvec_isa`` reads or forces it.
 enum class Isa { avx2, avx512 };
@@ -243,6 +421,81 @@ enum class Isa { avx2, avx512 };
 Isa& isa() {
   static Isa chosen = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? Isa::avx512 : Isa::avx2;
   return chosen;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,avx512f,avx512bw")
+// The tiles' order in FMAs (see ``amx`` above), on the weights laid out [ceil(n / ROWS), k, ROWS]:
+// a group's ROWS rows are the lanes of V vectors, and a column of a group is one stream
+// (``matvec.py``'s ``lanes`` makes the copy). Per 32 columns each lane sums the even columns'
+// products and the odd ones' in two chains (FMAs round as the tiles' adds: the products are
+// exact), adds the two, and adds that to its total; 2V chains in flight cover the FMA's latency.
+// int8 is widened as by ``avx512::dot``. Measured against the row kernel (2-core AMX Xeon, 2
+// threads): level on a 32,000 x 1,280 int8 matrix (40 against 41 G weights/s from cache, 20
+// against 21.5 from memory); the 254M Llama's 71 int8 products 12-16% slower (whole runs:
+// benchmarks/README.md, issue 52's check).
+namespace lanes {
+
+inline __m512 widen(const int8_t* p) { return avx512::widen(p); }
+inline __m512 widen(const at::BFloat16* p) {
+  return avx512::even(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+
+constexpr int V = 8;          // vectors (of 16 rows) a group: 16 chains in flight (4: 8, slower)
+constexpr int ROWS = 16 * V;  // rows a group, the copy's last dimension
+
+template <typename W>
+void group(const W* w, int64_t k, int64_t blocks, const float* x, __m512 total[V]) {
+  for (int v = 0; v < V; ++v) total[v] = _mm512_setzero_ps();
+  for (int64_t b = 0, c = 0; b < blocks; ++b) {
+    __m512 block[V];
+    for (int v = 0; v < V; ++v) block[v] = _mm512_setzero_ps();
+    for (const int64_t end = block_end(k, blocks, b); c < end; c += 32) {
+      __m512 e[V], o[V];
+      for (int v = 0; v < V; ++v) e[v] = o[v] = _mm512_setzero_ps();
+      for (int64_t col = c; col < c + 32; col += 2) {
+        const W* p = w + col * ROWS;
+        avx512::prefetch(p, 2 * ROWS * sizeof(W));
+        const __m512 xe = _mm512_set1_ps(x[col]), xo = _mm512_set1_ps(x[col + 1]);
+        for (int v = 0; v < V; ++v) e[v] = _mm512_fmadd_ps(widen(p + 16 * v), xe, e[v]);
+        for (int v = 0; v < V; ++v) o[v] = _mm512_fmadd_ps(widen(p + ROWS + 16 * v), xo, o[v]);
+      }
+      for (int v = 0; v < V; ++v) block[v] = _mm512_add_ps(block[v], _mm512_add_ps(e[v], o[v]));
+    }
+    for (int v = 0; v < V; ++v) total[v] = _mm512_add_ps(total[v], block[v]);
+  }
+}
+
+template <typename W>
+void rows(const W* w, int64_t n, int64_t k, int64_t blocks, const float* x, PerRow scale, PerRow bias,
+          at::BFloat16* y) {
+  at::parallel_for(0, (n + ROWS - 1) / ROWS, 1, [&](int64_t first, int64_t last) {
+    for (int64_t g = first; g < last; ++g) {
+      __m512 total[V];
+      group(w + g * k * ROWS, k, blocks, x, total);
+      for (int v = 0; v < V; ++v) {
+        const int64_t row = ROWS * g + 16 * v;
+        if (row + 16 <= n) {
+          avx512::finish16(total[v], scale, bias, row, y);
+        } else if (row < n) {
+          alignas(64) float sums[16];
+          _mm512_store_ps(sums, total[v]);
+          for (int64_t q = 0; row + q < n; ++q) y[row + q] = finish<at::BFloat16>(sums[q], scale, bias, row + q);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace lanes
+
+#pragma GCC pop_options
+
+// Whether bfloat16 activations are summed in the tiles' order (``amx``, ``lanes``): where the CPU
+// has the tiles; ``matvec_amx`` reads or switches it.
+bool& amx_on() {
+  static bool on = amx::usable();
+  return on;
 }
 
 // The bfloat16 AVX-512 path reads x split per 32 columns into even and odd ones (see its dot).
@@ -302,9 +555,30 @@ at::Tensor many_rows(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return y.to(x.scalar_type()).reshape(sizes);
 }
 
+// y [rows, n] for bfloat16 x on ``lanes_w``, W laid out for ``lanes::rows`` ([ceil(n / ROWS), k,
+// ROWS], int8 or bfloat16: ``matvec.py`` makes it), each row alone.
+void lanes_matvec(const at::BFloat16* x, int64_t rows, const at::Tensor& lanes_w, int64_t n, int64_t blocks,
+                  PerRow scale, PerRow bias, at::BFloat16* y) {
+  const int64_t k = lanes_w.size(1);
+  TORCH_CHECK(lanes_w.dim() == 3 && lanes_w.size(2) == lanes::ROWS && lanes_w.size(0) * lanes::ROWS >= n &&
+                  lanes_w.is_contiguous() && k % 32 == 0 && lanes_w.scalar_type() != at::kFloat,
+              "matvec: lanes must be the weights laid out [ceil(n / ", lanes::ROWS, "), k, ", lanes::ROWS, "]");
+  thread_local std::vector<float> widened;  // a row of x in float32 (no tensor allocated per call)
+  widened.resize(k);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < k; i += 8) _mm256_storeu_ps(widened.data() + i, avx2::widen(x + r * k + i));
+    const float* xr = widened.data();
+    if (lanes_w.scalar_type() == at::kChar)
+      lanes::rows(lanes_w.const_data_ptr<int8_t>(), n, k, blocks, xr, scale, bias, y + r * n);
+    else
+      lanes::rows(lanes_w.const_data_ptr<at::BFloat16>(), n, k, blocks, xr, scale, bias, y + r * n);
+  }
+}
+
 at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
-                  const std::optional<at::Tensor>& bias) {
+                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lanes_w, int64_t blocks) {
   const int64_t k = weight.size(1), n = weight.size(0);
+  TORCH_CHECK(blocks >= 1 && blocks <= k / 32 + (k % 32 != 0), "matvec: blocks must be 1 to the 32-column steps of K");
   const int64_t rows = x.size(-1) == k ? x.numel() / k : 0;
   TORCH_CHECK(rows == 1 || (rows > 1 && weight.scalar_type() == at::kChar && scale.has_value()),
               "matvec: x must hold rows of ", k, " features, one unless the weights are int8");
@@ -325,6 +599,20 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const std::opti
   auto sizes = x.sizes().vec();
   sizes.back() = n;
   at::Tensor y = at::empty(sizes, x.options());
+  if (xc.scalar_type() == at::kBFloat16 && lanes_w.has_value() && amx_on()) {
+    lanes_matvec(xc.const_data_ptr<at::BFloat16>(), rows, *lanes_w, n, blocks, per_row(s), per_row(b),
+                 y.data_ptr<at::BFloat16>());
+    return y;
+  }
+  if (xc.scalar_type() == at::kBFloat16 && amx_on() && k % 32 == 0 && weight.scalar_type() != at::kFloat) {
+    const auto* xb = xc.const_data_ptr<at::BFloat16>();
+    auto* yb = y.data_ptr<at::BFloat16>();
+    if (weight.scalar_type() == at::kChar)
+      amx::rows(weight.const_data_ptr<int8_t>(), n, k, blocks, xb, rows, per_row(s), per_row(b), yb);
+    else
+      amx::rows(weight.const_data_ptr<at::BFloat16>(), n, k, blocks, xb, rows, per_row(s), per_row(b), yb);
+    return y;
+  }
   thread_local std::vector<float> widened;  // x in float32 (no tensor allocated per call: 57 calls a step)
   for (int64_t r = 0; r < rows; ++r) {
     const float* xf = xc.scalar_type() == at::kFloat ? xc.const_data_ptr<float>() + r * k : nullptr;
@@ -353,11 +641,24 @@ std::string matvec_isa(const std::optional<std::string>& force) {
   return isa() == Isa::avx512 ? "avx512" : "avx2";
 }
 
+// Whether bfloat16 activations are summed in the tiles' order; ``force`` (tests, measurements)
+// switches it off (the row kernels' order), or on where the CPU has the tiles.
+bool matvec_amx(std::optional<bool> force) {
+  if (force.has_value()) {
+    TORCH_CHECK(!*force || amx::usable(), "matvec_amx: this CPU (or its kernel) offers no AMX-BF16 tiles");
+    amx_on() = *force;
+  }
+  return amx_on();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(mm_pipeline, m) {
-  m.def("matvec(Tensor x, Tensor weight, Tensor? scale=None, Tensor? bias=None) -> Tensor");
+  m.def(
+      "matvec(Tensor x, Tensor weight, Tensor? scale=None, Tensor? bias=None, Tensor? lanes=None, int blocks=1) "
+      "-> Tensor");
   m.def("matvec_isa(str? force=None) -> str", &matvec_isa);  // no tensor: one kernel for every backend
+  m.def("matvec_amx(bool? force=None) -> bool", &matvec_amx);
 }
 
 TORCH_LIBRARY_IMPL(mm_pipeline, CPU, m) { m.impl("matvec", &matvec); }

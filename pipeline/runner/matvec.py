@@ -36,7 +36,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from pipeline.runner import packed
+from pipeline.memory import available_ram, total_ram
+from pipeline.runner import inductor_cache, packed
 
 SOURCE = Path(__file__).with_name("matvec.cpp")
 SOURCES = [
@@ -105,6 +106,7 @@ def _build() -> str | None:
         print(f"mm-pipeline: {message}", file=sys.stderr)
         return reason
     _register_fake()
+    _amx[:] = [bool(torch.ops.mm_pipeline.matvec_amx(None))]
     return None
 
 
@@ -126,6 +128,7 @@ def build_name() -> str:
 def _register_fake() -> None:
     torch.library.register_fake("mm_pipeline::matvec")(_fake)  # output shapes, for torch.compile
     torch.library.register_fake("mm_pipeline::decode_attention")(_fake_attention)
+    torch.library.register_fake("mm_pipeline::rows_as_alone")(lambda q, k, v, slots, mask, scale: torch.empty_like(q))
     torch.library.register_fake("mm_pipeline::rms_norm")(lambda x, weight, eps, lanes: x.new_empty(x.shape))
     torch.library.register_fake("mm_pipeline::rotary")(
         lambda q, k, cos, sin: (torch.empty_like(q), torch.empty_like(k))
@@ -134,7 +137,12 @@ def _register_fake() -> None:
 
 
 def _fake(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    laid_out: torch.Tensor | None = None,
+    blocks: int = 1,
 ) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
@@ -211,7 +219,7 @@ def attach(model: torch.nn.Module) -> int:
         found = plain_weights(module)
         if found is None:
             continue
-        module.__dict__["_mm_matvec"] = [found]  # replaced when the layer's weight is (``_weight_replaced``)
+        module.__dict__["_mm_matvec"] = [(*found, *bf16_reads(module))]  # replaced with it (``_weight_replaced``)
         name = "_old_forward" if hasattr(module, "_old_forward") else "forward"  # under accelerate's hooks
         if name in module.__dict__:  # a forward of the instance's own: wrapped where it is
             bound = getattr(module, name)
@@ -258,7 +266,8 @@ def _weight_replaced(module: torch.nn.Module, name: str, param: Any) -> None:
     step (measured: 0.6 ms of guard checks against 0.1 without, the 187M Llama)."""
     reads = module.__dict__.get("_mm_matvec")
     if reads is not None and name == "weight":
-        reads[0] = None if param is None else plain_weights(module, param)
+        found = None if param is None else plain_weights(module, param)
+        reads[0] = None if found is None else (*found, *bf16_reads(module, param))
 
 
 def _forward(
@@ -268,11 +277,13 @@ def _forward(
     ``module._mm_matvec[0]``: what the kernel reads of the layer's weight (``plain_weights``), or None."""
     found = module._mm_matvec[0]
     if found is not None and enabled() and x.dtype in WEIGHT_DTYPES and x.device.type == "cpu":
-        weight, scale = found
+        weight, scale, laid_out, blocks = found
         if scale is None:
             weight = module.weight  # read each call: an assignment to ``.data`` is seen too
+        if blocks is None and x.dtype == torch.bfloat16:  # oneDNN's order unknown here: its own call
+            return own(module, x)
         if x.numel() == x.shape[-1] or scale is not None:  # int8: any rows (the kernel picks how)
-            return run(x, weight, scale, module.bias)
+            return run(x, weight, scale, module.bias, laid_out, blocks)
         if torch.compiler.is_compiling():  # any row count (no guard on it, no graph per side of MANY_ROWS)
             usable = packed.usable(x, weight)
             return torch.ops.mm_pipeline.packed_linear(x, weight, module.bias) if usable else own(module, x)
@@ -302,10 +313,136 @@ def _native_bf16() -> bool:
 
 
 def run(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    laid_out: torch.Tensor | None = None,
+    blocks: int = 1,
 ) -> torch.Tensor:
-    """``x @ weight.T (* scale) (+ bias)`` for one row ``x``, on the kernel (``load()`` first)."""
-    return torch.ops.mm_pipeline.matvec(x, weight, scale, bias)
+    """``x @ weight.T (* scale) (+ bias)`` for one row ``x``, on the kernel (``load()`` first);
+    bfloat16 rows on AMX read ``laid_out`` where given and sum in ``blocks`` (``bf16_reads``)."""
+    return torch.ops.mm_pipeline.matvec(x, weight, scale, bias, laid_out, blocks)
+
+
+LANE_ROWS = 128  # the rows of a group in the weights' copy for bfloat16 rows (matvec.cpp: lanes::ROWS)
+MAX_BLOCKS = 8  # the most blocks oneDNN's split of a row is looked for in (seen: 1, 2, 4 and 6)
+CALIBRATION_ELEMENTS = 1 << 30  # larger weights are not tried (the try widens one to bfloat16)
+BLOCKS_FILE = "mm-pipeline-onednn-blocks.json"  # onednn_blocks' answers, in the project's cache folder
+
+
+def bf16_reads(module: torch.nn.Module, weight: Any = None) -> tuple[torch.Tensor | None, int | None]:
+    """(the weight laid out for the kernel's bfloat16 rows or None, the blocks oneDNN splits its
+    rows into, or None where no split tried gave its bits) for a layer (``weight`` in place of its
+    own). On a CPU with AMX (``amx``) a bfloat16 layer's rows (an int8 layer's of a bfloat16
+    model) are summed in the order of oneDNN's AMX matmul, ``generate()``'s call
+    (docs/cpu-decode.md, "bfloat16 on AMX"); a layer whose split was not found takes its own
+    forward for bfloat16 rows, exact and slow. Elsewhere (None, 1): the row kernel's order."""
+    weight = getattr(module, "weight", None) if weight is None else weight
+    found = plain_weights(module, weight)
+    if found is None or weight.dtype != torch.bfloat16 or found[0].shape[1] % 32 or not amx():
+        return None, 1
+    data = found[0]
+    blocks = onednn_blocks(*data.shape, data.dtype, torch.get_num_threads())
+    return (None if blocks is None else lanes(data)), blocks
+
+
+def lanes(data: torch.Tensor) -> torch.Tensor | None:
+    """``data`` [N, K] laid out [ceil(N / LANE_ROWS), K, LANE_ROWS], a column of a group's rows one
+    stream, for the kernel's bfloat16 rows; None where RAM is short (a second copy of the weights,
+    made only while ``packed.FLOOR`` of the RAM stays free): the tiles then sum in the same order
+    on the weight as it is, 1.45x slower on the 254M Llama's int8 step."""
+    if available_ram() - data.numel() * data.element_size() < packed.FLOOR * total_ram():
+        _short_of_ram()
+        return None
+    n, k = data.shape
+    groups = -(-n // LANE_ROWS)
+    return F.pad(data, (0, 0, 0, groups * LANE_ROWS - n)).view(groups, LANE_ROWS, k).transpose(1, 2).contiguous()
+
+
+@functools.cache
+def _short_of_ram() -> None:
+    print(
+        "mm-pipeline: too little RAM for the weights' copy that bfloat16 decoding reads fastest (at least "
+        f"{packed.FLOOR:.0%} of RAM stays free): one-token products run on the AMX tiles, slower, same results",
+        file=sys.stderr,
+    )
+
+
+@functools.cache
+def onednn_blocks(n: int, k: int, dtype: torch.dtype, threads: int) -> int | None:
+    """Into how many blocks oneDNN's AMX matmul splits a bfloat16 row's columns for an [n, k]
+    weight of ``dtype`` on ``threads`` threads (its heuristic's choice, unpublished; seen on 2
+    threads: 1 up to K 4,096, then 2 to 8 by shape): ``find_blocks``' answer, kept in the
+    project's cache folder (``BLOCKS_FILE``) per shape, thread count, torch (its oneDNN) and CPU,
+    since finding it takes 0.1-4 s a shape (1-3 s of every load of the 254M Llama)."""
+    key = f"{n}x{k} {dtype} {threads} threads, torch {torch.__version__}, {_cpu_name()}"
+    inductor_cache.use_project_cache()
+    known = inductor_cache.recall(BLOCKS_FILE)
+    if key in known and (known[key] is None or isinstance(known[key], int)):
+        return known[key]
+    blocks = find_blocks(n, k, dtype)
+    inductor_cache.keep(BLOCKS_FILE, key, blocks)
+    return blocks
+
+
+@functools.cache
+def _cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "an unnamed CPU"
+
+
+def find_blocks(n: int, k: int, dtype: torch.dtype) -> int | None:
+    """``onednn_blocks`` found: 1 to MAX_BLOCKS tried on three inputs where orders part
+    (``cancelling``), bit for bit against oneDNN's own call (the one torchao makes), on this
+    process's threads. None where none gives its bits, or the weight is too large to try."""
+    if n * k > CALIBRATION_ELEMENTS:
+        return None
+    scale = torch.ones(n, dtype=torch.bfloat16) if dtype == torch.int8 else None
+    found = list(range(1, min(MAX_BLOCKS, k // 32) + 1))
+    for seed in range(3):
+        x, w = cancelling(n, k, seed)
+        w = w.to(dtype)
+        want = torch.mm(x, w.t().to(torch.bfloat16))
+        found = [blocks for blocks in found if torch.equal(run(x, w, scale, None, None, blocks), want)]
+    return found[0] if found else None
+
+
+def cancelling(n: int, k: int, seed: int, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bfloat16 rows x [rows, k], int8 weights [n, k]) on which sums in
+    different orders part in about one output in ten: two columns of x are 2^14 and every row's
+    weights there cancel, so what an output keeps of its other products depends on which of them
+    shared a partial sum with the large ones."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    i, j = torch.randperm(k, generator=g)[:2].tolist()
+    x[:, i] = x[:, j] = 2.0**14
+    w[w[:, i] == 0, i] = 1
+    w[:, j] = -w[:, i]
+    return x.to(torch.bfloat16), w
+
+
+def amx(force: bool | None = None) -> bool:
+    """Whether bfloat16 rows are summed in the order of oneDNN's AMX matmul, ``generate()``'s
+    (``bf16_reads``): where the CPU has AMX-BF16; ``force`` switches it off (the row kernel's
+    order) or on where the CPU has it (tests, measurements). False where the kernel is not loaded."""
+    if load() is not None:
+        return False
+    if force is not None or not _amx:
+        _amx[:] = [bool(torch.ops.mm_pipeline.matvec_amx(force))]
+    return _amx[0]
+
+
+_amx: list[bool] = []  # matvec_amx's answer, read without an op call (the attention asks every layer)
+
+
+def exact_bf16(x: torch.Tensor) -> bool:
+    """Whether ``x``'s one-row products are summed as ``generate()``'s are, in bfloat16: then its
+    decode attention must be ``generate()``'s call too (``attention.rows_as_alone``)."""
+    return x.dtype == torch.bfloat16 and enabled() and bool(_amx) and _amx[0]
 
 
 def isa(force: str | None = None) -> str:
