@@ -264,17 +264,24 @@ inline int64_t block_end(int64_t k, int64_t blocks, int64_t b) {
 //   output's products in the same order whichever operand holds the weights. int8 weights are
 //   widened to bfloat16 (exactly) through a buffer in L1 first, which costs as much as the row
 //   kernel's whole product: the 254M Llama's int8 step took 1.45x the row kernel's time.
+// A compiler without the tiles' intrinsics (GCC before 11, clang before 12) builds the rest: then
+// ``amx::usable`` is false and bfloat16 rows keep the row kernel's order.
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define MM_PIPELINE_AMX 1
+#endif
+
+#ifdef MM_PIPELINE_AMX
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512bf16,amx-tile,amx-bf16")
+#pragma GCC target("avx2,fma,avx512f,avx512bw,amx-tile,amx-bf16")
 namespace amx {
 
-// Whether the CPU has AMX-BF16 and AVX-512 BF16 and Linux lets this process use the tiles (asked
-// once: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, as oneDNN asks).
+// Whether the CPU has AMX-BF16 and AVX-512 (F, BW) and Linux lets this process use the tiles
+// (asked once: arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, as oneDNN asks).
 bool usable() {
   static const bool ok = [] {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 22) & 1) || !((d >> 24) & 1)) return false;
-    if (!__builtin_cpu_supports("avx512bf16") || !__builtin_cpu_supports("avx512bw")) return false;
+    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw")) return false;
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
   }();
   return ok;
@@ -413,6 +420,15 @@ void rows(const W* w, int64_t n, int64_t k, int64_t blocks, const at::BFloat16* 
 
 }  // namespace amx
 #pragma GCC pop_options
+#else
+namespace amx {
+bool usable() { return false; }
+template <typename W>
+void rows(const W*, int64_t, int64_t, int64_t, const at::BFloat16*, int64_t, PerRow, PerRow, at::BFloat16*) {
+  TORCH_CHECK(false, "matvec: built without the AMX tiles");
+}
+}  // namespace amx
+#endif
 
 // Which instruction set the kernel runs: AVX-512 (F and BW) where the CPU has it, else AVX2 (the
 // Python side builds the kernel only where AVX2 is there). ``matvec_isa`` reads or forces it.
