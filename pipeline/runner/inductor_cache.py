@@ -110,8 +110,7 @@ def compile_record(key: str) -> dict[str, Any]:
     compile of it ran before it failed (``decode.compile=auto`` then stays eager). Empty: nothing, or no folder
     is named (``use_project_cache`` could not make one). Why: a one-shot run waits only for a
     cached compile, and only where that wait is shorter than its answer would take eagerly."""
-    folder = os.environ.get(CACHE_ENV)
-    entry = _read(Path(folder) / COMPILED_FILE).get(key) if folder else None
+    entry = recall(COMPILED_FILE).get(key)
     return entry if isinstance(entry, dict) else {}
 
 
@@ -123,13 +122,8 @@ def failed_before(record: dict[str, Any]) -> bool:
 
 def remember(key: str, **figures: float | list[float]) -> None:
     """Add ``figures`` (``compile_record``'s names) to what is known of ``key``."""
-    folder = os.environ.get(CACHE_ENV)
-    if folder:
-        path = Path(folder) / COMPILED_FILE
-        known = _read(path)
-        entry = known.get(key) if isinstance(known.get(key), dict) else {}
-        rounded = {k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}
-        _write(path, {**known, key: {**entry, **rounded}})
+    rounded = {k: round(v, 4) if isinstance(v, float) else v for k, v in figures.items()}
+    keep(COMPILED_FILE, key, {**compile_record(key), **rounded})
 
 
 def remember_cached(key: str, seconds: float) -> None:

@@ -336,9 +336,9 @@ inline void tile_rows(const at::BFloat16* w, int64_t rows, int64_t k, int64_t co
 constexpr int64_t AHEAD_LINES = 8;
 
 // Each block's sums (``block_end``) are the tiles' from zero, stored and added in order to ``sums``.
-template <typename W, typename T>
+template <typename W>
 void groups(const W* w, int64_t n, int64_t k, int64_t blocks, const at::BFloat16* xv, int64_t r, PerRow scale,
-            PerRow bias, T* y, int64_t first, int64_t last) {
+            PerRow bias, at::BFloat16* y, int64_t first, int64_t last) {
   alignas(64) at::BFloat16 buffer[2][2 * 16 * 32];
   alignas(64) float sums[2][16 * 16], block[2][16 * 16];
   constexpr int64_t line = 64 / sizeof(W);  // columns a cache line holds
@@ -384,16 +384,15 @@ void groups(const W* w, int64_t n, int64_t k, int64_t blocks, const at::BFloat16
     for (int g = 0; g < 2; ++g) {
       const int64_t base = row + 16 * g, count = rows[g];
       for (int64_t j = 0; j < r; ++j) {
-        T* out = y + j * n;
-        if constexpr (std::is_same_v<T, at::BFloat16>) {
-          if (count == 16) {
-            alignas(64) float v[16];
-            for (int q = 0; q < 16; ++q) v[q] = sums[g][q * r + j];
-            avx512::finish16(_mm512_load_ps(v), scale, bias, base, out);
-            continue;
-          }
+        at::BFloat16* out = y + j * n;
+        if (count == 16) {
+          alignas(64) float v[16];
+          for (int q = 0; q < 16; ++q) v[q] = sums[g][q * r + j];
+          avx512::finish16(_mm512_load_ps(v), scale, bias, base, out);
+          continue;
         }
-        for (int64_t q = 0; q < count; ++q) out[base + q] = finish<T>(sums[g][q * r + j], scale, bias, base + q);
+        for (int64_t q = 0; q < count; ++q)
+          out[base + q] = finish<at::BFloat16>(sums[g][q * r + j], scale, bias, base + q);
       }
     }
   }
@@ -571,6 +570,15 @@ at::Tensor many_rows(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return y.to(x.scalar_type()).reshape(sizes);
 }
 
+// A bfloat16 row of x (k a multiple of 8) in float32, in this thread's buffer: no tensor is
+// allocated per call (57 calls a step).
+const float* widened(const at::BFloat16* x, int64_t k) {
+  thread_local std::vector<float> row;
+  row.resize(k);
+  for (int64_t i = 0; i < k; i += 8) _mm256_storeu_ps(row.data() + i, avx2::widen(x + i));
+  return row.data();
+}
+
 // y [rows, n] for bfloat16 x on ``lanes_w``, W laid out for ``lanes::rows`` ([ceil(n / ROWS), k,
 // ROWS], int8 or bfloat16: ``matvec.py`` makes it), each row alone.
 void lanes_matvec(const at::BFloat16* x, int64_t rows, const at::Tensor& lanes_w, int64_t n, int64_t blocks,
@@ -579,11 +587,8 @@ void lanes_matvec(const at::BFloat16* x, int64_t rows, const at::Tensor& lanes_w
   TORCH_CHECK(lanes_w.dim() == 3 && lanes_w.size(2) == lanes::ROWS && lanes_w.size(0) * lanes::ROWS >= n &&
                   lanes_w.is_contiguous() && k % 32 == 0 && lanes_w.scalar_type() != at::kFloat,
               "matvec: lanes must be the weights laid out [ceil(n / ", lanes::ROWS, "), k, ", lanes::ROWS, "]");
-  thread_local std::vector<float> widened;  // a row of x in float32 (no tensor allocated per call)
-  widened.resize(k);
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < k; i += 8) _mm256_storeu_ps(widened.data() + i, avx2::widen(x + r * k + i));
-    const float* xr = widened.data();
+    const float* xr = widened(x + r * k, k);
     if (lanes_w.scalar_type() == at::kChar)
       lanes::rows(lanes_w.const_data_ptr<int8_t>(), n, k, blocks, xr, scale, bias, y + r * n);
     else
@@ -629,15 +634,9 @@ at::Tensor matvec(const at::Tensor& x, const at::Tensor& weight, const std::opti
       amx::rows(weight.const_data_ptr<at::BFloat16>(), n, k, blocks, xb, rows, per_row(s), per_row(b), yb);
     return y;
   }
-  thread_local std::vector<float> widened;  // x in float32 (no tensor allocated per call: 57 calls a step)
   for (int64_t r = 0; r < rows; ++r) {
-    const float* xf = xc.scalar_type() == at::kFloat ? xc.const_data_ptr<float>() + r * k : nullptr;
-    if (xf == nullptr) {
-      const at::BFloat16* xb = xc.const_data_ptr<at::BFloat16>() + r * k;
-      widened.resize(k);
-      for (int64_t i = 0; i < k; i += 8) _mm256_storeu_ps(widened.data() + i, avx2::widen(xb + i));  // k % 16 == 0
-      xf = widened.data();
-    }
+    const float* xf = xc.scalar_type() == at::kFloat ? xc.const_data_ptr<float>() + r * k
+                                                     : widened(xc.const_data_ptr<at::BFloat16>() + r * k, k);
     if (x.scalar_type() == at::kFloat) dispatch(weight, xf, per_row(s), per_row(b), y.data_ptr<float>() + r * n);
     else dispatch(weight, xf, per_row(s), per_row(b), y.data_ptr<at::BFloat16>() + r * n);
   }
